@@ -1,0 +1,42 @@
+"""`Row`: one modality of one dataset item, the unit every dataset recipe produces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ushash import MODALITIES
+
+
+@dataclass(frozen=True)
+class Row:
+    """One modality of one item.
+
+    modality: "image", "text" or "audio".
+    id:       stable, unique within (split, modality); survives restarts and re-sharding.
+    group:    the pairing key: rows sharing a group are each other's pairs (paired relevance).
+    source:   a file path (image, audio) or the caption itself (text).
+    labels:   class names for label relevance; may be empty.
+    """
+
+    modality: str
+    id: str
+    group: str
+    source: str
+    labels: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        if self.modality not in MODALITIES:
+            raise ValueError(f"Row {self.id!r}: unknown modality {self.modality!r}; expected one of {MODALITIES}")
+
+
+def check_unique(rows: list[Row], where: str) -> None:
+    """Raise if two rows of the same modality share an id (ids key resumable extraction)."""
+    seen: dict[tuple[str, str], int] = {}
+    dups = []
+    for r in rows:
+        key = (r.modality, r.id)
+        if key in seen:
+            dups.append(r.id)
+        seen[key] = 1
+    if dups:
+        raise ValueError(f"{where}: {len(dups)} duplicate row ids, e.g. {dups[:5]}; ids must be unique per modality")
