@@ -1,0 +1,115 @@
+"""Cross-modal retrieval over one feature split: every direction the data has, codes or floats.
+
+A *method* maps (modality, features) to either packed binary codes (ranked by Hamming distance with a
+faiss binary index) or float embeddings (ranked by cosine). Both use the same tie rule: equal scores are
+ordered by ascending database row (the feature-store table order). Every result row names its protocol
+and its mAP denominator.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ushash import metrics
+from ushash.features import FeatureSplit
+from ushash.index import HammingIndex, cosine_search
+
+LETTER = {"image": "I", "text": "T", "audio": "A"}
+DENOMINATOR_DOC = {"min": "Z=min(k, #relevant)", "found": "Z=#relevant in top k", "all": "Z=#relevant"}
+
+# A method returns ("codes", uint8 [N, bits/8]) or ("float", float32 [N, d]).
+Method = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
+
+
+def directions(modalities) -> list[tuple[str, str]]:
+    ms = list(modalities)
+    return [(a, b) for a in ms for b in ms if a != b]
+
+
+def direction_name(q: str, d: str) -> str:
+    return f"{LETTER[q]}→{LETTER[d]}"
+
+
+def _group_ids(split: FeatureSplit) -> dict[str, np.ndarray]:
+    vocab = {g: i for i, g in enumerate(sorted(set().union(*(set(t.groups) for t in split.tables.values()))))}
+    return {m: np.fromiter((vocab[g] for g in t.groups), np.int64, len(t)) for m, t in split.tables.items()}
+
+
+def _label_matrix(split: FeatureSplit) -> dict[str, np.ndarray] | None:
+    names = sorted(set(l for t in split.tables.values() for labs in t.labels for l in labs))
+    if not names:
+        return None
+    col = {n: i for i, n in enumerate(names)}
+    out = {}
+    for m, t in split.tables.items():
+        mh = np.zeros((len(t), len(names)), dtype=bool)
+        for i, labs in enumerate(t.labels):
+            mh[i, [col[l] for l in labs]] = True
+        out[m] = mh
+    return out
+
+
+def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1, 5, 10),
+             protocols=("paired", "label"), denominator: str = "min") -> list[dict]:
+    """One row per (method, direction, protocol). The label protocol runs only if the split has labels."""
+    groups = _group_ids(split)
+    labels = _label_matrix(split) if "label" in protocols else None
+    rows = []
+    for name, method in methods.items():
+        reps = {}
+        for m, t in split.tables.items():
+            try:
+                reps[m] = method(m, np.asarray(t.x))
+            except KeyError:
+                continue  # the method has no encoder for this modality
+        for q, d in directions(m for m in split.modalities if m in reps):
+            kind, qx = reps[q]
+            _, dx = reps[d]
+            kk = min(k, len(dx))
+            if kind == "codes":
+                _, I = HammingIndex(dx).search(qx, kk)
+                bits = int(qx.shape[1] * 8)
+            else:
+                _, I = cosine_search(qx, dx, kk)
+                bits = None
+            for protocol in protocols:
+                if protocol == "label" and labels is None:
+                    continue
+                rep = metrics.retrieval_report(
+                    I, groups[q], groups[d], protocol=protocol, k=k, ks=ks, denominator=denominator,
+                    q_labels=labels[q] if protocol == "label" else None,
+                    db_labels=labels[d] if protocol == "label" else None)
+                rows.append({"method": name, "kind": kind, "bits": bits, "direction": direction_name(q, d),
+                             "n_database": int(len(dx)), **rep})
+    return rows
+
+
+def mean_map(rows: list[dict], protocol: str = "paired", k: int = 10) -> float:
+    vals = [r[f"map@{k}"] for r in rows if r["protocol"] == protocol]
+    return float(np.mean(vals)) if vals else 0.0
+
+
+def markdown_table(rows: list[dict], k: int = 10, title: str | None = None) -> str:
+    """A table per protocol: one line per method, mAP@k per direction, then R@1/R@10 averaged."""
+    out = []
+    if title:
+        out.append(f"### {title}\n")
+    for protocol in sorted({r["protocol"] for r in rows}, key=lambda p: p != "paired"):
+        prow = [r for r in rows if r["protocol"] == protocol]
+        dirs = list(dict.fromkeys(r["direction"] for r in prow))
+        den = prow[0]["denominator"]
+        out.append(f"Protocol: **{protocol}** relevance, mAP@{k} with {DENOMINATOR_DOC.get(den, den)}; "
+                   f"ties broken by ascending database index.\n")
+        out.append("| method | " + " | ".join(f"{d} mAP@{k}" for d in dirs) + " | mean mAP | mean R@1 | mean R@10 |")
+        out.append("|---|" + "---|" * (len(dirs) + 3))
+        for name in dict.fromkeys(r["method"] for r in prow):
+            mr = {r["direction"]: r for r in prow if r["method"] == name}
+            cells = [f"{mr[d][f'map@{k}']:.3f}" if d in mr else "–" for d in dirs]
+            vals = list(mr.values())
+            cells += [f"{np.mean([v[f'map@{k}'] for v in vals]):.3f}",
+                      f"{np.mean([v['R@1'] for v in vals]):.3f}", f"{np.mean([v['R@10'] for v in vals]):.3f}"]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)

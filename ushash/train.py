@@ -1,0 +1,66 @@
+"""python -m ushash.train data=tuxpaint encoder=offline bits=64 trainer.max_epochs=30
+
+Trains US-HASH heads on cached features (extracting them first if needed). Checkpoints go to
+checkpoints/<run>/ (`best.ckpt` chosen on the validation split, `last.ckpt` to resume from).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import pytorch_lightning as pl
+from omegaconf import DictConfig
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+
+from ushash.config import CONFIG_DIR, to_dict
+from ushash.datamodule import FeatureDataModule
+from ushash.extract import run_extract
+from ushash.module import USHashModule
+
+
+def module_kwargs(cfg: DictConfig, in_dims: dict, provenance: dict) -> dict:
+    m = to_dict(cfg.model)
+    w = m.pop("loss")
+    m.pop("batch_size")
+    return dict(in_dims=in_dims, bits=int(cfg.bits), max_epochs=int(cfg.trainer.max_epochs), provenance=provenance,
+                **m, **{f"w_{k}": float(v) for k, v in w.items()})
+
+
+def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
+    """Train; returns {"run_dir", "best", "last", "val_map@10"}."""
+    pl.seed_everything(int(cfg.seed), workers=True)
+    splits = splits or run_extract(cfg, splits=["train", "val"])
+    train, val = splits["train"], splits["val"]
+    mods = [m for m in train.modalities if m in val.modalities]
+    in_dims = {m: int(train.meta["modalities"][m]["dim"]) for m in mods}
+    provenance = {"dataset": train.meta["dataset"], "encoder": train.meta["encoder"],
+                  "features_dir": str(Path(train.path).parent.parent.parent), "run_name": str(cfg.run_name),
+                  "seed": int(cfg.seed), "data": to_dict(cfg.data)}
+    module = USHashModule(**module_kwargs(cfg, in_dims, provenance))
+    dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
+    run_dir = Path(cfg.paths.checkpoints_dir) / str(cfg.run_name)
+    ckpt = ModelCheckpoint(dirpath=run_dir, filename="best", monitor="val/map@10", mode="max", save_last=True,
+                           enable_version_counter=False)
+    kind = cfg.logger.kind
+    logger = (TensorBoardLogger if kind == "tensorboard" else CSVLogger)(save_dir=str(run_dir), name="logs", version="")
+    trainer = pl.Trainer(**to_dict(cfg.trainer), callbacks=[ckpt], logger=logger, default_root_dir=str(run_dir))
+    last = run_dir / "last.ckpt"
+    resume = str(last) if cfg.resume and last.exists() else None
+    if resume:
+        print(f"[train] resuming from {resume}")
+    trainer.fit(module, datamodule=dm, ckpt_path=resume)
+    score = ckpt.best_model_score
+    return {"run_dir": str(run_dir), "best": ckpt.best_model_path or str(last), "last": str(last),
+            "val_map@10": float(score) if score is not None else None}
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    out = run_train(cfg)
+    print(f"[train] best val mAP@10 {out['val_map@10']}: {out['best']}")
+
+
+if __name__ == "__main__":
+    main()
