@@ -1,0 +1,164 @@
+"""Generic manifest recipe (JSONL / CSV) and the dataset registry."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ushash.datasets import DATASETS, REPO_ROOT, SPLITS, config_keys, load_rows, register
+from ushash.datasets.manifest import rows
+from ushash.rows import Row
+
+
+def write_jsonl(path: Path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+RECORDS = [
+    {"id": "a", "image": "img/a.png", "text": "A cat.", "audio": "snd/a.ogg", "labels": ["cat", "animal"],
+     "group": "g1", "split": "train"},
+    {"id": "b", "image": "img/a.png", "text": "Another cat.", "group": "g1", "split": "train"},  # same image
+    {"id": "c", "text": "A lone caption.", "labels": [], "split": "test"},  # text only, own group
+    {"id": "d", "audio": "/abs/d.wav", "image": "", "text": None, "split": "validation"},  # alias, empties
+    {"id": "e", "image": "img/e.png", "labels": "x|y", "split": "val"},
+]
+
+
+def all_splits(path, **kw):
+    return {s: rows(path, s, **kw) for s in SPLITS}
+
+
+def test_jsonl(tmp_path):
+    (tmp_path / "sub").mkdir()
+    m = write_jsonl(tmp_path / "sub/m.jsonl", RECORDS)
+    got = all_splits(m)
+    train = got["train"]
+    assert [(r.modality, r.id) for r in train] == [("image", "a"), ("text", "a"), ("audio", "a"), ("text", "b")]
+    img = train[0]
+    assert img.source == str(tmp_path / "sub/img/a.png")  # relative to the manifest file
+    assert img.group == "g1" and img.labels == ("cat", "animal")
+    assert train[3] == Row("text", "b", "g1", "Another cat.", ())  # the repeated image is one row
+    assert got["test"] == [Row("text", "c", "c", "A lone caption.", ())]  # group defaults to id
+    val = got["val"]
+    assert [(r.modality, r.id, r.source) for r in val] == [
+        ("audio", "d", "/abs/d.wav"), ("image", "e", str(tmp_path / "sub/img/e.png"))]
+    assert val[1].labels == ("x", "y")
+
+
+def test_csv_with_missing_columns_and_cells(tmp_path):
+    (tmp_path / "m.csv").write_text(
+        "id,image,text,labels,group\n"
+        "1,a.jpg,A dog.,dog|animal,g\n"
+        "2,,Just text.,,\n"
+        "3,c.jpg,,animal,g\n"
+        "\n"
+    )
+    got = all_splits(tmp_path / "m.csv", val_frac=0.0, test_frac=0.0)  # no split column: all hashed to train
+    assert got["val"] == got["test"] == []
+    tr = got["train"]
+    assert [(r.modality, r.id, r.group) for r in tr] == [
+        ("image", "1", "g"), ("text", "1", "g"), ("text", "2", "2"), ("image", "3", "g")]
+    assert tr[0].labels == ("dog", "animal") and tr[2].labels == () and tr[3].labels == ("animal",)
+    assert tr[0].source == str(tmp_path / "a.jpg")
+
+
+def test_tsv_and_default_ids_are_line_numbers(tmp_path):
+    (tmp_path / "m.tsv").write_text("text\tsplit\nhello\ttest\nworld\ttest\n")
+    assert [(r.id, r.source) for r in rows(tmp_path / "m.tsv", "test")] == [("2", "hello"), ("3", "world")]
+    write_jsonl(tmp_path / "m.jsonl", [{"text": "x", "split": "val"}, {"text": "y", "split": "val"}])
+    assert [r.id for r in rows(tmp_path / "m.jsonl", "val")] == ["1", "2"]
+
+
+def test_hash_split_keeps_groups_together(tmp_path):
+    recs = [{"image": f"{g}.png", "text": f"caption {g} {k}", "group": f"g{g}"} for g in range(200) for k in range(3)]
+    m = write_jsonl(tmp_path / "m.jsonl", recs)
+    got = all_splits(m, val_frac=0.2, test_frac=0.2, seed=1)
+    where = {}
+    for s, rs in got.items():
+        for r in rs:
+            where.setdefault(r.group, set()).add(s)
+    assert len(where) == 200 and all(len(v) == 1 for v in where.values())
+    assert 20 < len({r.group for r in got["val"]}) < 60
+    assert all_splits(m, val_frac=0.2, test_frac=0.2, seed=1) == got
+
+
+def test_custom_split_column(tmp_path):
+    m = write_jsonl(tmp_path / "m.jsonl", [{"text": "a", "fold": "test", "split": "train"}])
+    assert rows(m, "test", split_col="fold")[0].source == "a"
+    with pytest.raises(ValueError, match="split column 'nope' not found"):
+        rows(m, "test", split_col="nope")
+
+
+@pytest.mark.parametrize("content,err,match", [
+    (None, FileNotFoundError, "not found"),
+    ('{"group": "g", "labels": ["x"]}\n', ValueError, r"no modality column.*found \['group', 'labels'\]"),
+    ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', ValueError, r"duplicate ids.*'a' \(lines 1 and 2\)"),
+    ('{"text": "x"}\n{oops\n', ValueError, r"m\.jsonl:2: invalid JSON"),
+    ('["text"]\n', ValueError, "expected a JSON object"),
+    ('{"text": "x", "split": "holdout"}\n', ValueError, "unknown split 'holdout'"),
+    ('{"text": 3}\n', ValueError, "column 'text' must be a string"),
+    ('{"text": "x", "labels": {"a": 1}}\n', ValueError, "labels must be"),
+    ('{"text": "x", "group": "g", "split": "train"}\n{"text": "y", "group": "g", "split": "test"}\n',
+     ValueError, "group 'g' is in split 'test' here but 'train' on line 1"),
+])
+def test_manifest_errors(tmp_path, content, err, match):
+    m = tmp_path / "m.jsonl"
+    if content is not None:
+        m.write_text(content)
+    with pytest.raises(err, match=match):
+        rows(m, "train")
+
+
+def test_csv_without_modality_column(tmp_path):
+    (tmp_path / "m.csv").write_text("id,labels\n1,a\n")
+    with pytest.raises(ValueError, match="no modality column"):
+        rows(tmp_path / "m.csv", "train")
+    (tmp_path / "m.txt").write_text("")
+    with pytest.raises(ValueError, match="unknown format"):
+        rows(tmp_path / "m.txt", "train")
+
+
+# ----------------------------------------------------------------------------------------- registry
+def test_registry_and_load_rows(tmp_path):
+    assert {"tuxpaint", "manifest"} <= set(DATASETS)
+    m = write_jsonl(tmp_path / "m.jsonl", RECORDS)
+    assert load_rows("manifest", "train", path=str(m)) == rows(m, "train")
+    with pytest.raises(ValueError, match=r"unknown dataset 'coco'.*known datasets: \[.*'manifest'.*'tuxpaint'"):
+        load_rows("coco", "train")
+    with pytest.raises(TypeError, match=r"unknown config keys \['pth', 'x'\]"):
+        load_rows("manifest", "train", pth="m.jsonl", x=1)
+    with pytest.raises(ValueError, match="needs a path"):
+        load_rows("manifest", "train", path="???")
+    write_jsonl(tmp_path / "t.jsonl", [{"text": "only train", "split": "train"}])
+    with pytest.raises(ValueError, match=r"split 'test' is empty \(other splits: train: 1 rows, val: 0 rows\)"):
+        load_rows("manifest", "test", path=str(tmp_path / "t.jsonl"))
+
+
+def test_load_rows_checks_row_ids_are_unique(monkeypatch):
+    def dup(split):
+        return [Row("text", "x", "x", "a"), Row("text", "x", "y", "b")]
+
+    monkeypatch.setitem(DATASETS, "dup-test", dup)
+    with pytest.raises(ValueError, match="duplicate row ids"):
+        load_rows("dup-test", "train")
+
+
+def test_register_refuses_a_second_recipe_under_one_name():
+    with pytest.raises(ValueError, match="already registered"):
+        register("manifest")(lambda split: [])
+
+
+def test_relative_manifest_path_is_taken_from_the_repo_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=str(REPO_ROOT / "data/raw/none.jsonl")):
+        load_rows("manifest", "train", path="data/raw/none.jsonl")
+
+
+def test_config_file_matches_the_recipe(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    cfg = yaml.safe_load((REPO_ROOT / "configs/data/manifest.yaml").read_text())
+    assert cfg["name"] == "manifest" and cfg["path"] == "???"
+    assert set(cfg) - {"name"} == set(config_keys("manifest"))
+    cfg["path"] = str(write_jsonl(tmp_path / "m.jsonl", RECORDS))
+    assert load_rows(split="train", **cfg)

@@ -1,0 +1,244 @@
+"""Decoding: images (alpha, SVG, corrupt/truncated/missing), audio (mono, resample, crop/pad), text."""
+
+import io
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+
+from ushash import media
+from ushash.media import MediaError, load, load_audio, load_image, load_text
+
+SVG = """<svg xmlns="http://www.w3.org/2000/svg" width="40" height="20" viewBox="0 0 40 20">
+<rect x="0" y="0" width="20" height="20" fill="#ff0000"/></svg>"""
+
+SVG_ENTITIES = """<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE svg PUBLIC '-//W3C//DTD SVG 1.1//EN' 'http://www.w3.org/Graphics/SVG/1.1/DTD/svg11.dtd' [
+\t<!ENTITY ns_svg "http://www.w3.org/2000/svg">
+]>
+<svg xmlns="&ns_svg;" width="10" height="10"><rect width="10" height="10" fill="#0000ff"/></svg>"""
+
+
+def noise_png(path, size=(128, 128), mode="RGB", seed=0):
+    rng = np.random.default_rng(seed)
+    arr = rng.integers(0, 256, size=(size[1], size[0], len(mode)), dtype=np.uint8)
+    Image.fromarray(arr, mode).save(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------- images
+def test_rgb_png_round_trip(tmp_path):
+    p = noise_png(tmp_path / "a.png")
+    img = load_image(p)
+    assert img.mode == "RGB" and img.size == (128, 128)
+    assert np.array_equal(np.asarray(img), np.asarray(Image.open(p)))
+
+
+def test_alpha_is_composited_on_white(tmp_path):
+    arr = np.zeros((2, 3, 4), np.uint8)
+    arr[0, 0] = (255, 0, 0, 255)  # opaque red
+    arr[0, 1] = (0, 0, 0, 0)  # fully transparent black -> white
+    arr[0, 2] = (0, 0, 0, 128)  # half-transparent black -> grey
+    Image.fromarray(arr, "RGBA").save(tmp_path / "a.png")
+    out = np.asarray(load_image(tmp_path / "a.png"))
+    assert tuple(out[0, 0]) == (255, 0, 0)
+    assert tuple(out[0, 1]) == (255, 255, 255)
+    assert all(abs(int(v) - 127) <= 1 for v in out[0, 2])
+
+
+@pytest.mark.parametrize("mode", ["LA", "P"])
+def test_other_transparent_modes(tmp_path, mode):
+    if mode == "LA":
+        img = Image.new("LA", (4, 4), (0, 0))  # transparent black
+    else:
+        img = Image.new("P", (4, 4), 0)
+        img.putpalette([0, 0, 0] * 256)
+        img.info["transparency"] = 0
+    img.save(tmp_path / "a.png")
+    out = np.asarray(load_image(tmp_path / "a.png"))
+    assert out.shape == (4, 4, 3) and (out == 255).all()
+
+
+def test_svg_is_rasterised_to_svg_size(tmp_path):
+    pytest.importorskip("cairosvg")
+    (tmp_path / "a.svg").write_text(SVG)
+    img = load_image(tmp_path / "a.svg")
+    assert img.mode == "RGB" and img.size == (512, 256)
+    arr = np.asarray(img)
+    assert tuple(arr[128, 100]) == (255, 0, 0)  # the red square
+    assert tuple(arr[128, 400]) == (255, 255, 255)  # transparent background -> white
+    assert load_image(tmp_path / "a.svg", svg_size=64).size == (64, 32)
+
+
+def test_svg_with_internal_entities(tmp_path):
+    """Illustrator writes `<!ENTITY ns_svg ...>`; cairosvg refuses entities, we inline plain ones."""
+    pytest.importorskip("cairosvg")
+    (tmp_path / "e.svg").write_text(SVG_ENTITIES)
+    img = load_image(tmp_path / "e.svg", svg_size=10)
+    assert tuple(np.asarray(img)[5, 5]) == (0, 0, 255)
+
+
+def test_svg_with_external_entity_is_refused(tmp_path):
+    pytest.importorskip("cairosvg")
+    (tmp_path / "secret.txt").write_text("x")
+    (tmp_path / "x.svg").write_text(
+        f'<?xml version="1.0"?><!DOCTYPE svg [<!ENTITY s SYSTEM "file://{tmp_path}/secret.txt">]>'
+        '<svg xmlns="http://www.w3.org/2000/svg" width="4" height="4"><text>&s;</text></svg>'
+    )
+    with pytest.raises(MediaError, match="x.svg"):
+        load_image(tmp_path / "x.svg")
+
+
+def test_svg_without_cairosvg(tmp_path, monkeypatch):
+    (tmp_path / "a.svg").write_text(SVG)
+    monkeypatch.setitem(sys.modules, "cairosvg", None)  # import fails
+    with pytest.raises(MediaError, match="SVG needs cairosvg"):
+        load_image(tmp_path / "a.svg")
+
+
+def test_broken_svg(tmp_path):
+    pytest.importorskip("cairosvg")
+    (tmp_path / "b.svg").write_text("<svg><rect></svg")
+    with pytest.raises(MediaError, match="b.svg"):
+        load_image(tmp_path / "b.svg")
+
+
+def test_corrupt_image(tmp_path):
+    (tmp_path / "c.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    with pytest.raises(MediaError, match=r"c\.png.*cannot decode"):
+        load_image(tmp_path / "c.png")
+    (tmp_path / "t.txt.png").write_bytes(b"not an image at all")
+    with pytest.raises(MediaError, match="cannot decode"):
+        load_image(tmp_path / "t.txt.png")
+
+
+def test_truncated_image_fails_on_full_decode(tmp_path):
+    data = (noise_png(tmp_path / "full.png", size=(256, 256))).read_bytes()
+    (tmp_path / "trunc.png").write_bytes(data[: len(data) // 2])
+    Image.open(tmp_path / "trunc.png")  # the lazy open alone succeeds ...
+    with pytest.raises(MediaError, match=r"trunc\.png"):  # ... the full decode does not
+        load_image(tmp_path / "trunc.png")
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "directory"])
+def test_missing_empty_or_not_a_file(tmp_path, kind):
+    p = tmp_path / "x.png"
+    if kind == "empty":
+        p.write_bytes(b"")
+    elif kind == "directory":
+        p.mkdir()
+    reason = {"missing": "file not found", "empty": "empty file", "directory": "not a regular file"}[kind]
+    with pytest.raises(MediaError, match=reason) as e:
+        load_image(p)
+    assert str(p) in str(e.value)
+    with pytest.raises(MediaError, match=reason):
+        load_audio(p, 16000)
+
+
+# -------------------------------------------------------------------------------------------- audio
+def tone(sr, seconds, freq=440.0):
+    t = np.arange(int(sr * seconds)) / sr
+    return (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def test_stereo_is_mixed_down_and_resampled(tmp_path):
+    sr = 44100
+    left = tone(sr, 1.0)
+    stereo = np.stack([left, np.zeros_like(left)], axis=1)
+    sf.write(tmp_path / "s.wav", stereo, sr, subtype="FLOAT")
+    same = load_audio(tmp_path / "s.wav", sr)
+    assert same.dtype == np.float32 and same.ndim == 1
+    np.testing.assert_allclose(same, left / 2, atol=1e-6)
+    down = load_audio(tmp_path / "s.wav", 16000)
+    assert down.dtype == np.float32 and down.ndim == 1
+    assert abs(len(down) - 16000) <= 1
+    # still a 440 Hz tone at half amplitude
+    spec = np.abs(np.fft.rfft(down[:16000]))
+    assert abs(np.argmax(spec) - 440) <= 1
+    assert 0.2 < np.abs(down).max() < 0.3
+
+
+def test_ogg_and_flac(tmp_path):
+    sr = 22050
+    x = tone(sr, 0.5)
+    sf.write(tmp_path / "a.ogg", x, sr, format="OGG", subtype="VORBIS")
+    sf.write(tmp_path / "a.flac", x, sr)
+    for name in ("a.ogg", "a.flac"):
+        y = load_audio(tmp_path / name, sr)
+        assert y.dtype == np.float32 and abs(len(y) - len(x)) < 2048
+        assert np.corrcoef(x[:10000], y[:10000])[0, 1] > 0.95
+
+
+def test_crop_and_pad(tmp_path):
+    sr = 16000
+    x = tone(sr, 1.0)
+    sf.write(tmp_path / "a.wav", x, sr, subtype="FLOAT")
+    crop = load_audio(tmp_path / "a.wav", sr, seconds=0.25)
+    assert len(crop) == 4000
+    np.testing.assert_allclose(crop, x[:4000], atol=1e-6)  # the first `seconds`
+    pad = load_audio(tmp_path / "a.wav", sr, seconds=1.5)
+    assert len(pad) == 24000
+    np.testing.assert_allclose(pad[:16000], x, atol=1e-6)
+    assert (pad[16000:] == 0).all()
+    resampled = load_audio(tmp_path / "a.wav", 8000, seconds=0.3)
+    assert len(resampled) == 2400
+
+
+def test_audio_errors(tmp_path):
+    (tmp_path / "junk.ogg").write_bytes(b"OggS" + bytes(range(200)))
+    with pytest.raises(MediaError, match=r"junk\.ogg.*cannot decode"):
+        load_audio(tmp_path / "junk.ogg", 16000)
+    sf.write(tmp_path / "ok.wav", tone(16000, 0.1), 16000)
+    (tmp_path / "head.wav").write_bytes((tmp_path / "ok.wav").read_bytes()[:20])
+    with pytest.raises(MediaError, match=r"head\.wav"):
+        load_audio(tmp_path / "head.wav", 16000)
+    sf.write(tmp_path / "empty.wav", np.zeros(0, np.float32), 16000)
+    with pytest.raises(MediaError, match="empty audio"):
+        load_audio(tmp_path / "empty.wav", 16000)
+    with pytest.raises(ValueError):
+        load_audio(tmp_path / "ok.wav", 0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_audio(tmp_path, bad):
+    x = tone(16000, 0.1)
+    x[10] = bad
+    sf.write(tmp_path / "n.wav", x, 16000, subtype="FLOAT")
+    with pytest.raises(MediaError, match="non-finite"):
+        load_audio(tmp_path / "n.wav", 16000)
+
+
+# --------------------------------------------------------------------------------------------- text
+def test_text():
+    assert load_text("  A frog.\n") == "A frog."
+    for s in ("", "   \n\t"):
+        with pytest.raises(MediaError, match="empty caption"):
+            load_text(s)
+    with pytest.raises(MediaError):
+        load_text(None)
+
+
+# ----------------------------------------------------------------------------------------- dispatch
+def test_dispatch(tmp_path):
+    noise_png(tmp_path / "a.png", size=(8, 8))
+    sf.write(tmp_path / "a.wav", tone(8000, 0.5), 8000)
+    assert load("image", str(tmp_path / "a.png")).size == (8, 8)
+    assert load("text", " hi ") == "hi"
+    assert len(load("audio", tmp_path / "a.wav", sample_rate=8000, seconds=1)) == 8000
+    with pytest.raises(ValueError, match="sample_rate"):
+        load("audio", tmp_path / "a.wav")
+    with pytest.raises(ValueError, match="unknown modality"):
+        load("video", "x")
+    assert issubclass(media.MediaError, Exception)
+
+
+def test_image_from_real_bytes_is_independent_of_file(tmp_path):
+    """load_image decodes fully: the result survives the file being deleted."""
+    p = noise_png(tmp_path / "a.png", size=(16, 16))
+    img = load_image(p)
+    p.unlink()
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    assert buf.tell() > 0
