@@ -1,0 +1,201 @@
+"""Retrieval metrics with a named protocol (docs/design.md; /work/shared/notes/protocols.md).
+
+Relevance
+- "paired": a database item is relevant to a query when it has the same group id (COCO 5k,
+  Flickr30k, Clotho: an image and its captions share a group). Groups are int or str arrays.
+- "label": relevant when query and item share at least one class label (multi-hot bool [N, L]).
+- An index of -1 in the result list means "no result" and is never relevant.
+- n_rel[q] is the number of relevant items in the whole database, not just in the top k.
+
+AP@k = (1/Z) * sum_{i<=k} P@i * rel_i, where P@i = (relevant in top i) / i, and Z is named:
+- "min":   Z = min(k, n_rel)  -- the ushash default (LAION-CLAP, DCASE: one relevant item gives 1/rank)
+- "found": Z = relevant items found in the top k  -- HashNet / DeepHash toolboxes
+- "all":   Z = n_rel  -- with k = database size this is mAP@all (UCCH, MITH)
+Queries with n_rel == 0 (or, for "found", no hit in the top k) score 0 and stay in the mean;
+`retrieval_report` says how many queries had no relevant item at all.
+
+R@K (`recall_at_k`) is the CLIP-style retrieval recall: the fraction of queries with at least one
+relevant item among the top K (not the fraction of relevant items retrieved). P@K is the mean over
+queries of (relevant in top K) / K.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PROTOCOLS = ("paired", "label")
+DENOMINATORS = ("min", "found", "all")
+
+# Bound on query-by-database cells per block when counting label relevance.
+_BLOCK_CELLS = 1 << 22
+
+
+def _check_I(I) -> np.ndarray:
+    if not isinstance(I, np.ndarray) or I.ndim != 2 or not np.issubdtype(I.dtype, np.integer):
+        shape = getattr(I, "shape", type(I).__name__)
+        raise ValueError(f"I must be an int array [M, k] of database indices (-1 = no result); got {shape}")
+    return I.astype(np.int64, copy=False)
+
+
+def _check_groups(g, name: str, n: int | None) -> np.ndarray:
+    g = np.asarray(g)
+    if g.ndim != 1 or (n is not None and len(g) != n):
+        raise ValueError(f"{name} must be a 1-D int or str array [{n if n is not None else 'N'}]; got shape {g.shape}")
+    if not (np.issubdtype(g.dtype, np.integer) or g.dtype.kind in "US"):
+        raise ValueError(f"{name} must be a 1-D int or str array; got dtype {g.dtype}")
+    return g
+
+
+def _check_labels(x, name: str, n: int, num_labels: int | None = None) -> np.ndarray:
+    if x is None:
+        raise ValueError(f"{name} is required for protocol='label' (multi-hot bool [{n}, L])")
+    x = np.asarray(x)
+    expect = f"multi-hot bool [{n}, {num_labels if num_labels is not None else 'L'}]"
+    if x.ndim != 2 or x.shape[0] != n or (num_labels is not None and x.shape[1] != num_labels):
+        raise ValueError(f"{name} must be {expect}; got shape {x.shape}")
+    if x.dtype != np.bool_:
+        if not np.issubdtype(x.dtype, np.integer) or not np.isin(x, (0, 1)).all():
+            raise ValueError(f"{name} must be {expect}; got dtype {x.dtype}")
+        x = x.astype(bool)
+    return x
+
+
+def _check_rel(rel, n_rel, k: int | None = None, kname: str = "k"):
+    if not isinstance(rel, np.ndarray) or rel.ndim != 2 or rel.dtype != np.bool_:
+        shape = getattr(rel, "shape", type(rel).__name__)
+        raise ValueError(f"rel must be a bool array [M, k]; got {shape} {getattr(rel, 'dtype', '')}")
+    if k is not None and rel.shape[1] < k:
+        raise ValueError(f"rel must have at least {kname}={k} columns [M, >= {k}]; got shape {rel.shape}")
+    if n_rel is None:
+        return rel, None
+    n_rel = np.asarray(n_rel)
+    if n_rel.shape != (rel.shape[0],) or not np.issubdtype(n_rel.dtype, np.integer):
+        raise ValueError(f"n_rel must be an int array [M] = [{rel.shape[0]}]; got shape {n_rel.shape} {n_rel.dtype}")
+    n_rel = n_rel.astype(np.int64, copy=False)
+    if (rel.sum(axis=1) > n_rel).any():
+        raise ValueError("n_rel is smaller than the number of relevant items in rel for some query")
+    return rel, n_rel
+
+
+def _check_ks(ks) -> tuple[int, ...]:
+    ks = (ks,) if isinstance(ks, (int, np.integer)) else tuple(ks)
+    if not ks or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1 for x in ks):
+        raise ValueError(f"ks must be positive ints; got {ks!r}")
+    return tuple(int(x) for x in ks)
+
+
+def relevance(I, q_groups, db_groups, protocol="paired", q_labels=None, db_labels=None):
+    """Relevance of each returned item and the number of relevant items per query.
+
+    I: int [M, k] database indices (-1 = no result). paired: q_groups [M], db_groups [N] (int or
+    str). label: q_labels [M, L], db_labels [N, L] multi-hot bool (groups are then ignored and may
+    be None). Returns (rel bool [M, k], n_rel int64 [M]).
+    """
+    I = _check_I(I)
+    m = I.shape[0]
+    if protocol == "paired":
+        qg = _check_groups(q_groups, "q_groups", m)
+        dg = _check_groups(db_groups, "db_groups", None)
+        n = len(dg)
+        kind = {"i": "int", "u": "int", "U": "str", "S": "bytes"}
+        if kind[qg.dtype.kind] != kind[dg.dtype.kind]:
+            raise ValueError(f"q_groups and db_groups must both be int or both be str; got {qg.dtype} and {dg.dtype}")
+    elif protocol == "label":
+        if db_labels is None:
+            raise ValueError("db_labels is required for protocol='label' (multi-hot bool [N, L])")
+        n = np.asarray(db_labels).shape[0]
+        dl = _check_labels(db_labels, "db_labels", n)
+        ql = _check_labels(q_labels, "q_labels", m, dl.shape[1])
+    else:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}; got {protocol!r}")
+    if ((I < -1) | (I >= n)).any():
+        raise ValueError(f"I must hold database indices in [0, {n}) or -1; got values in [{I.min()}, {I.max()}]")
+    valid = I >= 0
+    safe = np.where(valid, I, 0)
+    if protocol == "paired":
+        rel = valid & (qg[:, None] == dg[safe]) if n else np.zeros(I.shape, bool)
+        uniq, counts = np.unique(dg, return_counts=True)
+        pos = np.searchsorted(uniq, qg)
+        pos_c = np.minimum(pos, max(len(uniq) - 1, 0))
+        found = (pos < len(uniq)) & (uniq[pos_c] == qg) if len(uniq) else np.zeros(m, bool)
+        n_rel = np.where(found, counts[pos_c] if len(uniq) else 0, 0).astype(np.int64)
+    else:
+        rel = np.zeros(I.shape, bool)
+        n_rel = np.zeros(m, np.int64)
+        if n:
+            step = max(1, _BLOCK_CELLS // max(1, I.shape[1] * dl.shape[1]))
+            for s in range(0, m, step):
+                sl = slice(s, s + step)
+                rel[sl] = valid[sl] & (ql[sl, None, :] & dl[safe[sl]]).any(axis=2)
+            dlf = dl.astype(np.float32).T  # 0/1 products are exact in float32 for L < 2**24
+            step = max(1, _BLOCK_CELLS // n)
+            for s in range(0, m, step):
+                n_rel[s : s + step] = ((ql[s : s + step].astype(np.float32) @ dlf) > 0).sum(axis=1)
+    return rel, n_rel
+
+
+def average_precision_at_k(rel, n_rel, k, denominator="min") -> np.ndarray:
+    """AP@k per query, float64 [M] (see the module docstring for the denominators).
+
+    rel: bool [M, >= k] relevance of the ranked results (only the first k columns are used);
+    n_rel: int [M] relevant items in the whole database. Take `.mean()` for mAP@k.
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be a positive int; got {k!r}")
+    if denominator not in DENOMINATORS:
+        raise ValueError(f"denominator must be one of {DENOMINATORS}; got {denominator!r}")
+    rel, n_rel = _check_rel(rel, n_rel, int(k))
+    r = rel[:, : int(k)].astype(np.float64)
+    hits = np.cumsum(r, axis=1)
+    num = (hits / np.arange(1, r.shape[1] + 1) * r).sum(axis=1)
+    if denominator == "min":
+        z = np.minimum(int(k), n_rel)
+    elif denominator == "found":
+        z = hits[:, -1] if r.shape[1] else np.zeros(len(r))
+    else:
+        z = n_rel
+    z = np.asarray(z, np.float64)
+    return np.divide(num, z, out=np.zeros(len(r)), where=z > 0)
+
+
+def recall_at_k(rel, n_rel=None, ks=(1, 5, 10)) -> dict[int, float]:
+    """R@K: fraction of queries with at least one relevant item in the top K (CLIP retrieval R@K).
+
+    Queries with no relevant item in the database count as misses. n_rel is only validated (it may
+    be None). Returns {K: float}.
+    """
+    ks = _check_ks(ks)
+    rel, _ = _check_rel(rel, n_rel, max(ks), "max(ks)")
+    if rel.shape[0] == 0:
+        return {K: 0.0 for K in ks}
+    return {K: float(rel[:, :K].any(axis=1).mean()) for K in ks}
+
+
+def precision_at_k(rel, ks=(1, 5, 10)) -> dict[int, float]:
+    """P@K: mean over queries of (relevant items in the top K) / K. Returns {K: float}."""
+    ks = _check_ks(ks)
+    rel, _ = _check_rel(rel, None, max(ks), "max(ks)")
+    if rel.shape[0] == 0:
+        return {K: 0.0 for K in ks}
+    return {K: float(rel[:, :K].sum(axis=1).mean() / K) for K in ks}
+
+
+def retrieval_report(I, q_groups, db_groups, protocol, k=10, ks=(1, 5, 10), denominator="min",
+                     q_labels=None, db_labels=None) -> dict:
+    """Self-describing summary of a ranked result list I [M, >= max(k, ks)].
+
+    Keys: f"map@{k}", f"R@{K}" for K in ks, "n_queries", "n_no_relevant" (queries with no relevant
+    item in the database; they score 0 and are included in the means), "protocol", "denominator".
+    """
+    ks = _check_ks(ks)
+    rel, n_rel = relevance(I, q_groups, db_groups, protocol, q_labels, db_labels)
+    ap = average_precision_at_k(rel, n_rel, k, denominator)
+    out = {f"map@{int(k)}": float(ap.mean()) if len(ap) else 0.0}
+    out.update({f"R@{K}": v for K, v in recall_at_k(rel, n_rel, ks).items()})
+    out.update({
+        "n_queries": int(rel.shape[0]),
+        "n_no_relevant": int((n_rel == 0).sum()),
+        "protocol": protocol,
+        "denominator": denominator,
+    })
+    return out
