@@ -6,6 +6,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from ushash import shards
 from ushash.config import CONFIG_DIR, to_dict
 from ushash.datasets import load_rows
 from ushash.encoders import build_encoder
@@ -28,9 +29,14 @@ def run_extract(cfg: DictConfig, splits: list[str] | None = None, encoder=None) 
     out = {}
     for split in splits or list(cfg.extract.splits):
         rows = load_rows(name, split, **data)
-        out[split] = extract(rows, encoder, cfg.paths.features_dir, dataset=name, split=split, encoder_cfg=enc_cfg,
-                             batch_size=cfg.extract.batch_size, num_workers=cfg.extract.num_workers,
-                             progress=cfg.extract.progress, max_bad_frac=cfg.extract.max_bad_frac)
+        if shards.wanted(cfg.extract, rows):  # extract.shards / strategy / devices, or rows read as a stream
+            out[split] = shards.extract_sharded(rows, encoder, cfg.paths.features_dir, dataset=name, split=split,
+                                                encoder_cfg=enc_cfg, **shards.options(cfg.extract))
+        else:
+            out[split] = extract(rows, encoder, cfg.paths.features_dir, dataset=name, split=split,
+                                 encoder_cfg=enc_cfg, batch_size=cfg.extract.batch_size,
+                                 num_workers=cfg.extract.num_workers, progress=cfg.extract.progress,
+                                 max_bad_frac=cfg.extract.max_bad_frac)
         rep = out[split].report
         counts = ", ".join(f"{m} {v.get('ok', 0)}/{v['rows']}" for m, v in rep["modalities"].items())
         print(f"[extract] {name}/{split}: {counts} ok; {len(rep['failed'])} failed -> {out[split].path}")
