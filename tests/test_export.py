@@ -1,0 +1,244 @@
+"""Export of hash heads for the serving cache: bit-identical codes, manifest, refusals, no pickle, no Hydra."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ushash import artifact, retrieval, synthetic
+from ushash.artifact import (CorruptExport, IncompatibleExport, TamperedExport, TruncatedExport, load_export,
+                             manifest_digest, revision_id)
+from ushash.config import ROOT, compose
+
+DIMS = {"image": 16, "text": 12, "audio": 8}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny head trained (2 epochs) on synthetic features, its checkpoint, and an export of it."""
+    from ushash.module import load_checkpoint
+    from ushash.train import run_train
+
+    root = tmp_path_factory.mktemp("export")
+    splits = synthetic.write_synthetic(root / "data" / "features", sizes={"train": 300, "val": 100, "test": 150},
+                                       n_classes=5, dims=DIMS)
+    cfg = compose("config", [f"paths.root={root}", "trainer.accelerator=cpu", "trainer.max_epochs=2", "bits=32",
+                             "model.batch_size=128", "+trainer.enable_progress_bar=false"])
+    out = run_train(cfg, splits=splits)
+    from ushash.export import run_export
+    exp = run_export(_export_cfg(root, out["last"], "exports/tiny"))
+    return {"root": root, "ckpt": out["last"], "splits": splits, "export": exp, "module": load_checkpoint(out["last"])}
+
+
+def _export_cfg(root, ckpt, out, *extra):
+    return compose("export", [f"paths.root={root}", f"ckpt={ckpt}", f"out={out}", *extra])
+
+
+@pytest.fixture()
+def copy(trained, tmp_path):
+    """A fresh copy of the export to damage."""
+    dst = tmp_path / "e"
+    shutil.copytree(trained["export"]["out"], dst)
+    return dst
+
+
+def _rewrite_manifest(path, change, resign=True):
+    mf = json.loads((path / "manifest.json").read_text())
+    change(mf)
+    if resign:
+        mf["revision"] = revision_id(mf["files"]["weights.safetensors"]["sha256"], mf)
+        mf["manifest_sha256"] = manifest_digest(mf)
+    (path / "manifest.json").write_text(json.dumps(mf))
+
+
+# ------------------------------------------------------------------------------------------ equivalence
+
+def test_export_codes_are_bit_identical_to_eval(trained):
+    from ushash.eval import methods_for
+
+    head = load_export(trained["export"]["out"], expect_bits=32, expect_encoder=synthetic.ENCODER)
+    module = trained["module"]
+    methods = methods_for(module, synthetic.ENCODER["name"])
+    code_m, float_m = methods["US-HASH 32-bit codes"], methods["float z (US-HASH head, 128-d)"]
+    test = trained["splits"]["test"]
+    for m, t in test.tables.items():
+        x = np.asarray(t.x)
+        kind, ref = code_m(m, x)
+        assert kind == "codes"
+        got = head.codes(m, x)
+        assert got.dtype == np.uint8 and got.shape == (len(x), 4)
+        np.testing.assert_array_equal(got, ref)
+        np.testing.assert_array_equal(head.embed(m, x), float_m(m, x)[1])
+    # and so the evaluation tables are the same when the export stands in for the checkpoint
+    ours = {"codes": lambda m, x: ("codes", head.codes(m, x))}
+    theirs = {"codes": code_m}
+    assert retrieval.evaluate(test, ours) == retrieval.evaluate(test, theirs)
+
+
+def test_manifest_describes_the_head(trained):
+    head = load_export(trained["export"]["out"])
+    mf = head.manifest
+    assert mf["format"] == "ushash-export" and mf["format_version"] == 1
+    assert head.bits == 32 and head.dim == 128 and mf["ushash_version"]
+    assert head.modalities == tuple(DIMS) and head.in_dims == DIMS
+    assert head.encoder == (synthetic.ENCODER["name"], synthetic.ENCODER["fingerprint"])
+    assert mf["prototypes"]["shape"] == [32, 128]
+    assert [op["op"] for op in mf["head"]["layers"]["image"]] == ["linear", "layer_norm", "gelu", "linear"]
+    assert mf["payload"]["modalities"]["image"]["kind"] == "int4"
+    assert mf["payload"]["modalities"]["text"]["kind"] == "fp16"
+    assert head.payload["image"].nbytes == 72 and head.payload["text"].nbytes == 256
+    assert set(mf["files"]) == {"weights.safetensors"} and len(mf["files"]["weights.safetensors"]["sha256"]) == 64
+    assert len(head.revision) == 16
+    # no machine paths travel with an export
+    text = (trained["export"]["out"] + "/manifest.json")
+    assert str(trained["root"]) not in open(text).read()
+
+
+def test_export_is_deterministic_and_refuses_to_overwrite(trained):
+    from ushash.export import run_export
+
+    root = trained["root"]
+    with pytest.raises(FileExistsError, match="overwrite"):
+        run_export(_export_cfg(root, trained["ckpt"], "exports/tiny"), module=trained["module"])
+    again = run_export(_export_cfg(root, trained["ckpt"], "exports/tiny", "overwrite=true"), module=trained["module"])
+    assert again["revision"] == trained["export"]["revision"]
+    other = run_export(_export_cfg(root, trained["ckpt"], "exports/fp32", "payload=fp32"), module=trained["module"])
+    assert other["revision"] != trained["export"]["revision"]   # payload settings are part of the revision
+    assert other["manifest"]["files"] == trained["export"]["manifest"]["files"]   # same weights file
+
+
+def test_no_pickle_in_an_export(trained):
+    out = trained["export"]["out"]
+    from pathlib import Path
+    files = sorted(p.name for p in Path(out).iterdir())
+    assert files == ["manifest.json", "weights.safetensors"]
+    for name in files:
+        data = (Path(out) / name).read_bytes()
+        assert not (data[:1] == b"\x80" and data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")), name  # pickle magic
+        assert b"PK\x03\x04" not in data[:4]                                                   # torch zip
+    from safetensors.numpy import load_file
+    tensors = load_file(str(Path(out) / "weights.safetensors"))
+    assert set(tensors) == set(trained["export"]["manifest"]["tensors"])
+
+
+def test_serving_loader_imports_no_training_code():
+    code = ("import sys, ushash.artifact, ushash.payload\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('hydra', 'omegaconf', 'pytorch_lightning', 'lightning', 'lightning_fabric', 'faiss') "
+            "or m in ('ushash.module', 'ushash.train', 'ushash.heads', 'ushash.features', 'ushash.export', "
+            "'ushash.config', 'ushash.losses', 'ushash.datamodule'))\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_channel_scales_are_calibrated_and_exported(trained):
+    from ushash.export import run_export
+
+    root = trained["root"]
+    cfg = _export_cfg(root, trained["ckpt"], "exports/chan", "payload=int4", "payload.image.scale=channel",
+                      "payload.image.topk=48")
+    exp = run_export(cfg, module=trained["module"])
+    head = load_export(exp["out"])
+    assert "payload.image.channel_scales" in head.manifest["tensors"]
+    f = head.payload["image"]
+    assert f.scale == "channel" and f.topk == 48 and f.channel_scales.shape == (128,)
+    z = head.embed("image", np.asarray(trained["splits"]["test"].tables["image"].x))
+    cos = head.payload.cosine(z, "image", head.payload.encode("image", z))
+    assert cos.mean() > 0.9
+
+
+def test_cli(trained, tmp_path):
+    out = tmp_path / "cli"
+    res = subprocess.run([sys.executable, "-m", "ushash.export", f"paths.root={trained['root']}",
+                          f"ckpt={trained['ckpt']}", f"out={out}", "payload=fp16"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    head = load_export(out)
+    assert head.payload["image"].kind == "fp16" and "revision" in res.stdout
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+def test_truncated_weights(copy):
+    w = copy / "weights.safetensors"
+    w.write_bytes(w.read_bytes()[:-100])
+    with pytest.raises(TruncatedExport, match="truncated export: weights.safetensors has"):
+        load_export(copy)
+
+
+def test_tampered_weights_checksum(copy):
+    w = copy / "weights.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-5] ^= 0x01  # one bit of one weight
+    w.write_bytes(bytes(data))
+    with pytest.raises(TamperedExport, match="sha256 of weights.safetensors does not match"):
+        load_export(copy)
+
+
+def test_tampered_manifest(copy):
+    _rewrite_manifest(copy, lambda mf: mf.update(bits=64), resign=False)
+    with pytest.raises(TamperedExport, match="manifest_sha256"):
+        load_export(copy)
+
+
+def test_resigned_but_inconsistent_manifest_is_corrupt(copy):
+    _rewrite_manifest(copy, lambda mf: mf.update(bits=64))   # hashes recomputed: shapes still disagree
+    with pytest.raises(CorruptExport, match="prototypes"):
+        load_export(copy)
+
+
+def test_corrupt_manifest_and_missing_files(copy, tmp_path):
+    (copy / "manifest.json").write_text('{"format": "ushash-export", "format_')
+    with pytest.raises(CorruptExport, match="not valid JSON"):
+        load_export(copy)
+    with pytest.raises(CorruptExport, match="no manifest.json"):
+        load_export(tmp_path)
+    with pytest.raises(CorruptExport, match="not a directory"):
+        load_export(tmp_path / "nowhere")
+
+
+def test_missing_weights(trained, copy):
+    (copy / "weights.safetensors").unlink()
+    with pytest.raises(CorruptExport, match="weights.safetensors is missing"):
+        load_export(copy)
+
+
+def test_pickle_file_listed_in_manifest_is_refused(copy):
+    (copy / "extra.pt").write_bytes(b"\x80\x04junk")
+    _rewrite_manifest(copy, lambda mf: mf["files"].update({"extra.pt": {"sha256": "0" * 64, "bytes": 6}}))
+    with pytest.raises(CorruptExport, match="no pickle"):
+        load_export(copy)
+
+
+def test_incompatible_format_version(copy):
+    _rewrite_manifest(copy, lambda mf: mf.update(format_version=99))
+    with pytest.raises(IncompatibleExport, match="format version 99"):
+        load_export(copy)
+
+
+def test_incompatible_bits_and_encoder(trained):
+    out = trained["export"]["out"]
+    with pytest.raises(IncompatibleExport, match="32-bit codes, expected 64 bits"):
+        load_export(out, expect_bits=64)
+    with pytest.raises(IncompatibleExport, match="encoder 'synthetic', expected 'offline'"):
+        load_export(out, expect_encoder="offline")
+    with pytest.raises(IncompatibleExport, match="fingerprint"):
+        load_export(out, expect_encoder=("synthetic", "123456789abc"))
+    head = load_export(out, expect_bits=32, expect_encoder={"name": "synthetic", "fingerprint": "0" * 12})
+    with pytest.raises(ValueError, match=r"expected \[B, 16\]"):
+        head.codes("image", np.zeros((3, 12), np.float32))
+    with pytest.raises(ValueError, match="no head for modality"):
+        head.codes("video", np.zeros((3, 12), np.float32))
+
+
+def test_checkpoint_without_encoder_provenance_is_refused(trained, tmp_path):
+    from ushash.export import write_export
+
+    with pytest.raises(ValueError, match="fingerprint"):
+        write_export(trained["module"].model, tmp_path / "x", encoder={"name": "synthetic"})
+    assert not (tmp_path / "x").exists()
+    assert artifact.ALLOWED_SUFFIXES == (".json", ".safetensors")
