@@ -1,0 +1,164 @@
+"""Eviction policies with byte capacities, checked against naive references."""
+
+import numpy as np
+import pytest
+
+from ushash.cache.policy import LRUKDecay, make_policy
+
+
+class FakeClock:
+    def __init__(self, t=0.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def _run(policy, ops):
+    held = set()
+    for op, key, nbytes in ops:
+        if op == "put":
+            held.add(key)
+            for k in policy.insert(key, nbytes):
+                held.discard(k)
+        else:
+            policy.access(key)
+        assert policy.used_bytes <= policy.capacity_bytes
+        assert set(k for k in held if k in policy) == held
+    return held
+
+
+def _ops(seed=0, n=3000, keys=300):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(10, 200, size=keys)
+    ops = []
+    for _ in range(n):
+        k = int(rng.zipf(1.3) % keys)
+        ops.append(("put" if rng.random() < 0.4 else "get", k, int(sizes[k])))
+    return ops
+
+
+def test_lru_matches_reference():
+    cap = 2000
+    pol = make_policy("lru", cap)
+    order: list[int] = []  # most recent last
+    sizes: dict[int, int] = {}
+    for op, k, nb in _ops():
+        if op == "put":
+            if k in sizes:
+                order.remove(k)
+            sizes[k] = nb
+            order.append(k)
+            while sum(sizes.values()) > cap:
+                v = order.pop(0)
+                del sizes[v]
+            pol.insert(k, nb)
+        elif k in sizes:
+            order.remove(k)
+            order.append(k)
+            pol.access(k)
+        assert sorted(sizes) == sorted(k2 for k2 in range(300) if k2 in pol)
+    assert pol.used_bytes == sum(sizes.values())
+
+
+def test_lfu_evicts_least_frequent():
+    pol = make_policy("lfu", 300)
+    pol.insert(1, 100)
+    pol.insert(2, 100)
+    pol.insert(3, 100)
+    for _ in range(3):
+        pol.access(1)
+        pol.access(3)
+    assert pol.insert(4, 100) == [2]
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "wtinylfu", "lruk"])
+def test_every_policy_keeps_bytes_under_capacity(name):
+    pol = make_policy(name, 5000)
+    _run(pol, _ops(seed=1, n=4000))
+    assert pol.used_bytes <= 5000
+    assert make_policy(name, 100).insert(1, 101) == [1]  # larger than the whole cache: refused
+
+
+def test_wtinylfu_resists_a_scan_that_flushes_lru():
+    hot = list(range(50))
+    results = {}
+    for name in ("lru", "wtinylfu"):
+        pol = make_policy(name, 100 * 64, **({"slot_bytes": 64} if name == "wtinylfu" else {}))
+        for k in hot:
+            pol.insert(k, 64)
+        for _ in range(10):
+            for k in hot:
+                pol.access(k)
+        for k in range(1000, 3000):  # a one-hit-wonder scan, 20x the cache
+            pol.insert(k, 64)
+        results[name] = sum(k in pol for k in hot)
+    assert results["lru"] == 0
+    assert results["wtinylfu"] >= 45, results
+
+
+def test_wtinylfu_large_entries_take_several_slots():
+    pol = make_policy("wtinylfu", 1000, slot_bytes=100)
+    assert pol.slots == 10
+    pol.insert(1, 450)  # 5 slots
+    assert pol.used_bytes == 450 and len(pol) == 1
+    for k in range(2, 20):
+        pol.insert(k, 100)
+        assert pol.used_bytes <= 1000
+
+
+def test_lruk_decay_ranks_by_decayed_reference_count():
+    clock = FakeClock()
+    pol = LRUKDecay(300, k=2, half_life_s=10.0, clock=clock)
+    pol.insert(1, 100)          # t=0, referenced twice
+    clock.t = 1
+    pol.access(1)
+    clock.t = 2
+    pol.insert(2, 100)          # referenced once
+    clock.t = 3
+    pol.insert(3, 100)
+    clock.t = 4
+    assert pol.insert(4, 100) == [2]  # once-referenced and older than 3 loses; twice-referenced 1 stays
+    # much later, a key referenced twice long ago decays below one referenced once recently
+    clock.t = 100
+    pol.access(3)               # 3 now: referenced at t=3 and t=100
+    clock.t = 101
+    assert pol.insert(5, 100) == [4]  # 4 (once, t=4) < 1 (twice, t=0,1), both decayed ~10 half-lives
+    clock.t = 130
+    pol.access(5)
+    assert pol.insert(6, 100) == [1]  # 1's two old references weigh less than 3's recent one
+
+
+def test_lruk_matches_naive_reference():
+    clock = FakeClock()
+    cap = 1500
+    pol = LRUKDecay(cap, k=3, half_life_s=50.0, clock=clock)
+    hist: dict[int, list[float]] = {}
+    sizes: dict[int, int] = {}
+
+    def score(k, now):
+        return sum(2 ** (-(now - t) / 50.0) for t in hist[k][-3:])
+
+    for i, (op, k, nb) in enumerate(_ops(seed=3, n=2000)):
+        clock.t = float(i)
+        if op == "put":
+            if k in sizes:
+                del sizes[k], hist[k]
+            sizes[k], hist[k] = nb, [clock.t]
+            evicted = pol.insert(k, nb)
+            expect = []
+            while sum(sizes.values()) > cap:
+                v = min((kk for kk in sizes if kk != k), key=lambda kk: (score(kk, clock.t), kk))
+                expect.append(v)
+                del sizes[v], hist[v]
+            assert sorted(evicted) == sorted(expect)
+        elif k in sizes:
+            hist[k].append(clock.t)
+            pol.access(k)
+
+
+def test_unknown_policy_and_options():
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("arc", 10)
+    with pytest.raises(ValueError, match="takes no options"):
+        make_policy("lru", 10, k=2)

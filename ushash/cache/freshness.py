@@ -1,0 +1,109 @@
+"""Freshness: TTL with jitter, probabilistic early refresh (XFetch), and the model-revision watermark.
+
+TTL with jitter: an entry stored at `now` expires at now + ttl * (1 - jitter * u), u ~ U[0, 1): entries
+written together do not expire together (no synchronized stampede), and `ttl_s` stays an upper bound.
+Expiry is absolute, never sliding: a hit does not extend an entry's life, so a popular stale answer
+cannot live forever.
+
+XFetch (Vattani, Chierichetti, Lowenstein, "Optimal probabilistic cache stampede prevention", VLDB 2015):
+a hit on an entry whose recomputation took `delta` seconds asks for an early refresh when
+
+    now - delta * beta * ln(u) >= expiry,   u ~ U(0, 1]
+
+so hot entries are recomputed by one caller shortly before they expire, while everyone else keeps being
+served; beta > 1 favours earlier refreshes, beta = 0 disables it.
+
+Revision watermark: every entry carries the revision (``ExportedHead.revision``) of the head that made its
+code and payload. A cache serves only entries of its current revision; `RevisionWatermark` is that
+revision plus, with an L2, the newest revision any replica has announced (a Redis sorted set of revision
+-> first-seen time). A replica whose revision is no longer the newest is stale: it serves and stores
+nothing until it is reloaded with the new export (see docs/cache.md).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Callable
+
+
+class Freshness:
+    def __init__(self, ttl_s: float | None = 3600.0, jitter: float = 0.1, xfetch_beta: float = 1.0,
+                 rng: random.Random | None = None):
+        if ttl_s is not None and float(ttl_s) < 0:
+            raise ValueError(f"ttl_s must be >= 0 (0 or None: no expiry); got {ttl_s!r}")
+        if not 0.0 <= float(jitter) < 1.0:
+            raise ValueError(f"jitter must be in [0, 1); got {jitter!r}")
+        if float(xfetch_beta) < 0:
+            raise ValueError(f"xfetch_beta must be >= 0; got {xfetch_beta!r}")
+        self.ttl_s = float(ttl_s) if ttl_s else None
+        self.jitter, self.xfetch_beta = float(jitter), float(xfetch_beta)
+        self.rng = rng or random.Random()
+
+    def expiry(self, now: float, ttl_s: float | None = None) -> float:
+        """Absolute expiry (seconds, same clock as `now`) for an entry stored now; inf without a TTL."""
+        ttl = self.ttl_s if ttl_s is None else (float(ttl_s) if ttl_s else None)
+        if ttl is None:
+            return math.inf
+        return now + ttl * (1.0 - self.jitter * self.rng.random())
+
+    def should_refresh(self, now: float, expires: float, compute_s: float) -> bool:
+        """XFetch: recompute this hit early? (False without a TTL, a compute time or beta.)"""
+        if not math.isfinite(expires) or compute_s <= 0 or self.xfetch_beta <= 0:
+            return False
+        u = 1.0 - self.rng.random()  # (0, 1]
+        return now - compute_s * self.xfetch_beta * math.log(u) >= expires
+
+
+class RevisionWatermark:
+    """The revision this cache serves and whether a newer one has been announced elsewhere.
+
+    `announce`/`newest` are callables into the L2 (None without one): announce(revision) registers it,
+    newest() returns the newest announced revision (or None when unknown / L2 unreachable). `check()` is
+    cheap: it asks the L2 at most every `check_s` seconds (0: on every call).
+    """
+
+    def __init__(self, revision: str, check_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.revision = str(revision)
+        self.check_s = float(check_s)
+        self.clock = clock
+        self.newest: str | None = self.revision
+        self._last = -math.inf
+        self.announce: Callable[[str], None] | None = None
+        self.fetch: Callable[[], str | None] | None = None
+
+    def attach(self, announce: Callable[[str], None], fetch: Callable[[], str | None]) -> None:
+        self.announce, self.fetch = announce, fetch
+        announce(self.revision)
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> None:
+        if self.fetch is None:
+            return
+        now = self.clock()
+        if not force and now - self._last < self.check_s:
+            return
+        self._last = now
+        newest = self.fetch()
+        if newest is not None:  # unknown (L2 down): keep the last view
+            self.newest = newest
+
+    def observe(self, newest: str | None) -> None:
+        """A newest-revision value that arrived with another L2 reply (no extra round trip)."""
+        if newest is not None:
+            self.newest = newest
+            self._last = self.clock()
+
+    def set_revision(self, revision: str) -> None:
+        self.revision = str(revision)
+        self.newest = self.revision
+        if self.announce is not None:
+            self.announce(self.revision)
+            self.refresh(force=True)
+
+    @property
+    def current(self) -> bool:
+        """True while this cache's revision is the newest announced one (it may serve and store)."""
+        self.refresh()
+        return self.newest is None or self.newest == self.revision

@@ -1,0 +1,152 @@
+"""Protection of the backend behind the cache: single-flight and a Bloom filter of what exists.
+
+Single-flight: N concurrent misses on the same key compute once. The first caller (the leader) computes
+and stores; the others wait for it and then look up again, so each follower's own checks (payload cosine,
+tenant, revision) still decide whether it is served; a follower that still misses computes for itself.
+`SingleFlight` is for threads, `AsyncSingleFlight` for one asyncio event loop.
+
+Bloom filter (rbloom): "requests known to have no entry". A request can only have an entry within
+Hamming radius r if, splitting codes into m chunks, one of its chunks is within floor(r / m) bits of the
+entry's chunk (pigeonhole). The filter holds (tenant, chunk index, chunk value) of every stored code; a
+request none of whose probes is in the filter has no entry, and the cache answers "miss" without
+searching (or asking the L2, when `guard_l2`). No false negatives for codes it was told about; false
+positives at `fp_rate` and from removed entries (a Bloom filter cannot delete), so the filter is rebuilt
+from the live entries once as many codes were added as it was sized for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from itertools import combinations
+from typing import Iterable
+
+
+class SingleFlight:
+    """Per-key leader election for threads: `lead(key)` -> (is_leader, event)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._calls: dict = {}
+
+    def lead(self, key) -> tuple[bool, threading.Event]:
+        with self._lock:
+            ev = self._calls.get(key)
+            if ev is not None:
+                return False, ev
+            ev = self._calls[key] = threading.Event()
+            return True, ev
+
+    def done(self, key, ev: threading.Event) -> None:
+        with self._lock:
+            if self._calls.get(key) is ev:
+                del self._calls[key]
+        ev.set()
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+
+class AsyncSingleFlight:
+    """The same for coroutines of one event loop."""
+
+    def __init__(self):
+        self._calls: dict = {}
+
+    def lead(self, key) -> tuple[bool, asyncio.Event]:
+        ev = self._calls.get(key)
+        if ev is not None:
+            return False, ev
+        ev = self._calls[key] = asyncio.Event()
+        return True, ev
+
+    def done(self, key, ev: asyncio.Event) -> None:
+        if self._calls.get(key) is ev:
+            del self._calls[key]
+        ev.set()
+
+
+def chunk_bounds(bits: int, chunks: int) -> list[tuple[int, int]]:
+    """[(start, width)] of `chunks` contiguous bit ranges covering `bits` (widths differ by at most 1)."""
+    edges = [round(i * bits / chunks) for i in range(chunks + 1)]
+    return [(a, b - a) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def default_chunks(bits: int, radius: int) -> int:
+    """radius + 1 chunks (one probe each) as long as chunks keep >= 16 bits (selective enough)."""
+    return max(1, min(int(radius) + 1, bits // 16))
+
+
+class BloomGuard:
+    """An rbloom filter over (tenant, chunk j, chunk value) of stored codes (see the module docstring)."""
+
+    def __init__(self, bits: int, radius: int, expected_items: int = 100_000, fp_rate: float = 0.01,
+                 chunks: int | None = None):
+        from rbloom import Bloom
+
+        self._Bloom = Bloom
+        self.bits = int(bits)
+        self.chunks = int(chunks) if chunks else default_chunks(self.bits, radius)
+        if not 1 <= self.chunks <= self.bits:
+            raise ValueError(f"bloom chunks must be in [1, bits={self.bits}]; got {self.chunks}")
+        self.bounds = chunk_bounds(self.bits, self.chunks)
+        self.expected_items = max(16, int(expected_items))
+        self.fp_rate = float(fp_rate)
+        self.set_radius(radius)
+        self.clear()
+
+    def clear(self) -> None:
+        self._bloom = self._Bloom(self.expected_items * self.chunks, self.fp_rate)
+        self.added = 0
+
+    def set_radius(self, radius: int) -> None:
+        self.radius = int(radius)
+        self.flips = self.radius // self.chunks
+        # probe masks per chunk: every way to flip up to `flips` of the chunk's bits
+        self._masks = []
+        for start, width in self.bounds:
+            masks = [0]
+            for f in range(1, self.flips + 1):
+                masks += [sum(1 << (start + i) for i in c) for c in combinations(range(width), f)]
+            self._masks.append(masks)
+
+    @property
+    def probes(self) -> int:
+        return sum(len(m) for m in self._masks)
+
+    def _key(self, tenant: int, j: int, chunk: int) -> int:
+        return (chunk << 24) | (j << 16) | (tenant & 0xFFFF) if tenant < 0x10000 else hash((tenant, j, chunk))
+
+    def _chunks(self, code_int: int) -> list[int]:
+        return [(code_int >> s) & ((1 << w) - 1) for s, w in self.bounds]
+
+    def add(self, tenant: int, code: bytes) -> None:
+        c = int.from_bytes(code, "little")  # bit i of the code is bit i of this int (LSB-first packing)
+        for j, v in enumerate(self._chunks(c)):
+            self._bloom.add(self._key(tenant, j, v))
+        self.added += 1
+
+    def may_contain(self, tenant: int, code: bytes) -> bool:
+        """False only if no stored code of `tenant` can be within `radius` of `code`."""
+        c = int.from_bytes(code, "little")
+        bloom = self._bloom
+        for j, ((s, w), masks) in enumerate(zip(self.bounds, self._masks)):
+            for m in masks:
+                if self._key(tenant, j, ((c ^ m) >> s) & ((1 << w) - 1)) in bloom:
+                    return True
+        return False
+
+    @property
+    def needs_rebuild(self) -> bool:
+        return self.added > self.expected_items
+
+    def rebuild(self, items: Iterable[tuple[int, bytes]]) -> None:
+        self.clear()
+        for tenant, code in items:
+            self.add(tenant, code)
+
+    @staticmethod
+    def probes_for(bits: int, chunks: int, radius: int) -> int:
+        flips = radius // chunks
+        return sum(sum(math.comb(w, f) for f in range(flips + 1)) for _, w in chunk_bounds(bits, chunks))
