@@ -503,9 +503,9 @@ class SemanticCache:
             self._sf.done(key, ev)
 
     def _compute_store(self, q: Query, compute, tenant, ttl_s):
-        t0 = time.perf_counter()
+        t0 = self.clock()  # the cache's clock: XFetch compares compute time with expiries on it
         value = compute()
-        self.store(q, value, tenant, ttl_s=ttl_s, compute_s=time.perf_counter() - t0)
+        self.store(q, value, tenant, ttl_s=ttl_s, compute_s=max(0.0, self.clock() - t0))
         return value
 
     async def aget_or_compute(self, modality: str, data=None, *, features=None, compute,
@@ -534,9 +534,9 @@ class SemanticCache:
         try:
             if hit is not None:
                 self.metrics.early_refresh.inc()
-            t0 = time.perf_counter()
+            t0 = self.clock()
             value = await compute()
-            self.store(q, value, tenant, ttl_s=ttl_s, compute_s=time.perf_counter() - t0)
+            self.store(q, value, tenant, ttl_s=ttl_s, compute_s=max(0.0, self.clock() - t0))
             return Result(value, None, computed=True, waited=not leader)
         finally:
             if leader:

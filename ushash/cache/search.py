@@ -237,7 +237,7 @@ class TorchBackend(HammingBackend):
         if self._n == 0 or radius < 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int32)
         torch = self._torch
-        q = torch.as_tensor(code, device=self.device)
+        q = torch.as_tensor(code.copy(), device=self.device)
         x = torch.bitwise_xor(self._codes[: self._n], q)
         d = self._lut[x.long()].sum(dim=1, dtype=torch.int32)
         ok = (d <= int(radius)) & self._alive[: self._n]

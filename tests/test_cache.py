@@ -1,0 +1,321 @@
+"""SemanticCache (L1): hits within the radius, payload check, tenants, revisions, TTL, XFetch,
+single-flight, the Bloom guard, byte capacity and metrics, on every search backend."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ushash.cache import CacheConfig, RequestError, SemanticCache, UnknownTenant
+from ushash.cache.lsh import LSHHead
+from ushash.codes import hamming
+
+BACKENDS = [
+    pytest.param({"backend": "flat"}, id="faiss-flat"),
+    pytest.param({"backend": "mih"}, id="faiss-mih"),
+    pytest.param({"backend": "torch", "device": "cpu"}, id="torch-cpu"),
+    pytest.param({"backend": "torch", "device": "cuda"}, id="torch-cuda", marks=pytest.mark.gpu),
+]
+
+
+class FakeClock:
+    def __init__(self, t=1_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def head():
+    return LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0)
+
+
+def _flip(code: bytes, bits) -> bytes:
+    a = bytearray(code)
+    for b in bits:
+        a[b // 8] ^= 1 << (b % 8)
+    return bytes(a)
+
+
+def _unit(rng, dim=32):
+    v = rng.normal(size=dim).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def test_hit_within_radius_and_miss_beyond(head):
+    cache = SemanticCache(head, {"radius": 3, "payload_check": False})
+    code = bytes(range(8))
+    cache.store(cache.query_from_code("text", np.frombuffer(code, np.uint8)), "answer")
+    for d in range(6):
+        q = cache.query_from_code("text", np.frombuffer(_flip(code, range(0, 8 * d, 8)), np.uint8))
+        hit = cache.lookup(q)
+        assert (hit is not None) == (d <= 3), d
+        if hit:
+            assert hit.distance == d and hit.value == "answer" and hit.tier == "l1"
+    m = cache.metrics
+    assert m.value("cache_gets_total", result="hit") == 4
+    assert m.value("cache_gets_total", result="miss") == 2
+
+
+@pytest.mark.parametrize("opts", BACKENDS)
+def test_lookups_match_a_naive_reference(head, opts):
+    """Random stores and lookups around a few centres: every answer equals the brute-force rule
+    (nearest within radius whose decoded payload has cosine >= threshold; ties by cosine)."""
+    rng = np.random.default_rng(1)
+    cache = SemanticCache(head, {"radius": 4, "payload_threshold": 0.5, "ttl_s": 0, "bloom": True, **opts})
+    codec = head.payload
+    centres = rng.integers(0, 256, size=(6, 8), dtype=np.uint8)
+    zc = [_unit(rng) for _ in range(6)]
+    entries = []  # (code, z_decoded, value, modality)
+    for i in range(400):
+        c = rng.integers(6)
+        code = _flip(centres[c].tobytes(), rng.integers(0, 64, size=rng.integers(0, 5)))
+        z = zc[c] + 0.6 * _unit(rng)
+        z /= np.linalg.norm(z)
+        mod = ["image", "text"][i % 2]
+        q = cache.query_from_code(mod, np.frombuffer(code, np.uint8), z)
+        if rng.random() < 0.5:
+            hit = cache.lookup(q)
+            ref = None
+            if entries:
+                codes = np.stack([np.frombuffer(e[0], np.uint8) for e in entries])
+                d = hamming(np.frombuffer(code, np.uint8)[None], codes)[0]
+                best = None
+                for j in np.flatnonzero(d <= 4):
+                    cos = float(np.dot(z, entries[j][1]) / np.linalg.norm(entries[j][1]))
+                    if cos >= 0.5 - 1e-6:
+                        key = (d[j], -cos)
+                        if best is None or key < best[0]:
+                            best = (key, entries[j][2])
+                ref = None if best is None else best[1]
+            assert (hit.value if hit else None) == ref, i
+        else:
+            cache.store(q, f"v{i}")
+            dec = codec.decode(mod, codec.encode(mod, z[None]))[0]
+            entries.append((code, dec, f"v{i}", mod))
+
+
+def test_payload_check_rejects_a_near_code_with_a_far_embedding(head):
+    rng = np.random.default_rng(2)
+    cache = SemanticCache(head, {"radius": 2, "payload_threshold": 0.8})
+    z = _unit(rng)
+    code = np.arange(8, dtype=np.uint8)
+    cache.store(cache.query_from_code("image", code, z), "img")
+    assert cache.lookup(cache.query_from_code("text", code, z)).cosine > 0.95
+    far = cache.lookup(cache.query_from_code("text", code, -z))
+    assert far is None
+    assert cache.metrics.value("cache_rejections_total", reason="payload") == 1
+    # the threshold is configurable: -1 accepts anything
+    loose = SemanticCache(head, {"radius": 2, "payload_threshold": -1.0})
+    loose.store(loose.query_from_code("image", code, z), "img")
+    assert loose.lookup(loose.query_from_code("text", code, -z)) is not None
+
+
+def test_cross_modal_can_be_switched_off(head):
+    x = np.ones(24, np.float32)
+    on = SemanticCache(head, {})
+    on.put("image", features=x, value=1)
+    assert on.get("text", features=x) is not None
+    off = SemanticCache(head, {"cross_modal": False})
+    off.put("image", features=x, value=1)
+    assert off.get("text", features=x) is None and off.get("image", features=x) is not None
+
+
+def test_tenants_never_see_each_other(head):
+    x = np.ones(24, np.float32)
+    cache = SemanticCache(head, {"tenants": ["acme", "globex"]})
+    cache.put("text", features=x, value="acme's", tenant="acme")
+    assert cache.get("text", features=x, tenant="globex") is None
+    assert cache.get("text", features=x, tenant="acme").value == "acme's"
+    with pytest.raises(UnknownTenant, match="unknown tenant 'initech'"):
+        cache.get("text", features=x, tenant="initech")
+    with pytest.raises(UnknownTenant, match="tenant must be"):
+        SemanticCache(head, {}).get("text", features=x, tenant="{acme}")
+
+
+def test_revision_change_never_serves_older_entries(head):
+    x = np.ones(24, np.float32)
+    cache = SemanticCache(head, {})
+    cache.put("text", features=x, value="old")
+    hit = cache.get("text", features=x)
+    assert hit.revision == head.revision
+    new = LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0, revision="r2")
+    cache.reload(new)
+    assert cache.revision == "r2"
+    assert cache.get("text", features=x) is None
+    assert cache.metrics.value("cache_evictions_total", reason="revision") == 1
+    cache.put("text", features=x, value="new")
+    assert cache.get("text", features=x).revision == "r2"
+
+
+def test_ttl_with_jitter_expires_entries():
+    clock = FakeClock()
+    head = LSHHead({"text": 8}, bits=64, dim=16)
+    cache = SemanticCache(head, {"ttl_s": 100, "ttl_jitter": 0.2, "xfetch_beta": 0, "radius": 0}, clock=clock)
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(50, 8)).astype(np.float32)
+    for x in xs:
+        cache.put("text", features=x, value=1)
+    exp = np.array([cache.get("text", features=x).expires for x in xs]) - clock.t
+    assert (exp <= 100).all() and (exp > 80).all() and len(np.unique(exp)) == 50  # spread, never beyond ttl
+    clock.t += 90
+    alive = sum(cache.get("text", features=x) is not None for x in xs)
+    assert alive == int((exp > 90).sum())
+    assert cache.metrics.value("cache_evictions_total", reason="expired") == 50 - alive
+    clock.t += 11
+    assert all(cache.get("text", features=x) is None for x in xs) and len(cache) == 0
+    # a hit does not extend an entry's life (no sliding TTL)
+    cache.put("text", features=xs[0], value=2, ttl_s=10)
+    for _ in range(5):
+        clock.t += 1.9
+        assert cache.get("text", features=xs[0]) is not None
+    clock.t += 1
+    assert cache.get("text", features=xs[0]) is None
+
+
+def test_xfetch_refreshes_hot_entries_early_once():
+    clock = FakeClock()
+    head = LSHHead({"text": 8}, bits=64, dim=16)
+    cache = SemanticCache(head, {"ttl_s": 100, "ttl_jitter": 0, "xfetch_beta": 1.0}, clock=clock)
+    x = np.ones(8, np.float32)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        clock.t += 5.0  # recomputation takes 5 s of this clock
+        return len(calls)
+
+    assert cache.get_or_compute("text", features=x, compute=compute).computed
+    clock.t += 50
+    refreshed = sum(cache.get("text", features=x).refresh for _ in range(200))
+    assert refreshed < 10  # P = exp(-(45)/5) ~ 1e-4
+    clock.t += 44  # 1 s before expiry: refresh with P = 1 - exp(-1/5) per hit... most hits ask
+    res = [cache.get_or_compute("text", features=x, compute=compute) for _ in range(30)]
+    assert any(r.computed for r in res)
+    assert cache.metrics.value("cache_early_refresh_total") >= 1
+    assert cache.get("text", features=x).expires > clock.t + 50  # the refreshed entry is fresh
+
+
+def test_single_flight_threads_compute_once():
+    head = LSHHead({"text": 8}, bits=64, dim=16)
+    cache = SemanticCache(head, {})
+    x = np.ones(8, np.float32)
+    calls = []
+    barrier = threading.Barrier(8)
+
+    def compute():
+        calls.append(1)
+        time.sleep(0.2)
+        return "v"
+
+    out = []
+
+    def worker():
+        barrier.wait()
+        out.append(cache.get_or_compute("text", features=x, compute=compute))
+
+    ts = [threading.Thread(target=worker) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(calls) == 1
+    assert [r.value for r in out] == ["v"] * 8
+    assert sum(r.waited for r in out) == 7
+    assert cache.metrics.value("cache_singleflight_waits_total") == 7
+
+
+def test_single_flight_asyncio_compute_once():
+    head = LSHHead({"text": 8}, bits=64, dim=16)
+    cache = SemanticCache(head, {})
+    x = np.ones(8, np.float32)
+    calls = []
+
+    async def compute():
+        calls.append(1)
+        await asyncio.sleep(0.05)
+        return "v"
+
+    async def main():
+        return await asyncio.gather(*[cache.aget_or_compute("text", features=x, compute=compute) for _ in range(10)])
+
+    res = asyncio.run(main())
+    assert len(calls) == 1 and all(r.value == "v" for r in res)
+
+
+def test_bloom_skips_searches_that_must_miss_and_never_hides_a_hit(head):
+    rng = np.random.default_rng(3)
+    on = SemanticCache(head, {"radius": 3, "payload_check": False, "bloom": True})
+    off = SemanticCache(head, {"radius": 3, "payload_check": False, "bloom": False})
+    base = rng.integers(0, 256, size=(200, 8), dtype=np.uint8)
+    for i, c in enumerate(base):
+        for cache in (on, off):
+            cache.store(cache.query_from_code("text", c), i)
+    for _ in range(300):
+        c = base[rng.integers(200)].tobytes() if rng.random() < 0.5 else rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+        c = _flip(c, rng.integers(0, 64, size=rng.integers(0, 5)))
+        q = np.frombuffer(c, np.uint8)
+        a, b = on.lookup(on.query_from_code("text", q)), off.lookup(off.query_from_code("text", q))
+        assert (a and a.value) == (b and b.value)
+    assert on.metrics.value("cache_bloom_skips_total") > 100
+
+
+def test_capacity_is_bytes_and_evictions_are_counted(head):
+    rng = np.random.default_rng(4)
+    for policy in ("lru", "lfu", "wtinylfu", "lruk"):
+        cache = SemanticCache(head, {"capacity_bytes": 20_000, "policy": policy})
+        for i in range(400):
+            cache.put("text", features=rng.normal(size=24).astype(np.float32), value="x" * int(rng.integers(10, 200)))
+            assert cache.policy.used_bytes <= 20_000
+        m = cache.metrics
+        assert m.value("cache_size_bytes") == cache.policy.used_bytes > 10_000
+        evicted = m.value("cache_evictions_total", reason="capacity") + m.value("cache_rejections_total", reason="admission")
+        assert evicted + len(cache) == 400
+        # bytes = codes + payloads + values of what is held
+        t = cache.table
+        held = sum(8 + len(t.payload[s]) + len(t.value[s]) for s in t.live_slots())
+        assert held == cache.policy.used_bytes
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        CacheConfig(policy="fifo")
+
+
+def test_values_bytes_str_json(head):
+    cache = SemanticCache(head, {"radius": 0})
+    rng = np.random.default_rng(5)
+    for v in (b"\x00\xffraw", "text ☃", {"answer": [1, 2.5, None]}, 7):
+        x = rng.normal(size=24).astype(np.float32)
+        cache.put("text", features=x, value=v)
+        assert cache.get("text", features=x).value == v
+    with pytest.raises(TypeError, match="JSON"):
+        cache.put("text", features=np.ones(24, np.float32), value=object())
+
+
+def test_bad_requests_raise_request_error(head):
+    cache = SemanticCache(head, {})
+    with pytest.raises(RequestError, match="modality 'video' is not served"):
+        cache.get("video", features=np.ones(24))
+    with pytest.raises(RequestError, match="vector of 24"):
+        cache.get("text", features=np.ones(23))
+    with pytest.raises(RequestError, match="finite"):
+        cache.get("text", features=np.full(24, np.nan))
+    with pytest.raises(RequestError, match="exactly one"):
+        cache.get("text")
+
+
+def test_metric_names(head):
+    cache = SemanticCache(head, {})
+    cache.put("text", features=np.ones(24, np.float32), value=1)
+    cache.get("text", features=np.ones(24, np.float32))
+    cache.get("text", features=-np.ones(24, np.float32))
+    text = cache.metrics.text().decode()
+    for name in ("cache_gets_total{result=\"hit\"}", "cache_gets_total{result=\"miss\"}", "cache_puts_total",
+                 "cache_evictions_total", "cache_size_bytes", "cache_lookup_duration_seconds_bucket",
+                 "cache_put_duration_seconds_bucket", "cache_nearest_hamming_distance_bucket{le=\"0.0\",result=\"hit\"}",
+                 "cache_nearest_hamming_distance_count{result=\"miss\"}"):
+        assert name in text, name
+    # two caches never share series
+    other = SemanticCache(head, {})
+    assert other.metrics.value("cache_puts_total") == 0

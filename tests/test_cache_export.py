@@ -1,0 +1,94 @@
+"""SemanticCache on a real export (ushash.export / ushash.artifact): raw image, text and audio inputs
+through the export's frozen encoder, and refusals of bad media."""
+
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+
+from ushash.cache import RequestError, SemanticCache
+from ushash.encoders import build_encoder
+from ushash.export import write_export
+from ushash.heads import USHash
+
+ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    import torch
+
+    enc = build_encoder({**ENC_CFG, "device": "cpu"})
+    torch.manual_seed(0)
+    model = USHash(dict(enc.dims), bits=64, dim=32, hidden=32).eval()
+    out = tmp_path_factory.mktemp("export") / "tiny-64b"
+    write_export(model, out, {"name": "tiny", "fingerprint": enc.fingerprint, "config": ENC_CFG})
+    return out
+
+
+def _png(color, size=40) -> bytes:
+    buf = io.BytesIO()
+    img = Image.new("RGB", (size, size), color)
+    for i in range(0, size, 4):
+        img.putpixel((i, i), (255 - color[0], 0, 0))
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _jpeg(png: bytes, quality: int) -> bytes:
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(png)).convert("RGB").save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _wav(freq, sr=16000, seconds=1.0, noise=0.0, seed=0) -> bytes:
+    t = np.arange(int(sr * seconds)) / sr
+    w = 0.5 * np.sin(2 * np.pi * freq * t) + noise * np.random.default_rng(seed).normal(size=t.shape)
+    buf = io.BytesIO()
+    sf.write(buf, w.astype(np.float32), sr, format="WAV")
+    return buf.getvalue()
+
+
+def test_raw_inputs_through_the_exports_encoder(export_dir):
+    cache = SemanticCache.from_export(export_dir, {"radius": 6, "payload_threshold": 0.9})
+    assert cache.revision == cache.head.revision and cache.bits == 64
+    cache.put("text", "a red fox jumps", value="fox")
+    assert cache.get("text", "a red fox jumps").value == "fox"
+    assert cache.get("text", "  a red fox jumps  ").distance == 0  # normalised like the feature store
+
+    png = _png((200, 30, 30))
+    cache.put("image", png, value="red square")
+    hit = cache.get("image", _jpeg(png, 70))  # re-encoded: different bytes, same picture
+    assert hit is not None and hit.value == "red square"
+    assert cache.get("image", Image.open(io.BytesIO(png))).distance == 0
+
+    cache.put("audio", _wav(440), value="A4")
+    hit = cache.get("audio", _wav(440, noise=0.01, seed=1))
+    assert hit is not None and hit.value == "A4"
+    # precomputed features and raw inputs give the same code
+    enc = cache.encoder.encoder()
+    f = enc.encode("text", enc.collate("text", [enc.preprocess("text", "a red fox jumps")])).numpy()[0]
+    assert cache.get("text", features=f).distance == 0
+
+
+def test_bad_media_is_refused_with_a_clear_message(export_dir):
+    cache = SemanticCache.from_export(export_dir, {})
+    with pytest.raises(RequestError, match="undecodable image"):
+        cache.get("image", b"\x89PNG\r\n\x1a\n not really")
+    with pytest.raises(RequestError, match="undecodable audio"):
+        cache.get("audio", b"RIFF....WAVEfmt garbage")
+    with pytest.raises(RequestError, match="empty image"):
+        cache.get("image", b"")
+    with pytest.raises(RequestError, match="UTF-8"):
+        cache.get("text", b"\xff\xfe\xfa")
+    with pytest.raises(RequestError, match="empty caption"):
+        cache.get("text", "   ")
+
+
+def test_export_expectations_are_checked(export_dir):
+    from ushash.artifact import IncompatibleExport
+
+    with pytest.raises(IncompatibleExport):
+        SemanticCache.from_export(export_dir, {}, expect_bits=32)

@@ -1,0 +1,164 @@
+"""The Redis L2 against a real redis-server started on a free loopback port (skipped without the binary):
+replicas share entries, tenants stay apart, revisions are watermarked, and a dead or slow Redis
+degrades the cache to L1 without an error reaching the caller."""
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ushash.cache import SemanticCache
+from ushash.cache.lsh import LSHHead
+
+REDIS = shutil.which("redis-server")
+pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed (./run test installs it)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, extra=()):
+        self.port = _free_port()
+        self.proc = subprocess.Popen([REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--protected-mode", "yes", "--enable-debug-command", "local", *extra],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        self.client = redis.Redis(port=self.port)
+        for _ in range(200):
+            try:
+                if self.client.ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(5)
+
+
+@pytest.fixture
+def redis_server():
+    srv = RedisServer()
+    yield srv
+    srv.stop()
+
+
+def _head(revision=None):
+    return LSHHead({"image": 16, "text": 16}, bits=64, dim=32, aligned=True, seed=0, revision=revision)
+
+
+def _cache(srv, revision=None, **kw):
+    l2 = {"url": srv.url, "watermark_check_s": 0.0, **kw.pop("l2", {})}
+    return SemanticCache(_head(revision), {"radius": 3, "l2": l2, **kw})
+
+
+def test_replicas_share_entries_through_l2(redis_server):
+    a, b = _cache(redis_server), _cache(redis_server)
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    assert a.put("image", features=x, value={"caption": "a frog"})
+    hit = b.get("text", features=x + 0.01)
+    assert hit is not None and hit.tier == "l2" and hit.value == {"caption": "a frog"}
+    assert b.get("text", features=x).tier == "l1"  # promoted into b's L1
+    assert b.metrics.value("cache_hits_total", tier="l2") == 1
+    assert b.get("text", features=-x) is None
+    # the payload check applies to L2 entries too
+    strict = _cache(redis_server, payload_threshold=0.999999)
+    far = x.copy()
+    far[:3] += 0.6
+    h = strict.get("text", features=far)
+    assert h is None or h.cosine >= 0.999999
+
+
+def test_tenants_are_isolated_in_l2_and_keys_share_a_cluster_slot(redis_server):
+    from redis.cluster import key_slot
+
+    a, b = _cache(redis_server), _cache(redis_server)
+    x = np.ones(16, np.float32)
+    a.put("text", features=x, value="acme", tenant="acme")
+    assert b.get("text", features=x, tenant="globex") is None
+    assert b.get("text", features=x, tenant="acme").value == "acme"
+    keys = [k.decode() for k in redis_server.client.keys("ushash:*")]
+    acme = [k for k in keys if "{acme}" in k]
+    assert acme and len({key_slot(k.encode()) for k in acme}) == 1
+    assert all(k == "ushash:revisions" or "{acme}" in k for k in keys)
+
+
+def test_ttl_is_kept_in_redis(redis_server):
+    a, b = _cache(redis_server, ttl_s=1.0, ttl_jitter=0.0), _cache(redis_server)
+    x = np.ones(16, np.float32)
+    a.put("text", features=x, value=1)
+    ek = [k for k in redis_server.client.keys("ushash:{default}:e:*")][0]
+    assert 0 < redis_server.client.pttl(ek) <= 1000
+    time.sleep(1.1)
+    assert b.get("text", features=x) is None
+
+
+def test_revision_watermark_across_replicas(redis_server):
+    x = np.ones(16, np.float32)
+    old = _cache(redis_server, revision="rev-1")
+    old.put("text", features=x, value="old answer")
+    assert old.get("text", features=x).value == "old answer"
+    time.sleep(0.01)
+    new = _cache(redis_server, revision="rev-2")  # a newer model is announced
+    assert new.get("text", features=x) is None  # never an entry of rev-1
+    # the old replica notices the watermark and stops serving (L1 included) and storing
+    assert old.get("text", features=x) is None
+    assert not old.put("text", features=x, value="stale write")
+    assert old.metrics.value("cache_rejections_total", reason="stale_revision") >= 2
+    # a replica restarted on the old revision does not win the watermark back
+    again = _cache(redis_server, revision="rev-1")
+    assert not again.watermark.current
+    new.put("text", features=x, value="new answer")
+    old.reload(_head("rev-2"))
+    assert old.get("text", features=x).value == "new answer"
+
+
+def test_redis_down_degrades_to_l1_and_counts(redis_server):
+    a = _cache(redis_server, l2={"breaker_failures": 2, "breaker_backoff_s": 60})
+    x = np.ones(16, np.float32)
+    a.put("text", features=x, value="kept")
+    redis_server.stop()
+    assert a.get("text", features=x).value == "kept"  # L1 still serves
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y = rng.normal(size=16).astype(np.float32)
+        assert a.get("text", features=y) is None  # misses go to L2, fail, are absorbed
+        assert a.put("text", features=y, value="l1 only")  # stored in L1 all the same
+        assert a.get("text", features=y).value == "l1 only"
+    assert time.perf_counter() - t0 < 2.0
+    errs = {op: a.metrics.value("cache_l2_errors_total", op=op)
+            for op in ("watermark", "lookup", "put", "circuit_open")}
+    assert errs["watermark"] + errs["lookup"] + errs["put"] == 2, errs  # then the circuit opened
+    assert errs["circuit_open"] > 20, errs
+
+
+def test_slow_redis_times_out_and_is_counted(redis_server):
+    a = _cache(redis_server, l2={"timeout_s": 0.05, "breaker_failures": 100, "watermark_check_s": 60})
+    x = np.ones(16, np.float32)
+    a.put("text", features=x, value=1)
+    blocker = threading.Thread(target=lambda: redis_server.client.execute_command("DEBUG", "SLEEP", "0.5"))
+    blocker.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    assert a.get("text", features=-x) is None
+    took = time.perf_counter() - t0
+    blocker.join()
+    assert took < 0.3, took
+    assert a.metrics.value("cache_l2_errors_total", op="lookup") == 1
