@@ -261,3 +261,26 @@ def test_token_blobs_roundtrip():
     assert np.all(rowcos(vecs, tokens[keep]) > 0.98)
     with pytest.raises(PayloadError, match="token blob"):
         f.decode_tokens(blob[:-1])
+
+
+def test_rerank_tie_rule_matches_lexsort_reference():
+    # entries in {0, +-1}, four non-zeros per vector: every cosine is an exact multiple of 1/4, so ties abound
+    rng = np.random.default_rng(15)
+
+    def sparse_signs(n, d=16):
+        x = np.zeros((n, d), np.float32)
+        for row in x:
+            row[rng.choice(d, 4, replace=False)] = rng.choice([-1.0, 1.0], 4)
+        return x
+
+    db, q = sparse_signs(400), sparse_signs(25)
+    cand = np.stack([rng.permutation(400)[:60] for _ in range(25)])
+    cand[:, -5:] = -1
+    f = PayloadFormat(16, kind="fp16")
+    S, I = f.rerank(q, cand, f.encode(db), k=30)
+    for i in range(25):
+        c = cand[i][cand[i] >= 0]
+        sc = (db[c] @ q[i]) / 4.0
+        ref = c[np.lexsort((c, -sc))][:30]
+        np.testing.assert_array_equal(I[i], ref)
+        np.testing.assert_array_equal(S[i], np.sort(sc)[::-1][:30])

@@ -122,16 +122,38 @@ def _group_scales(x: np.ndarray, group: int) -> np.ndarray:
     return s
 
 
-def _quantize(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """int8 q = clip(round(x / scale), -7, 7); scale broadcast to x, zero scale gives q = 0."""
-    safe = np.where(scale > 0, scale, 1.0)
-    q = np.rint(x / safe)
-    q = np.where(scale > 0, q, 0.0)
-    return np.clip(q, -INT4_MAX, INT4_MAX).astype(np.int8)
+def _inverse(scale: np.ndarray) -> np.ndarray:
+    """1 / scale as float32, 0 where the scale is 0 (those values quantize to 0)."""
+    scale = np.asarray(scale, np.float32)
+    return np.divide(np.float32(1.0), scale, out=np.zeros_like(scale), where=scale > 0)
+
+
+def _quantize(x: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    """int8 q = clip(round(x * inv), -7, 7), inv = 1 / scale broadcast to x (one multiply instead of a
+    division: at most one ulp from x / scale, the error bound |x - q * scale| <= scale / 2 holds)."""
+    q = x * inv
+    np.rint(q, out=q)
+    np.clip(q, -INT4_MAX, INT4_MAX, out=q)
+    return q.astype(np.int8)
 
 
 def _expand_groups(s: np.ndarray, group: int, length: int) -> np.ndarray:
     return np.repeat(s.astype(np.float32), group, axis=1)[:, :length]
+
+
+def _order_desc(scores: np.ndarray, index: np.ndarray, k: int) -> np.ndarray:
+    """Column order [M, k] of the k best per row: score descending, then database index ascending.
+
+    One int64 key per cell (the float32 score's bits made monotone, negated, in the high 32 bits; the
+    index, < 2^32, in the low bits), then a partial sort: exact, and cheaper than np.lexsort."""
+    bits = scores.astype(np.float32).view(np.int32).astype(np.int64)
+    mono = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)      # increases with the float value
+    key = (-mono << 32) | index.astype(np.int64)
+    n = key.shape[1]
+    if k < n:
+        part = np.argpartition(key, k - 1, axis=1)[:, :k]
+        return np.take_along_axis(part, np.argsort(np.take_along_axis(key, part, axis=1), axis=1), axis=1)
+    return np.argsort(key, axis=1)
 
 
 # ---------------------------------------------------------------------------------------------- format
@@ -270,15 +292,18 @@ class PayloadFormat:
 
     # ------------------------------------------------------------------ encode / decode
     def _topk_mask(self, x: np.ndarray) -> np.ndarray:
-        idx = self._topk_idx(x)
-        m = np.zeros(x.shape, bool)
-        np.put_along_axis(m, idx, True, axis=1)
-        return m
+        """bool [N, dim] with exactly k True per row: the k largest |x|, ties to the lower dimension.
 
-    def _topk_idx(self, x: np.ndarray) -> np.ndarray:
-        """int64 [N, k], ascending dimension; ties in |x| go to the lower dimension."""
-        order = np.argsort(-np.abs(x), axis=1, kind="stable")[:, : self.topk]
-        return np.sort(order, axis=1)
+        Each value gets one exact integer key, (bits of |x| as int32, which order like the floats) * 2^s
+        + (dim - 1 - i): keys are distinct within a row, so the k-th largest key (a partial sort) splits
+        the row exactly and deterministically, without a full stable argsort."""
+        k, d = self.topk, self.dim
+        if k == d:
+            return np.ones(x.shape, bool)
+        shift = max(1, int(d - 1).bit_length())
+        key = (np.abs(x).astype(np.float32).view(np.int32).astype(np.int64) << shift) | (d - 1 - np.arange(d))
+        kth = np.partition(key, d - k, axis=1)[:, d - k]
+        return key >= kth[:, None]
 
     def _check_ready(self):
         if not self.fitted:
@@ -293,13 +318,13 @@ class PayloadFormat:
         parts = []
         idx = None
         if self.topk is not None:
-            idx = self._topk_idx(x)
-            vals = np.take_along_axis(x, idx, axis=1)
+            mask = self._topk_mask(x)
+            flat = np.flatnonzero(mask)  # row-major: ascending dimension within each row
+            vals = x.ravel()[flat].reshape(n, self.topk)
+            idx = flat.reshape(n, self.topk) % self.dim
             enc = self.index_encoding
             if enc == "bitmask":
-                m = np.zeros(x.shape, bool)
-                np.put_along_axis(m, idx, True, axis=1)
-                parts.append(np.packbits(m, axis=1, bitorder="little"))
+                parts.append(np.packbits(mask, axis=1, bitorder="little"))
             else:
                 parts.append(idx.astype("<u2" if enc == "u16" else np.uint8).view(np.uint8).reshape(n, -1))
         else:
@@ -315,10 +340,11 @@ class PayloadFormat:
         elif self.scale == "group":
             s16 = _group_scales(vals, self.group_size)
             parts.append(s16.astype("<f2").view(np.uint8).reshape(n, -1))
-            parts.append(_nibbles_pack(_quantize(vals, _expand_groups(s16, self.group_size, self.length))))
+            inv = _expand_groups(_inverse(s16), self.group_size, self.length)
+            parts.append(_nibbles_pack(_quantize(vals, inv)))
         else:
             s = self.channel_scales[idx] if idx is not None else self.channel_scales[None, :]
-            parts.append(_nibbles_pack(_quantize(vals, np.broadcast_to(s, vals.shape))))
+            parts.append(_nibbles_pack(_quantize(vals, _inverse(s))))
         out = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         return np.ascontiguousarray(out, dtype=np.uint8).reshape(n, self.nbytes)
 
@@ -339,24 +365,26 @@ class PayloadFormat:
         r = self.check_records(records)
         n, length = len(r), self.length
         o = 0
-        idx = None
         if self.topk is not None:
             ib = self.index_bytes
             raw = r[:, :ib]
             o = ib
             enc = self.index_encoding
             if enc == "bitmask":
-                m = np.unpackbits(raw, axis=1, count=self.dim, bitorder="little").astype(bool)
-                counts = m.sum(axis=1)
+                mask = np.unpackbits(raw, axis=1, count=self.dim, bitorder="little").view(bool)
+                counts = mask.sum(axis=1)
                 if n and (counts != self.topk).any():
                     bad = int(np.flatnonzero(counts != self.topk)[0])
                     raise PayloadError(f"corrupt payload record {bad}: bitmask has {int(counts[bad])} positions, "
                                        f"format {self.name} stores {self.topk}")
-                idx = np.nonzero(m)[1].reshape(n, self.topk)
             else:
                 idx = np.ascontiguousarray(raw).view("<u2" if enc == "u16" else np.uint8).astype(np.int64)
                 if n and (idx >= self.dim).any():
                     raise PayloadError(f"corrupt payload records: index >= dim={self.dim}")
+                mask = np.zeros((n, self.dim), bool)
+                np.put_along_axis(mask, idx, True, axis=1)
+                if n and (mask.sum(axis=1) != self.topk).any():
+                    raise PayloadError("corrupt payload records: repeated indices")
         if self.kind in _VALUE_BYTES:
             dt = "<f4" if self.kind == "fp32" else "<f2"
             vals = np.ascontiguousarray(r[:, o:o + self.value_bytes]).view(dt).astype(np.float32)
@@ -366,13 +394,17 @@ class PayloadFormat:
             q = _nibbles_unpack(r[:, o:o + self.value_bytes], length)
             vals = q.astype(np.float32) * _expand_groups(s16, self.group_size, length)
         else:
-            q = _nibbles_unpack(r[:, o:o + self.value_bytes], length)
-            s = self.channel_scales[idx] if idx is not None else self.channel_scales[None, :]
-            vals = q.astype(np.float32) * s
-        if idx is None:
+            vals = _nibbles_unpack(r[:, o:o + self.value_bytes], length).astype(np.float32)
+            if self.topk is None:
+                vals *= self.channel_scales[None, :]
+        if self.topk is None:
             return np.ascontiguousarray(vals, dtype=np.float32)
-        out = np.zeros((n, self.dim), np.float32)
-        np.put_along_axis(out, idx, vals, axis=1)
+        # values are in ascending dimension order, and boolean assignment fills row-major: no index arrays
+        out = np.zeros(n * self.dim, np.float32)
+        out[np.flatnonzero(mask)] = vals.ravel()  # (7x faster than out[mask] = ... on numpy 2.4)
+        out = out.reshape(n, self.dim)
+        if self.uses_channel_scales:
+            out *= self.channel_scales[None, :]
         return out
 
     def roundtrip(self, x) -> np.ndarray:
@@ -421,14 +453,18 @@ class PayloadFormat:
         step = max(1, _BLOCK_CELLS // max(1, cc * self.dim))
         for s in range(0, m, step):
             cs = c[s:s + step]
+            b = len(cs)
             valid = cs >= 0
-            dec = self.decode(r[np.where(valid, cs, 0).ravel()]).reshape(len(cs), cc, self.dim)
-            sc = np.einsum("md,mcd->mc", q[s:s + step], _l2n(dec)).astype(np.float32)
+            # np.take on rows: much faster than fancy indexing for narrow uint8 records
+            dec = self.decode(np.take(r, np.where(valid, cs, 0).ravel(), axis=0)).reshape(b, cc, self.dim)
+            dots = np.einsum("md,mcd->mc", q[s:s + step], dec)
+            norms = np.sqrt(np.einsum("mcd,mcd->mc", dec, dec))
+            sc = np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0).astype(np.float32)
+            sc += np.float32(0.0)  # -0.0 -> +0.0, so equal scores compare equal below
             sc[~valid] = -np.inf
-            order = np.lexsort((np.where(valid, cs, np.iinfo(np.int64).max), -sc), axis=1)[:, :kk]
-            S[s:s + len(cs), :kk] = np.take_along_axis(sc, order, axis=1)
-            I[s:s + len(cs), :kk] = np.where(np.isfinite(S[s:s + len(cs), :kk]),
-                                             np.take_along_axis(cs, order, axis=1), -1)
+            order = _order_desc(sc, np.where(valid, cs, 0), kk)
+            S[s:s + b, :kk] = np.take_along_axis(sc, order, axis=1)
+            I[s:s + b, :kk] = np.where(np.isfinite(S[s:s + b, :kk]), np.take_along_axis(cs, order, axis=1), -1)
         return S, I
 
     # ------------------------------------------------------------------ token sets
