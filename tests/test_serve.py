@@ -1,0 +1,164 @@
+"""The HTTP service: lookup/store/metrics/health, bearer tokens, and 4xx (never 500) for bad input."""
+
+import base64
+import io
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from ushash.cache import SemanticCache
+from ushash.encoders import build_encoder
+from ushash.export import write_export
+from ushash.heads import USHash
+from ushash.serve import check_binding, create_app, is_loopback
+
+ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
+TOKEN = "s3cret-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    import torch
+
+    enc = build_encoder({**ENC_CFG, "device": "cpu"})
+    torch.manual_seed(0)
+    model = USHash(dict(enc.dims), bits=64, dim=32, hidden=32).eval()
+    out = tmp_path_factory.mktemp("export") / "tiny-64b"
+    write_export(model, out, {"name": "tiny", "fingerprint": enc.fingerprint, "config": ENC_CFG})
+    return out
+
+
+@pytest.fixture
+def client(export_dir):
+    cache = SemanticCache.from_export(export_dir, {"radius": 4, "tenants": ["default", "acme"]})
+    with TestClient(create_app(cache, max_body_bytes=200_000)) as c:
+        yield c
+
+
+def _b64_png(color=(10, 200, 30)) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (24, 24), color).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_store_then_lookup_text_image_features(client):
+    r = client.post("/v1/lookup", json={"modality": "text", "text": "a green frog"})
+    assert r.status_code == 200 and r.json() == {"hit": False}
+    r = client.post("/v1/store", json={"modality": "text", "text": "a green frog", "value": {"answer": 42}})
+    assert r.status_code == 200 and r.json()["stored"] is True
+    r = client.post("/v1/lookup", json={"modality": "text", "text": "a green frog"})
+    body = r.json()
+    assert body["hit"] and body["value"] == {"answer": 42} and body["distance"] == 0 and body["tier"] == "l1"
+    png = _b64_png()
+    assert client.post("/v1/store", json={"modality": "image", "data_b64": png, "value": "frog.png",
+                                          "tenant": "acme"}).json()["stored"]
+    assert client.post("/v1/lookup", json={"modality": "image", "data_b64": png, "tenant": "acme"}).json()["hit"]
+    assert not client.post("/v1/lookup", json={"modality": "image", "data_b64": png}).json()["hit"]  # other tenant
+    feats = list(np.linspace(-1, 1, 16))
+    client.post("/v1/store", json={"modality": "audio", "features": feats, "value": "beep"})
+    assert client.post("/v1/lookup", json={"modality": "audio", "features": feats}).json()["value"] == "beep"
+    m = client.get("/metrics")
+    assert m.status_code == 200 and 'cache_gets_total{result="hit"} 3.0' in m.text
+    assert client.get("/healthz").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("payload,status,message", [
+    ({"modality": "video", "features": [0.0] * 16}, 400, "modality 'video' is not served"),
+    ({"modality": "image", "data_b64": base64.b64encode(b"\x89PNG\r\n\x1a\nbroken").decode()}, 400, "undecodable image"),
+    ({"modality": "audio", "data_b64": base64.b64encode(b"RIFF0000WAVEjunk").decode()}, 400, "undecodable audio"),
+    ({"modality": "image", "data_b64": "***not base64***"}, 400, "not valid base64"),
+    ({"modality": "text", "text": "hi", "tenant": "initech"}, 404, "unknown tenant 'initech'"),
+    ({"modality": "text", "text": "hi", "tenant": "{bad}"}, 422, "tenant"),
+    ({"modality": "text"}, 400, "exactly one of"),
+    ({"modality": "text", "text": "a", "features": [1.0]}, 400, "exactly one of"),
+    ({"modality": "text", "features": [1.0, 2.0]}, 400, "vector of 16"),
+    ({"modality": "text", "text": "   "}, 400, "empty caption"),
+    ({"modality": "image", "text": "a cat"}, 400, "'text' is for modality text"),
+    ({"modality": "text", "text": "hi", "surprise": 1}, 422, "surprise"),
+    ({"modality": 3, "text": "hi"}, 422, "modality"),
+])
+def test_bad_input_gets_a_4xx_with_a_clear_message(client, payload, status, message):
+    r = client.post("/v1/lookup", json=payload)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]
+
+
+def test_malformed_and_oversized_bodies(client):
+    r = client.post("/v1/lookup", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "invalid request" in r.json()["error"]
+    big = {"modality": "image", "data_b64": "A" * 300_000}
+    r = client.post("/v1/lookup", json=big)
+    assert r.status_code == 413 and "over 200000 bytes" in r.json()["error"]
+
+    def chunks():  # no Content-Length: counted while streaming
+        for _ in range(30):
+            yield b"x" * 10_000
+
+    r = client.post("/v1/lookup", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = client.post("/v1/store", json={"modality": "text", "text": "x", "value": 1, "ttl_s": -5})
+    assert r.status_code == 422
+    r = client.get("/nope")
+    assert r.status_code == 404
+
+
+def test_bearer_token(export_dir):
+    cache = SemanticCache.from_export(export_dir, {})
+    with TestClient(create_app(cache, token=TOKEN)) as c:
+        body = {"modality": "text", "text": "x"}
+        assert c.post("/v1/lookup", json=body).status_code == 401
+        assert c.post("/v1/lookup", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/healthz").status_code == 200
+        ok = c.post("/v1/lookup", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200
+
+
+def test_binding_rules():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    check_binding("127.0.0.1", None)
+    with pytest.raises(SystemExit, match="without a bearer token"):
+        check_binding("0.0.0.0", None)
+    with pytest.raises(SystemExit, match="at least 16"):
+        check_binding("0.0.0.0", "short")
+    check_binding("0.0.0.0", TOKEN)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_entry_point_serves_on_loopback_and_refuses_public_binding(export_dir):
+    import httpx
+
+    r = subprocess.run([sys.executable, "-m", "ushash.serve", f"export={export_dir}", "host=0.0.0.0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "without a bearer token" in r.stderr + r.stdout
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export_dir}", f"port={port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/store", json={"modality": "text", "text": "hi", "value": 1})
+        assert r.json()["stored"]
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/lookup", json={"modality": "text", "text": "hi"}).json()["hit"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
