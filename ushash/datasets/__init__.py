@@ -108,4 +108,4 @@ def _recipe(name: str) -> Recipe:
 
 
 # Recipes register themselves on import.
-from ushash.datasets import manifest, tuxpaint  # noqa: E402,F401
+from ushash.datasets import audiocaps, cc3m, clotho, coco, hf, manifest, tuxpaint  # noqa: E402,F401
