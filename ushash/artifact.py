@@ -157,7 +157,10 @@ class ExportedHead:
         x = self._check(modality, features)
         packed, zs = [], []
         for i in range(0, len(x), _BATCH):
-            xb = torch.as_tensor(np.asarray(x[i:i + _BATCH]), dtype=torch.float32, device=self.device)
+            chunk = np.asarray(x[i:i + _BATCH], dtype=np.float32)
+            if not chunk.flags.writeable:  # a read-only memmap of the feature store: torch wants to own it
+                chunk = chunk.copy()
+            xb = torch.as_tensor(chunk, device=self.device)
             z = self._forward(modality, xb)
             lg = z @ self._protos_n.T
             packed.append(np.packbits((lg > 0).cpu().numpy(), axis=1, bitorder="little"))

@@ -141,6 +141,16 @@ def _expand_groups(s: np.ndarray, group: int, length: int) -> np.ndarray:
     return np.repeat(s.astype(np.float32), group, axis=1)[:, :length]
 
 
+def _scale_groups(q: np.ndarray, s: np.ndarray, group: int) -> np.ndarray:
+    """float32 q * scale of its group: q int8 [N, L], s [N, ceil(L / group)]."""
+    n, length = q.shape
+    if length % group == 0:  # broadcast over groups, no repeated scale array
+        out = q.reshape(n, -1, group).astype(np.float32)
+        out *= s.astype(np.float32)[:, :, None]
+        return out.reshape(n, length)
+    return q.astype(np.float32) * _expand_groups(s, group, length)
+
+
 def _order_desc(scores: np.ndarray, index: np.ndarray, k: int) -> np.ndarray:
     """Column order [M, k] of the k best per row: score descending, then database index ascending.
 
@@ -391,8 +401,7 @@ class PayloadFormat:
         elif self.scale == "group":
             s16 = np.ascontiguousarray(r[:, o:o + self.scale_bytes]).view("<f2")
             o += self.scale_bytes
-            q = _nibbles_unpack(r[:, o:o + self.value_bytes], length)
-            vals = q.astype(np.float32) * _expand_groups(s16, self.group_size, length)
+            vals = _scale_groups(_nibbles_unpack(r[:, o:o + self.value_bytes], length), s16, self.group_size)
         else:
             vals = _nibbles_unpack(r[:, o:o + self.value_bytes], length).astype(np.float32)
             if self.topk is None:
