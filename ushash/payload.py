@@ -151,6 +151,15 @@ def _scale_groups(q: np.ndarray, s: np.ndarray, group: int) -> np.ndarray:
     return q.astype(np.float32) * _expand_groups(s, group, length)
 
 
+def _gather_rows(r: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """r[idx] for uint8 records [N, nbytes]: np.take for narrow rows, one void item per row for wide ones
+    (both several times faster than fancy indexing on numpy 2.4)."""
+    nb = r.shape[1]
+    if nb >= 128:
+        return r.view(np.dtype((np.void, nb))).reshape(-1)[idx].view(np.uint8).reshape(len(idx), nb)
+    return np.take(r, idx, axis=0)
+
+
 def _order_desc(scores: np.ndarray, index: np.ndarray, k: int) -> np.ndarray:
     """Column order [M, k] of the k best per row: score descending, then database index ascending.
 
@@ -371,6 +380,10 @@ class PayloadFormat:
 
     def decode(self, records) -> np.ndarray:
         """records uint8 [N, nbytes] -> float32 [N, dim] (zeros outside the kept top-k)."""
+        return self._decode(records, copy=True)
+
+    def _decode(self, records, copy: bool) -> np.ndarray:
+        """copy=False lets fp32 records come back as a view of `records` (re-rank's private use)."""
         self._check_ready()
         r = self.check_records(records)
         n, length = len(r), self.length
@@ -397,7 +410,7 @@ class PayloadFormat:
                     raise PayloadError("corrupt payload records: repeated indices")
         if self.kind in _VALUE_BYTES:
             dt = "<f4" if self.kind == "fp32" else "<f2"
-            vals = np.ascontiguousarray(r[:, o:o + self.value_bytes]).view(dt).astype(np.float32)
+            vals = np.ascontiguousarray(r[:, o:o + self.value_bytes]).view(dt).astype(np.float32, copy=copy)
         elif self.scale == "group":
             s16 = np.ascontiguousarray(r[:, o:o + self.scale_bytes]).view("<f2")
             o += self.scale_bytes
@@ -407,7 +420,7 @@ class PayloadFormat:
             if self.topk is None:
                 vals *= self.channel_scales[None, :]
         if self.topk is None:
-            return np.ascontiguousarray(vals, dtype=np.float32)
+            return vals  # fresh and C-contiguous in every path, unless copy=False on fp32 (a view)
         # values are in ascending dimension order, and boolean assignment fills row-major: no index arrays
         out = np.zeros(n * self.dim, np.float32)
         out[np.flatnonzero(mask)] = vals.ravel()  # (7x faster than out[mask] = ... on numpy 2.4)
@@ -464,8 +477,7 @@ class PayloadFormat:
             cs = c[s:s + step]
             b = len(cs)
             valid = cs >= 0
-            # np.take on rows: much faster than fancy indexing for narrow uint8 records
-            dec = self.decode(np.take(r, np.where(valid, cs, 0).ravel(), axis=0)).reshape(b, cc, self.dim)
+            dec = self._decode(_gather_rows(r, np.where(valid, cs, 0).ravel()), copy=False).reshape(b, cc, self.dim)
             dots = np.einsum("md,mcd->mc", q[s:s + step], dec)
             norms = np.sqrt(np.einsum("mcd,mcd->mc", dec, dec))
             sc = np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0).astype(np.float32)
