@@ -1,0 +1,93 @@
+"""`hf_clip`: a transformers CLIPModel (image + text).
+
+Give either `model` (a hub id such as "openai/clip-vit-base-patch32", or a local directory written by
+`save_pretrained`, holding the model and its image processor) or `config` (a CLIPConfig as a dict, for a
+seeded random init; tests use tiny ones). `tokenizer`: None loads the tokenizer saved with `model`;
+"hash" uses the deterministic hashing tokenizer (the default, and the only choice, with `config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ushash.encoders.base import Encoder, register, seeded
+from ushash.encoders.hf import check_source, pooled
+from ushash.encoders.tokenizing import HFTokenizer, HashTokenizer
+
+
+def hash_tokenizer_ids(text_config: dict[str, Any]) -> dict[str, Any]:
+    """Special ids for a random-init CLIP text tower: pad 0, bos vocab-2, eos vocab-1.
+
+    CLIP pools the text at the eos token; with eos the largest id, both of transformers' pooling rules
+    (argmax of ids for configs with eos_token_id == 2, first eos otherwise) find it.
+    """
+    vocab = int(text_config.get("vocab_size", 49408))
+    return {"pad_token_id": 0, "bos_token_id": vocab - 2, "eos_token_id": vocab - 1, **text_config}
+
+
+@register("hf_clip")
+class HFClipEncoder(Encoder):
+    modalities = ("image", "text")
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        tokenizer: str | None = None,
+        max_length: int | None = None,
+        normalize: bool = True,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        amp: bool = True,
+    ):
+        super().__init__(device=device, amp=amp)
+        from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+        tokenizer = check_source(model, config, tokenizer, "hf_clip")
+        if config is not None:
+            cfg = dict(config)
+            cfg["text_config"] = hash_tokenizer_ids(dict(cfg.get("text_config", {})))
+            clip_config = CLIPConfig(**cfg)
+            with seeded(seed):
+                self.model: nn.Module = CLIPModel(clip_config)
+            size = clip_config.vision_config.image_size
+            self.image_processor = CLIPImageProcessor(
+                size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+            )
+        else:
+            self.model = CLIPModel.from_pretrained(model)
+            self.image_processor = CLIPImageProcessor.from_pretrained(model)
+        text_cfg = self.model.config.text_config
+        max_length = int(max_length or text_cfg.max_position_embeddings)
+        if tokenizer == "hash":
+            self.tokenizer = HashTokenizer(
+                text_cfg.vocab_size, max_length, text_cfg.pad_token_id, text_cfg.bos_token_id, text_cfg.eos_token_id
+            )
+        else:
+            self.tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(model), max_length)
+        self.normalize = normalize
+        d = int(self.model.config.projection_dim)
+        self.dims = {"image": d, "text": d}
+        self._finish(dict(model=model, config=config, tokenizer=tokenizer, max_length=max_length,
+                          normalize=normalize, seed=seed))
+
+    def _preprocess(self, modality: str, raw: Any) -> Any:
+        if modality == "image":
+            return self.image_processor(images=raw.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+        return str(raw)
+
+    def _collate(self, modality: str, items: list[Any]) -> Any:
+        if modality == "image":
+            return torch.stack(items)
+        return self.tokenizer(items)
+
+    def _encode(self, modality: str, batch: Any) -> torch.Tensor:
+        if modality == "image":
+            out = pooled(self.model.get_image_features(pixel_values=batch))
+        else:
+            out = pooled(self.model.get_text_features(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
+        return nn.functional.normalize(out, dim=-1) if self.normalize else out
