@@ -135,6 +135,14 @@ def quality(args) -> None:
     rows.append({"setting": "Hamming order, no re-rank (reference)", **maps({k: v[:, :K] for k, v in cands.items()})})
     rows.append({"setting": "exhaustive fp32 cosine on z, no Hamming (reference)",
                  **maps({(q, d): cosine_search(z[q], z[d], min(K, len(z[d])))[1] for q, d in dirs})})
+    def cand_pairs(q, d):
+        c = cands[(q, d)]
+        valid = (c >= 0).ravel()
+        return np.repeat(np.arange(len(c)), c.shape[1])[valid], c.ravel()[valid]
+
+    pairs = {k: cand_pairs(*k) for k in cands}
+    # what verification compares: cosine(query z, decoded entry) over every (query, Hamming candidate) pair
+    cos_ref = {(q, d): np.einsum("nd,nd->n", z[q][pairs[(q, d)][0]], z[d][pairs[(q, d)][1]]) for q, d in dirs}
     codecs, recs = {}, {}
     for name in SETTINGS:
         codec = codecs[name] = make_codec(name, head.dim, mods, calib)
@@ -143,8 +151,11 @@ def quality(args) -> None:
         ranked = {(q, d): codec.rerank(z[q], d, cands[(q, d)], rec[d], k=K)[1] for q, d in dirs}
         sizes = sorted({codec.nbytes(m) for m in mods})
         per_mod = (" / ".join(f"{m} {codec.nbytes(m)}" for m in mods) if len(sizes) > 1 else str(sizes[0]))
+        dcos = np.concatenate([np.abs(codec.cosine(z[q][pairs[(q, d)][0]], d, rec[d][pairs[(q, d)][1]])
+                                      - cos_ref[(q, d)]) for q, d in dirs])
         rows.append({"setting": name, "bytes": per_mod, "entry": " / ".join(str(s + head.bits // 8) for s in sizes),
-                     "cos_mean": float(cos.mean()), "cos_min": float(cos.min()), **maps(ranked)})
+                     "cos_mean": float(cos.mean()), "cos_min": float(cos.min()), "dcos_mean": float(dcos.mean()),
+                     "dcos_max": float(dcos.max()), **maps(ranked)})
     # throughput of dequantize + re-rank of every direction's candidates; rounds interleaved over settings
     n_c = sum(int((cands[k] >= 0).sum()) for k in cands)
     times = {name: [] for name in SETTINGS}
@@ -161,21 +172,26 @@ def quality(args) -> None:
     ref = speeds[REFERENCE]
     print(f"### {title}\n")
     print(f"{n_rows} payload rows; date {time.strftime('%Y-%m-%d')}; machine: {machine()}\n")
-    heads_ = ["setting", "payload B/entry", "entry B (code+payload)", "recon. cos mean", "recon. cos min"]
+    heads_ = ["setting", "payload B/entry", "entry B (code+payload)", "recon. cos mean", "recon. cos min",
+              "verify |Δcos| mean / max"]
     heads_ += [f"mAP@{K} {p} (re-ranked)" for p in protocols] + ["dequant+re-rank cand/s", f"vs {REFERENCE}"]
     print("| " + " | ".join(heads_) + " |")
     print("|" + "---|" * len(heads_))
     for r in rows:
         if "bytes" not in r:
-            cells = [r["setting"], "–", "–", "–", "–"] + [f"{r[p]:.3f}" for p in protocols] + ["–", "–"]
+            cells = [r["setting"], "–", "–", "–", "–", "–"] + [f"{r[p]:.3f}" for p in protocols] + ["–", "–"]
         else:
-            cells = [r["setting"], r["bytes"], r["entry"], f"{r['cos_mean']:.4f}", f"{r['cos_min']:.4f}"]
+            cells = [r["setting"], r["bytes"], r["entry"], f"{r['cos_mean']:.4f}", f"{r['cos_min']:.4f}",
+                     f"{r['dcos_mean']:.4f} / {r['dcos_max']:.4f}"]
             cells += [f"{r[p]:.3f}" for p in protocols] + [f"{r['cands_per_s']:,.0f}", f"{r['cands_per_s'] / ref:.2f}x"]
         print("| " + " | ".join(cells) + " |")
     print()
     for name, codec in codecs.items():
         print(f"- {name}: " + "; ".join(f"{m} {codec[m].name}: {describe(codec[m])}" for m in mods))
-    print(f"\nthroughput: {n_c:,} candidates (all directions) decoded and re-ranked per round, median of "
+    print(f"\nverify |Δcos|: |cosine(query z, decoded candidate) - cosine(query z, candidate z)| over all "
+          f"{sum(len(v) for v in cos_ref.values()):,} (query, Hamming candidate) pairs: how far quantization moves "
+          f"the number a verification threshold is applied to")
+    print(f"throughput: {n_c:,} candidates (all directions) decoded and re-ranked per round, median of "
           f"{args.repeats} rounds interleaved over the settings; reference {REFERENCE}")
     shutil.rmtree(tmp, ignore_errors=True)
 
