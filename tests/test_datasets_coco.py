@@ -11,7 +11,11 @@ from ushash import metrics
 from ushash.config import compose
 from ushash.datasets import load_rows
 from ushash.datasets import coco
+from ushash.encoders import build_encoder
 from ushash.eval import run_eval
+from ushash.features import extract, open_split, store_path
+from ushash.index import HammingIndex
+from ushash.module import load_checkpoint
 from ushash.extract import run_extract
 from ushash.train import run_train
 
@@ -185,11 +189,11 @@ def run_all(tmp_path, data, *overrides):
     splits = run_extract(cfg)
     out = run_train(cfg, splits={"train": splits["train"], "val": splits["val"]})
     res = run_eval(compose("eval", [f"paths.root={tmp_path}", f"ckpt={out['last']}"]))
-    return splits, res
+    return splits, res, out
 
 
 def test_coco_extract_train_eval(root, tmp_path):
-    splits, res = run_all(tmp_path, "coco", f"data.root={root}")
+    splits, res, _ = run_all(tmp_path, "coco", f"data.root={root}")
     test = splits["test"]
     rep = test.report
     assert rep["modalities"]["image"] == {"rows": 14, "ok": 12, "failed": 2}
@@ -210,13 +214,35 @@ def test_coco_extract_train_eval(root, tmp_path):
 
 
 def test_coco_hashing_extract_train_eval(root, tmp_path):
-    splits, res = run_all(tmp_path, "coco_hashing", f"data.root={root}", "data.n_query=13", "data.n_train=10",
-                          "data.n_val=13")
+    splits, res, out = run_all(tmp_path, "coco_hashing", f"data.root={root}", "data.n_query=13", "data.n_train=10",
+                               "data.n_val=13")
     assert {r["protocol"] for r in res["rows"]} == {"paired", "label"}
     queries = coco.hashing_parts([str(i) for i in range(1, 40)], 13, 10, 13, 0)["query"]
     bad = {str(MISSING), str(CORRUPT), str(TRUNCATED)} & set(queries)
     assert splits["test"].tables["image"].ids == [q for q in sorted(queries, key=int) if q not in bad]
     assert splits["test"].report["modalities"]["image"] == {"rows": 13, "ok": 13 - len(bad), "failed": len(bad)}
+
+    # queries against the database, as docs/datasets.md shows it (eval.py evaluates within one split)
+    module = load_checkpoint(out["last"])
+    prov = module.hparams.provenance
+    enc = build_encoder(prov["encoder"]["config"])
+    feats = prov["features_dir"]
+    query = open_split(store_path(feats, "coco_hashing", "test", enc.name, enc.fingerprint))
+    db = extract(coco.hashing_rows("database", root, n_query=13, n_train=10, n_val=13), enc, feats,
+                 "coco_hashing", "database", num_workers=0, progress=False)
+    code = module.code_method()
+    names = sorted({lab for s in (query, db) for t in s.tables.values() for labs in t.labels for lab in labs})
+
+    def multihot(t):
+        return np.array([[n in labs for n in names] for labs in t.labels])
+
+    _, qc = code("image", np.asarray(query.tables["image"].x))
+    _, dc = code("text", np.asarray(db.tables["text"].x))
+    _, I = HammingIndex(dc).search(qc, len(dc))
+    rep = metrics.retrieval_report(I, None, None, "label", k=len(dc), denominator="all",
+                                   q_labels=multihot(query.tables["image"]), db_labels=multihot(db.tables["text"]))
+    assert rep["n_queries"] == 13 - len(bad) and rep["n_no_relevant"] == 0 and 0 < rep[f"map@{len(dc)}"] <= 1
+    assert len(db.tables["image"]) == 26 - len({str(MISSING), str(CORRUPT), str(TRUNCATED)} - set(queries))
 
 
 # ------------------------------------------------------------------------------------ Hugging Face copy
@@ -248,7 +274,7 @@ def test_coco_hf_streams_embedded_images(root, tmp_path):
     good = [str(i) for i in range(26, 40) if i not in (CORRUPT, TRUNCATED)]
     assert [r.id for r in img] == good and len(by(test, "text")) == 12 * 5
     assert img[0].source.startswith(f"hf:{path}#test/0/image")
-    splits, res = run_all(tmp_path, "coco_hf", f"data.path={path}")
+    splits, res, _ = run_all(tmp_path, "coco_hf", f"data.path={path}")
     assert splits["test"].tables["image"].ids == good
     assert splits["test"].report["modalities"]["text"]["failed"] == 1  # the empty caption
     # streamed bytes give the features of the files themselves

@@ -403,6 +403,9 @@ def decode_bytes(modality: str, data: bytes, name: str, sample_rate=None, second
             img = Image.open(io.BytesIO(data))
             img.load()
             img = ImageOps.exif_transpose(img)
+        except Image.UnidentifiedImageError as e:  # its message holds a BytesIO address: not reproducible
+            raise media.MediaError(f"{name}: cannot decode image (UnidentifiedImageError: not a known image "
+                                   "format)") from e
         except Exception as e:
             raise media.MediaError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from e
         return media._flatten(img, Path(name))
