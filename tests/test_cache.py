@@ -2,6 +2,7 @@
 single-flight, the Bloom guard, byte capacity and metrics, on every search backend."""
 
 import asyncio
+import random
 import threading
 import time
 
@@ -154,7 +155,8 @@ def test_revision_change_never_serves_older_entries(head):
 def test_ttl_with_jitter_expires_entries():
     clock = FakeClock()
     head = LSHHead({"text": 8}, bits=64, dim=16)
-    cache = SemanticCache(head, {"ttl_s": 100, "ttl_jitter": 0.2, "xfetch_beta": 0, "radius": 0}, clock=clock)
+    cache = SemanticCache(head, {"ttl_s": 100, "ttl_jitter": 0.2, "xfetch_beta": 0, "radius": 0}, clock=clock,
+                          rng=random.Random(0))
     rng = np.random.default_rng(0)
     xs = rng.normal(size=(50, 8)).astype(np.float32)
     for x in xs:
@@ -169,17 +171,19 @@ def test_ttl_with_jitter_expires_entries():
     assert all(cache.get("text", features=x) is None for x in xs) and len(cache) == 0
     # a hit does not extend an entry's life (no sliding TTL)
     cache.put("text", features=xs[0], value=2, ttl_s=10)
-    for _ in range(5):
-        clock.t += 1.9
-        assert cache.get("text", features=xs[0]) is not None
-    clock.t += 1
+    expires = cache.get("text", features=xs[0]).expires
+    while clock.t + 1 < expires:
+        clock.t += 1
+        assert cache.get("text", features=xs[0]).expires == expires
+    clock.t = expires
     assert cache.get("text", features=xs[0]) is None
 
 
 def test_xfetch_refreshes_hot_entries_early_once():
     clock = FakeClock()
     head = LSHHead({"text": 8}, bits=64, dim=16)
-    cache = SemanticCache(head, {"ttl_s": 100, "ttl_jitter": 0, "xfetch_beta": 1.0}, clock=clock)
+    cache = SemanticCache(head, {"ttl_s": 100, "ttl_jitter": 0, "xfetch_beta": 1.0}, clock=clock,
+                          rng=random.Random(0))
     x = np.ones(8, np.float32)
     calls = []
 

@@ -153,7 +153,8 @@ class SemanticCache:
         if c.bloom:
             min_entry = self.code_bytes + 1 + (min(self.payload_codec.nbytes(m) for m in head.modalities)
                                                 if self.payload_codec is not None else 0)
-            expected = min(max(1024, c.capacity_bytes // max(1, min_entry)), 50_000_000)
+            # sized for what fits, but start small: the filter doubles on rebuild as entries arrive
+            expected = min(max(1024, c.capacity_bytes // max(1, min_entry)), 1 << 16)
             self.bloom = BloomGuard(self.bits, self.observe_radius, expected_items=expected,
                                     fp_rate=c.bloom_fp_rate, chunks=c.bloom_chunks)
         self.watermark = RevisionWatermark(str(head.revision), check_s=c.l2.watermark_check_s if c.l2 else 1.0,
@@ -264,13 +265,15 @@ class SemanticCache:
                 nearest = d2
         if count:
             m = self.metrics
-            m.gets.labels(result="hit" if hit else "miss").inc()
             if hit:
-                m.hits.labels(tier=hit.tier).inc()
-                m.nearest.labels(result="hit").observe(hit.distance)
+                m.get_hit.inc()
+                m.hit_tier[hit.tier].inc()
+                m.nearest_hit.observe(hit.distance)
             else:
-                m.nearest.labels(result="miss").observe(nearest if nearest is not None else self.bits + 1)
-            m.lookup_seconds.labels(tier=tier).observe(time.perf_counter() - t0)
+                m.get_miss.inc()
+                # nothing within observe_radius is recorded as bits + 1 (the +Inf bucket)
+                m.nearest_miss.observe(nearest if nearest is not None else self.bits + 1)
+            m.lookup_tier[tier].observe(time.perf_counter() - t0)
         return hit
 
     def _lookup_l1(self, q: Query, tenant: str) -> tuple[Hit | None, int | None, bool]:

@@ -55,12 +55,11 @@ class CacheMetrics:
         self.singleflight_waits = Counter("cache_singleflight_waits", "Callers that waited on another's compute",
                                           registry=r)
         self.early_refresh = Counter("cache_early_refresh", "XFetch early recomputations", registry=r)
-        for res in ("hit", "miss"):
-            self.gets.labels(result=res)
-            self.nearest.labels(result=res)
-        for tier in ("l1", "l2"):
-            self.hits.labels(tier=tier)
-            self.lookup_seconds.labels(tier=tier)
+        # children bound once: `labels()` costs microseconds on every lookup otherwise
+        self.get_hit, self.get_miss = self.gets.labels(result="hit"), self.gets.labels(result="miss")
+        self.nearest_hit, self.nearest_miss = self.nearest.labels(result="hit"), self.nearest.labels(result="miss")
+        self.hit_tier = {t: self.hits.labels(tier=t) for t in ("l1", "l2")}
+        self.lookup_tier = {t: self.lookup_seconds.labels(tier=t) for t in ("l1", "l2")}
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
