@@ -148,3 +148,19 @@ def test_worker_processes_give_same_result(tmp_path):
     for m in ("image", "text"):
         assert a.tables[m].ids == b.tables[m].ids
         np.testing.assert_array_equal(a.tables[m].x, b.tables[m].x)
+
+
+def test_concurrent_extractions_of_one_store_take_turns(tmp_path):
+    import threading
+    rows = _rows(tmp_path, n=4, corrupt=())
+    enc = CountingEncoder()
+    out = features.store_path(tmp_path / "feat", "toy", "train", enc.name, enc.fingerprint)
+    result = {}
+    with features._exclusive(out.with_name(out.name + ".lock")):
+        t = threading.Thread(target=lambda: result.setdefault(
+            "split", extract(rows, enc, tmp_path / "feat", "toy", "train", num_workers=0, progress=False)))
+        t.start()
+        t.join(timeout=1.0)
+        assert t.is_alive() and enc.seen == 0  # waiting for the lock, nothing encoded yet
+    t.join(timeout=30)
+    assert len(result["split"].tables["image"]) == 4

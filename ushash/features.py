@@ -16,6 +16,8 @@ the report and left out of the arrays; pairing is by `group`, so nothing else sh
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -225,6 +227,31 @@ def extract(rows: list[Row], encoder, root: str | Path, dataset: str, split: str
     if out.exists() and not overwrite:
         return open_split(out)
     check_unique(rows, f"{dataset}/{split}")
+    with _exclusive(out.with_name(out.name + ".lock")):
+        if out.exists() and not overwrite:  # another process finished it while we waited
+            return open_split(out)
+        return _extract_locked(rows, encoder, out, dataset, split, encoder_cfg, batch_size, num_workers, progress,
+                               max_bad_frac, flush_every)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """One extraction per store folder at a time (two processes would write the same partial arrays)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[extract] another process is extracting {lock_path.with_suffix('')}; waiting for it", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _extract_locked(rows, encoder, out: Path, dataset, split, encoder_cfg, batch_size, num_workers, progress,
+                    max_bad_frac, flush_every) -> FeatureSplit:
     work = out.with_name(out.name + ".partial")
     work.mkdir(parents=True, exist_ok=True)
     report = {"dataset": dataset, "split": split, "modalities": {}, "failed": []}

@@ -76,7 +76,7 @@ class USHash(nn.Module):
         device = self.prototypes.device
         packed, zs = [], []
         for i in range(0, len(x), batch_size):
-            xb = torch.as_tensor(np.asarray(x[i:i + batch_size]), dtype=torch.float32, device=device)
+            xb = torch.from_numpy(np.array(x[i:i + batch_size], dtype=np.float32)).to(device)  # copy: x may be a read-only memmap
             z, lg = self(modality, xb)
             packed.append(codes_lib.pack((lg > 0).cpu().numpy()))
             zs.append(z.float().cpu().numpy())
