@@ -112,6 +112,15 @@ def test_world_size_change_and_resume_after_kill(tmp_path, encoder):
     assert again.path == merged.path and again.report["shards"]["hash_shards"] == {"image": 4, "text": 4}
 
 
+def test_killed_before_the_merge_merges_without_encoding(tmp_path, encoder):
+    rows = _rows(tmp_path, n=8)
+    p = shards.Plan(rows, encoder, tmp_path / "feat", "toy", "train", shards=3, num_workers=0, progress=False)
+    p.run_rank(encoder)  # every shard finished; the merge never ran
+    split = shards.extract_sharded(rows, KilledAfter(encoder, 0), tmp_path / "feat", "toy", "train", shards=3,
+                                   accelerator="cpu", num_workers=0, progress=False)
+    assert len(split.tables["image"]) == len(split.tables["text"]) == 8 and not p.work.exists()
+
+
 def test_bad_rows_across_shards_and_the_limit(tmp_path, encoder):
     # one shard whose image rows all fail must not break the others; the split-wide limit still applies
     rows = _rows(tmp_path, n=10, missing=(3,))

@@ -491,7 +491,7 @@ def extract_sharded(rows: list[Row], encoder, root: str | Path, dataset: str, sp
     check_unique(rows, f"{dataset}/{split}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(predict_dataloader|does not have many workers|"
-                                "GPU available|TPU available|LOCAL_RANK|predict returned None).*")
+                                "GPU available|TPU available|LOCAL_RANK|predict returned None|Total length of).*")
         trainer = pl.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, use_distributed_sampler=False)
