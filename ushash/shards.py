@@ -30,6 +30,7 @@ a LightningModule, so Lightning puts each rank's copy on its own device; `predic
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -495,10 +496,21 @@ def extract_sharded(rows: list[Row], encoder, root: str | Path, dataset: str, sp
         trainer = pl.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, use_distributed_sampler=False)
-        trainer.predict(_extractor(plan, encoder), return_predictions=False)
-    trainer.strategy.barrier("ushash-shards-extracted")
-    report = plan.check()  # on every rank, so all of them stop on a bad split
-    if trainer.is_global_zero:
-        plan.merge(report)
-    trainer.strategy.barrier("ushash-shards-merged")
+        # One process: the whole run holds the store's lock (features.extract's own), so a second run of the
+        # same split waits instead of writing the same shards. Several ranks: rank 0 holds it for the merge.
+        with _store_lock(plan) if trainer.world_size == 1 else contextlib.nullcontext():
+            if (plan.out / "meta.json").exists():  # another process finished it while we waited
+                return open_split(plan.out)
+            trainer.predict(_extractor(plan, encoder), return_predictions=False)
+            trainer.strategy.barrier("ushash-shards-extracted")
+            report = plan.check()  # on every rank, so all of them stop on a bad split
+            if trainer.is_global_zero:
+                with _store_lock(plan) if trainer.world_size > 1 else contextlib.nullcontext():
+                    if not (plan.out / "meta.json").exists():
+                        plan.merge(report)
+            trainer.strategy.barrier("ushash-shards-merged")
     return open_split(plan.out)
+
+
+def _store_lock(plan: Plan):
+    return features._exclusive(plan.out.with_name(plan.out.name + ".lock"))
