@@ -220,8 +220,11 @@ class HashMethod:
         self.bits = int(head.bits)
 
     def reset(self, **overrides):
+        import random
+
         cfg = {**self.cache_cfg, **overrides}
-        self.cache = self.SemanticCache(self.head, cfg, clock=self.clock)
+        # seeded: TTL jitter and XFetch draws are part of the replay, which must be reproducible
+        self.cache = self.SemanticCache(self.head, cfg, clock=self.clock, rng=random.Random(0))
         self.n_rev = 0
 
     def new_revision(self):

@@ -139,14 +139,20 @@ class SemanticCache:
         self.payload_codec = getattr(head, "payload", None)
         self.encoder = QueryEncoder(head, encoder)
         self.table = EntryTable(self.code_bytes)
-        self.policy = make_policy(c.policy, c.capacity_bytes, clock=self.clock, **dict(c.policy_options or {}))
+        opts = dict(c.policy_options or {})
+        if str(c.policy).lower() == "wtinylfu" and "slot_bytes" not in opts:
+            # theine's core costs ~170 B per slot: about one slot per small entry (code + payload + 32 B of
+            # value); an entry uses ceil(bytes / slot) slots, so on average half a slot per entry is unused
+            payload = min(self.payload_codec.nbytes(m) for m in head.modalities) if self.payload_codec else 0
+            opts["slot_bytes"] = -(-(self.code_bytes + payload + 32) // 16) * 16
+        self.policy = make_policy(c.policy, c.capacity_bytes, clock=self.clock, **opts)
         self._backends: dict[int, Any] = {}
         self._tenant_ids: dict[str, int] = {}
         self._modalities: list[str] = []
         self._revisions: list[str] = [str(head.revision)]
         self._rev_id = 0
         self._expiry: list[tuple[float, int, int]] = []
-        self._exact: dict[tuple, int] = {}
+        self._exact: dict[int, int] = {}  # hash of (tenant, modality, code, payload) -> slot
         self.observe_radius = int(c.observe_radius if c.observe_radius is not None else c.radius)
         self.radius = int(c.radius)
         self.bloom = None
@@ -221,7 +227,9 @@ class SemanticCache:
         ti = int(t.tenant[slot])
         self._backends[ti].remove(slot)
         self.policy.remove(slot)
-        self._exact.pop((ti, int(t.modality[slot]), t.code[slot].tobytes(), t.payload[slot]), None)
+        key = hash((ti, int(t.modality[slot]), t.code[slot].tobytes(), t.payload[slot]))
+        if self._exact.get(key) == slot:
+            del self._exact[key]
         t.release(slot)
         if reason is not None:
             self.metrics.evictions.labels(reason=reason).inc()
@@ -264,16 +272,10 @@ class SemanticCache:
             if d2 is not None and (nearest is None or d2 < nearest):
                 nearest = d2
         if count:
-            m = self.metrics
-            if hit:
-                m.get_hit.inc()
-                m.hit_tier[hit.tier].inc()
-                m.nearest_hit.observe(hit.distance)
-            else:
-                m.get_miss.inc()
-                # nothing within observe_radius is recorded as bits + 1 (the +Inf bucket)
-                m.nearest_miss.observe(nearest if nearest is not None else self.bits + 1)
-            m.lookup_tier[tier].observe(time.perf_counter() - t0)
+            # nearest: the hit's distance; on a miss the nearest candidate seen, or bits + 1 (the +Inf
+            # bucket) when nothing was within observe_radius
+            d = hit.distance if hit else (nearest if nearest is not None else self.bits + 1)
+            self.metrics.record_lookup(hit is not None, hit.tier if hit else tier, d, time.perf_counter() - t0)
         return hit
 
     def _lookup_l1(self, q: Query, tenant: str) -> tuple[Hit | None, int | None, bool]:
@@ -297,9 +299,11 @@ class SemanticCache:
             if not len(slots):
                 return None, nearest, False
             t = self.table
-            best = self._choose(q, [(int(s), int(d), self._modalities[t.modality[s]], t.payload[s],
-                                     int(t.revision[s]) == self._rev_id, float(t.expires[s]))
-                                    for s, d in zip(slots, dists)], now)
+            current = t.revision[slots] == self._rev_id
+            expires = t.expires[slots]
+            mods = [self._modalities[i] for i in t.modality[slots].tolist()]
+            best = self._choose(q, slots.tolist(), dists.tolist(), mods, [t.payload[s] for s in slots.tolist()],
+                                current, expires, now)
             if best is None:
                 return None, nearest, False
             slot, d, cos = best
@@ -311,43 +315,46 @@ class SemanticCache:
                       refresh=self.freshness.should_refresh(now, exp, float(t.compute_s[slot])), entry=f"l1:{slot}")
             return hit, nearest, False
 
-    def _choose(self, q: Query, cands: list, now: float):
-        """cands: (id, distance, entry modality, payload, current revision?, expires), nearest first.
-        Returns (id, distance, cosine) of the entry to serve, or None. Order: distance, then cosine."""
+    def _choose(self, q: Query, ids: list, dists: list, mods: list, payloads: list, current, expires, now: float):
+        """Candidates nearest first: ids, distances, entry modalities, payloads, current-revision flags and
+        expiries. Returns (id, distance, cosine) of the entry to serve, or None. Order: distance, then
+        cosine (higher first), then id."""
         c = self.config
-        ok = []
-        for cid, d, m, payload, current, exp in cands:
-            if not current:
-                self.metrics.rejections.labels(reason="revision").inc()
-                continue
-            if exp <= now:
-                self.metrics.rejections.labels(reason="expired").inc()
-                continue
-            if not c.cross_modal and m != q.modality:
-                continue
-            ok.append((cid, d, m, payload))
-        if not ok:
+        current, expires = np.asarray(current, bool), np.asarray(expires, np.float64)
+        fresh = expires > now
+        ok = current & fresh
+        if not ok.all():
+            n_rev = int((~current).sum())
+            if n_rev:
+                self.metrics.rejections.labels(reason="revision").inc(n_rev)
+            n_exp = int((current & ~fresh).sum())
+            if n_exp:
+                self.metrics.rejections.labels(reason="expired").inc(n_exp)
+        keep = [i for i in np.flatnonzero(ok).tolist() if c.cross_modal or mods[i] == q.modality]
+        if not keep:
             return None
         if not c.payload_check or q.z is None or self.payload_codec is None:
-            cid, d, _, _ = ok[0]
-            return cid, d, None
-        scored = []
+            i = keep[0]
+            return ids[i], dists[i], None
         by_mod: dict[str, list[int]] = {}
-        for i, (_, _, m, payload) in enumerate(ok):
-            by_mod.setdefault(m, []).append(i)
-        cos = np.empty(len(ok), np.float32)
+        for i in keep:
+            by_mod.setdefault(mods[i], []).append(i)
+        best, n_bad = None, 0
         for m, idx in by_mod.items():
-            recs = np.frombuffer(b"".join(ok[i][3] for i in idx), np.uint8).reshape(len(idx), -1)
-            cos[idx] = self.payload_codec.cosine(q.z, m, recs)
-        for i, (cid, d, _, _) in enumerate(ok):
-            if cos[i] >= c.payload_threshold:
-                scored.append((d, -float(cos[i]), cid))
-            else:
-                self.metrics.rejections.labels(reason="payload").inc()
-        if not scored:
+            recs = np.frombuffer(b"".join(payloads[i] for i in idx), np.uint8).reshape(len(idx), -1)
+            cos = self.payload_codec.cosine(q.z, m, recs)
+            for i, cs in zip(idx, cos.tolist()):
+                if cs >= c.payload_threshold:
+                    key = (dists[i], -cs, ids[i])
+                    if best is None or key < best:
+                        best = key
+                else:
+                    n_bad += 1
+        if n_bad:
+            self.metrics.rejections.labels(reason="payload").inc(n_bad)
+        if best is None:
             return None
-        d, negcos, cid = min(scored)
-        return cid, d, -negcos
+        return best[2], best[0], -best[1]
 
     def _lookup_l2(self, q: Query, tenant: str) -> tuple[Hit | None, int | None]:
         try:
@@ -359,8 +366,9 @@ class SemanticCache:
         nearest = min(r.distance for r in recs)
         now = self.clock()
         by_id = {r.id: r for r in recs}
-        best = self._choose(q, [(r.id, r.distance, r.modality, r.payload, r.revision == self.revision, r.expires)
-                                for r in recs], now)
+        best = self._choose(q, [r.id for r in recs], [r.distance for r in recs], [r.modality for r in recs],
+                            [r.payload for r in recs], [r.revision == self.revision for r in recs],
+                            [r.expires for r in recs], now)
         if best is None:
             return None, nearest
         rid, d, cos = best
@@ -415,7 +423,7 @@ class SemanticCache:
             self._expire(self.clock())
             ti = self._tenant(tenant, create=True)
             mi = self._modality_id(q.modality)
-            key = (ti, mi, q.code, payload)
+            key = hash((ti, mi, q.code, payload))  # a hash collision only replaces an unrelated entry
             old = self._exact.get(key)
             if old is not None:
                 self._remove(old, None)  # the same request stored again: replace its value

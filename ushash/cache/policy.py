@@ -16,7 +16,8 @@ After `insert` returns, the bytes of the keys still held never exceed `capacity_
   no sketch or victim hook; it does expose what it evicts on `set`, including a refused candidate. So an
   entry of `nbytes` occupies ceil(nbytes / slot_bytes) slots (its own key plus "ballast" keys, all touched
   together on a hit), the core holds capacity_bytes // slot_bytes slots, and losing any slot drops the
-  whole entry. Bytes held <= slots held * slot_bytes <= capacity. cachebox (the other maintained
+  whole entry. Bytes held <= slots held * slot_bytes <= capacity. Capacities beyond 2^24 slots use
+  coarser slots (slot_bytes = capacity / 2^24). cachebox (the other maintained
   candidate) has LRU/LFU/TTL/RR/FIFO caches but no TinyLFU.
 - "lruk": LRU-K with exponential time decay (this module). An entry's score is the decayed count of
   its last K references, sum_i 2^(-(now - t_i) / half_life); the lowest score is evicted. Because
@@ -131,6 +132,7 @@ class WTinyLFU(Policy):
 
     name = "wtinylfu"
     MAX_SLOTS_PER_ENTRY = 1 << 12
+    MAX_SLOTS = 1 << 24
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 64):
         super().__init__(capacity_bytes)
@@ -138,7 +140,9 @@ class WTinyLFU(Policy):
 
         if int(slot_bytes) <= 0:
             raise ValueError(f"slot_bytes must be positive; got {slot_bytes!r}")
-        self.slot_bytes = int(slot_bytes)
+        # theine's core grows with its size (about 100 B per slot once used, and a 2^28-slot core fails
+        # to allocate), so very large capacities get coarser slots rather than more of them.
+        self.slot_bytes = max(int(slot_bytes), -(-self.capacity_bytes // self.MAX_SLOTS))
         self.slots = max(1, self.capacity_bytes // self.slot_bytes)
         self._core = TlfuCore(self.slots)
         self._spread = spread

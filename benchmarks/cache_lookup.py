@@ -1,0 +1,156 @@
+"""Benchmark: SemanticCache L1 lookup latency at 100k and 1M entries vs a bare faiss search of the same codes.
+
+Fixed seeded inputs: `n` 64-bit codes (uniform, or "clustered": 1 + 3 flipped bits around n/50 centres),
+each with an int4 payload of a 128-d vector (72 B, the image default) and an 8-byte value. Queries, one
+at a time: half are stored codes with 0-3 bits flipped (hits), half random codes (misses). Measured in
+the same run, interleaved in rounds so machine noise hits both alike:
+
+  reference: faiss IndexBinaryMultiHash(64, 4, 16).range_search(q, radius + 1), nflip 0, one OpenMP
+             thread: the bare search the cache's "mih" backend makes (and IndexBinaryFlat k=1, for scale)
+  cache:     SemanticCache.lookup(query) with radius 3: Bloom filter, search, tombstone filter, expiry and
+             revision checks, policy update, metrics; without and with the payload cosine check
+
+Prints p50 / p99 per lookup, the ratio cache / bare faiss, the bytes per entry the cache accounts
+(codes + payloads + values) and the process memory per entry (RSS growth while filling).
+
+    python benchmarks/cache_lookup.py [--sizes 100000 1000000] [--queries 20000] [--codes uniform]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import faiss
+import numpy as np
+
+BITS, DIM, RADIUS, SEED = 64, 128, 3, 0
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_codes(n: int, kind: str, rng) -> np.ndarray:
+    if kind == "uniform":
+        return rng.integers(0, 256, size=(n, BITS // 8), dtype=np.uint8)
+    centres = rng.integers(0, 256, size=(max(1, n // 50), BITS // 8), dtype=np.uint8)
+    codes = centres[rng.integers(0, len(centres), n)]
+    return flip(codes, rng, rng.integers(1, 4, n))
+
+
+def flip(codes: np.ndarray, rng, nflip: np.ndarray) -> np.ndarray:
+    codes = codes.copy()
+    for k in range(int(nflip.max(initial=0))):
+        rows = np.flatnonzero(nflip > k)
+        b = rng.integers(0, BITS, len(rows))
+        codes[rows, b // 8] ^= (1 << (b % 8)).astype(np.uint8)
+    return codes
+
+
+def percentiles(lat: list[float]) -> tuple[float, float]:
+    a = np.asarray(lat) * 1e6
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
+def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: int = 5) -> dict:
+    from ushash.cache import SemanticCache
+    from ushash.cache.lsh import LSHHead
+    from ushash.payload import PayloadCodec
+
+    rng = np.random.default_rng(SEED)
+    codes = make_codes(n, kind, rng)
+    codec = PayloadCodec.uniform(DIM, ("image",), kind="int4", scale="group", group_size=32)
+    z = rng.normal(size=(n, DIM)).astype(np.float32)
+    z /= np.linalg.norm(z, axis=1, keepdims=True)
+    payloads = np.concatenate([codec.encode("image", z[i:i + 65536]) for i in range(0, n, 65536)])
+    head = LSHHead({"image": DIM}, bits=BITS, dim=DIM, payload=codec)
+    caches = {}
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    # capacity: room for every entry (no eviction during the measurement), sized like a real deployment
+    cache = SemanticCache(head, {"capacity_bytes": n * 160, "radius": RADIUS, "backend": "mih", "ttl_s": 0,
+                                 "policy": policy, "payload_threshold": -1.0})
+    cache.store_codes("bench", "image", codes, [int(i) for i in range(n)], payloads=payloads)
+    fill_s = time.perf_counter() - t0
+    rss = rss_bytes() - rss0
+    caches["cache"] = cache
+    # queries: half near stored codes, half random
+    pick = rng.integers(0, n, n_queries // 2)
+    near = flip(codes[pick], rng, rng.integers(0, 4, len(pick)))
+    far = rng.integers(0, 256, size=(n_queries - len(pick), BITS // 8), dtype=np.uint8)
+    qcodes = np.concatenate([near, far])
+    qz = np.concatenate([z[pick], rng.normal(size=(len(far), DIM)).astype(np.float32)])
+    order = rng.permutation(n_queries)
+    qcodes, qz = qcodes[order], qz[order]
+    q_plain = [cache.query_from_code("image", c) for c in qcodes]
+    q_payload = [cache.query_from_code("image", c, zz) for c, zz in zip(qcodes, qz)]
+
+    mh = faiss.IndexBinaryMultiHash(BITS, BITS // 16, 16)
+    mh.nflip = 0
+    mh.add(codes)
+    flat = faiss.IndexBinaryFlat(BITS)
+    flat.add(codes)
+    faiss.omp_set_num_threads(1)
+
+    lat = {k: [] for k in ("faiss_mih", "faiss_flat_k1", "cache", "cache_payload")}
+    hits = 0
+    chunk = max(1, n_queries // rounds)
+    for r in range(rounds):
+        sl = slice(r * chunk, (r + 1) * chunk)
+        for q in qcodes[sl]:
+            s = time.perf_counter()
+            mh.range_search(q[None], RADIUS + 1)
+            lat["faiss_mih"].append(time.perf_counter() - s)
+        for q in qcodes[sl][: max(1, chunk // 20)]:  # the flat scan is slow at 1M: a sample
+            s = time.perf_counter()
+            flat.search(q[None], 1)
+            lat["faiss_flat_k1"].append(time.perf_counter() - s)
+        for q in q_plain[sl]:
+            s = time.perf_counter()
+            h = cache.lookup(q, "bench")
+            lat["cache"].append(time.perf_counter() - s)
+            hits += h is not None
+        for q in q_payload[sl]:
+            s = time.perf_counter()
+            cache.lookup(q, "bench")
+            lat["cache_payload"].append(time.perf_counter() - s)
+    res = {"n": n, "codes": kind, "fill_s": fill_s, "hit_frac": hits / (chunk * rounds),
+           "accounted_bytes_per_entry": cache.policy.used_bytes / n, "rss_bytes_per_entry": rss / n}
+    for k, v in lat.items():
+        res[k] = percentiles(v)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--queries", type=int, default=20_000)
+    ap.add_argument("--codes", choices=["uniform", "clustered"], nargs="+", default=["uniform", "clustered"])
+    ap.add_argument("--policy", default="wtinylfu", choices=["lru", "lfu", "wtinylfu", "lruk"])
+    args = ap.parse_args()
+    print(f"# cache_lookup  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, faiss {faiss.__version__}")
+    print(f"# {BITS}-bit codes, radius {RADIUS}, int4 payload of {DIM}-d z (72 B), 8-byte values; "
+          f"latency per single-query lookup in µs; policy {args.policy}")
+    print("| entries | codes | bare faiss MIH p50 / p99 | cache p50 / p99 | ratio p50 / p99 | "
+          "cache + payload check p50 / p99 | ratio p50 / p99 | faiss flat k=1 p50 | hits | bytes/entry accounted | "
+          "RSS bytes/entry | fill s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for kind in args.codes:
+        for n in args.sizes:
+            r = bench(n, args.queries, kind, args.policy)
+            f50, f99 = r["faiss_mih"]
+            c50, c99 = r["cache"]
+            p50, p99 = r["cache_payload"]
+            print(f"| {n:,} | {kind} | {f50:.1f} / {f99:.1f} | {c50:.1f} / {c99:.1f} | {c50 / f50:.2f} / {c99 / f99:.2f} | "
+                  f"{p50:.1f} / {p99:.1f} | {p50 / f50:.2f} / {p99 / f99:.2f} | {r['faiss_flat_k1'][0]:.0f} | "
+                  f"{r['hit_frac']:.2f} | {r['accounted_bytes_per_entry']:.0f} | {r['rss_bytes_per_entry']:.0f} | "
+                  f"{r['fill_s']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
