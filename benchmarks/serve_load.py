@@ -1,0 +1,164 @@
+"""Benchmark: requests/s of the HTTP service (python -m ushash.serve) under a bounded load on loopback.
+
+The parent process writes a small export (random-init 64-bit head over the seeded `tiny` encoder, so
+no training and no downloads), starts `python -m ushash.serve` on 127.0.0.1 at a free port, stores
+`--entries` entries through POST /v1/store, then runs the load generator as a second process
+(this script with --client): `--concurrency` connections, at most `--requests` requests and
+`--seconds` seconds per phase. Phases, in the same run:
+
+  reference: GET /healthz (the bare FastAPI + uvicorn stack, no cache work)
+  lookup:    POST /v1/lookup with precomputed features (half of them stored ones: hits)
+  text:      POST /v1/lookup with a caption (the tiny text encoder + head + cache)
+
+Prints requests/s, latency p50 / p99 per phase and the ratio to the reference.
+
+    python benchmarks/serve_load.py [--requests 3000] [--concurrency 8] [--seconds 30] [--entries 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HOST = "127.0.0.1"  # loopback only
+ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
+
+
+# ---------------------------------------------------------------------------------------------- client
+async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, feats: list) -> dict:
+    import httpx
+
+    lat: list[float] = []
+    errors = 0
+    deadline = time.perf_counter() + seconds
+    counter = iter(range(n))
+
+    async def worker(client):
+        nonlocal errors
+        for i in counter:
+            if time.perf_counter() > deadline:
+                return
+            t0 = time.perf_counter()
+            if kind == "healthz":
+                r = await client.get(f"{url}/healthz")
+            elif kind == "lookup":
+                r = await client.post(f"{url}/v1/lookup", json={"modality": "image", "features": feats[i % len(feats)]})
+            else:
+                r = await client.post(f"{url}/v1/lookup", json={"modality": "text", "text": f"a small red fox number {i % 500}"})
+            lat.append(time.perf_counter() - t0)
+            errors += r.status_code != 200
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker(client) for _ in range(concurrency)])
+        wall = time.perf_counter() - t0
+    a = np.asarray(lat) * 1e3
+    return {"phase": kind, "requests": len(lat), "errors": errors, "seconds": wall, "rps": len(lat) / wall,
+            "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+
+
+def client_main(args) -> None:
+    feats = json.loads(Path(args.features).read_text())
+    out = []
+    for kind in ("healthz", "lookup", "text"):
+        out.append(asyncio.run(_phase(args.url, kind, args.requests, args.concurrency, args.seconds, feats)))
+    print(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------------------------- parent
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _export(root: Path) -> Path:
+    import torch
+
+    from ushash.encoders import build_encoder
+    from ushash.export import write_export
+    from ushash.heads import USHash
+
+    enc = build_encoder({**ENC_CFG, "device": "cpu"})
+    torch.manual_seed(0)
+    model = USHash(dict(enc.dims), bits=64, dim=128).eval()
+    return write_export(model, root / "export", {"name": "tiny", "fingerprint": enc.fingerprint, "config": ENC_CFG})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--features", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--entries", type=int, default=2000)
+    args = ap.parse_args()
+    args.requests = min(args.requests, 20000)  # bounded load
+    args.seconds = min(args.seconds, 120.0)
+    if args.client:
+        return client_main(args)
+
+    import httpx
+
+    with tempfile.TemporaryDirectory(prefix="ushash-serve-load-") as tmp:
+        root = Path(tmp)
+        export = _export(root)
+        port = _free_port()
+        url = f"http://{HOST}:{port}"
+        server = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export}", f"host={HOST}",
+                                   f"port={port}", "log_level=error", f"hydra.run.dir={root / 'hydra'}"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for _ in range(600):
+                try:
+                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            else:
+                raise RuntimeError("the server did not come up")
+            rng = np.random.default_rng(0)
+            stored = rng.normal(size=(args.entries, 16)).round(4)
+            with httpx.Client(timeout=30) as c:
+                for i, f in enumerate(stored):
+                    c.post(f"{url}/v1/store", json={"modality": "image", "features": f.tolist(), "value": {"id": i}})
+            fresh = rng.normal(size=(args.entries, 16)).round(4)
+            feats = [x.tolist() for pair in zip(stored, fresh) for x in pair]  # alternate hits and misses
+            fpath = root / "features.json"
+            fpath.write_text(json.dumps(feats))
+            r = subprocess.run([sys.executable, __file__, "--client", "--url", url, "--features", str(fpath),
+                                "--requests", str(args.requests), "--concurrency", str(args.concurrency),
+                                "--seconds", str(args.seconds)], capture_output=True, text=True, check=True)
+            phases = json.loads(r.stdout.strip().splitlines()[-1])
+            metrics = httpx.get(f"{url}/metrics").text
+        finally:
+            server.terminate()
+            server.wait(10)
+    hits = next((ln for ln in metrics.splitlines() if ln.startswith('cache_gets_total{result="hit"}')), "")
+    print(f"# serve_load  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}; server and load generator on the same machine, loopback, "
+          f"{args.concurrency} connections, <= {args.requests} requests / {args.seconds:.0f} s per phase; {hits}")
+    ref = phases[0]["rps"]
+    print("| phase | requests | errors | requests/s | ratio to /healthz | p50 ms | p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for p in phases:
+        print(f"| {p['phase']} | {p['requests']} | {p['errors']} | {p['rps']:.0f} | {p['rps'] / ref:.2f} | "
+              f"{p['p50_ms']:.1f} | {p['p99_ms']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
