@@ -16,6 +16,11 @@ behind the forward pass; that needs spare CPU cores for the workers, which a GPU
 
     python benchmarks/extract_throughput.py [--n 256] [--batch-size 32] [--workers 2] [--repeats 3]
                                             [--device auto] [--generated] [--no-sharded]
+
+`--cpu-cost DIR` instead measures what docs/datasets.md's CC3M estimate is built from: the process CPU
+time (independent of other load) of decoding a 256-px JPEG as img2dataset writes it (each photo in DIR
+resized to fit 256x256, padded, quality 95) plus OpenCLIP ViT-B/32 preprocessing, its mean JPEG size,
+and ViT-B/32's CPU forward (random init, one thread) per image and per caption.
 """
 
 from __future__ import annotations
@@ -59,6 +64,44 @@ def generated_images(n: int, folder: Path) -> list[Path]:
     return out
 
 
+def cpu_cost(folder: Path, reps: int = 20) -> None:
+    import io
+
+    from PIL import ImageOps
+
+    torch.set_num_threads(1)
+    photos = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+    jpegs = []
+    for p in photos:
+        img = Image.open(p).convert("RGB")
+        img.thumbnail((256, 256), Image.LANCZOS)
+        canvas = Image.new("RGB", (256, 256))
+        canvas.paste(img, ((256 - img.width) // 2, (256 - img.height) // 2))
+        buf = io.BytesIO()
+        canvas.save(buf, format="JPEG", quality=95)
+        jpegs.append(buf.getvalue())
+    sizes = [len(j) for j in jpegs]
+    print(f"{len(jpegs)} photos from {folder}: 256-px JPEG q95 mean {np.mean(sizes) / 1e3:.1f} KB "
+          f"(min {min(sizes) / 1e3:.1f}, max {max(sizes) / 1e3:.1f})")
+    enc = build_encoder({"name": "openclip", "model": "ViT-B-32", "pretrained": None, "device": "cpu", "amp": False})
+    t = time.process_time()
+    for _ in range(reps):
+        for j in jpegs:
+            img = Image.open(io.BytesIO(j))
+            img.load()
+            enc.preprocess("image", media._flatten(ImageOps.exif_transpose(img), Path("x")))
+    dec = (time.process_time() - t) / (reps * len(jpegs))
+    print(f"decode + ViT-B/32 preprocess: {dec * 1e3:.2f} ms CPU per image = {1 / dec:.0f} images/s per core")
+    for m, items in (("image", [enc.preprocess("image", Image.open(io.BytesIO(j))) for j in jpegs] * 3),
+                     ("text", [enc.preprocess("text", f"a photo of a thing number {i} on a table") for i in range(32)])):
+        b = enc.collate(m, items)
+        enc.encode(m, b)
+        t = time.process_time()
+        n = sum(len(enc.encode(m, b)) for _ in range(3))
+        per = (time.process_time() - t) / n
+        print(f"ViT-B/32 {m} forward on CPU, 1 thread: {per * 1e3:.1f} ms per item = {1 / per:.1f} items/s per core")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=256, help="images")
@@ -68,7 +111,11 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     ap.add_argument("--generated", action="store_true", help="generated JPEGs even when Tux Paint is present")
     ap.add_argument("--no-sharded", action="store_true", help="skip the sharded (Lightning) pipeline")
+    ap.add_argument("--cpu-cost", type=Path, default=None, metavar="DIR",
+                    help="measure per-image CPU costs on the photos in DIR instead (see above)")
     a = ap.parse_args()
+    if a.cpu_cost is not None:
+        return cpu_cost(a.cpu_cost)
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     enc = build_encoder({"name": "offline", "text": None, "audio": None, "device": device})
