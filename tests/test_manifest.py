@@ -124,8 +124,8 @@ def test_registry_and_load_rows(tmp_path):
     assert {"tuxpaint", "manifest"} <= set(DATASETS)
     m = write_jsonl(tmp_path / "m.jsonl", RECORDS)
     assert load_rows("manifest", "train", path=str(m)) == rows(m, "train")
-    with pytest.raises(ValueError, match=r"unknown dataset 'coco'.*known datasets: \[.*'manifest'.*'tuxpaint'"):
-        load_rows("coco", "train")
+    with pytest.raises(ValueError, match=r"unknown dataset 'no_such_set'.*known datasets: \[.*'manifest'.*'tuxpaint'"):
+        load_rows("no_such_set", "train")
     with pytest.raises(TypeError, match=r"unknown config keys \['pth', 'x'\]"):
         load_rows("manifest", "train", pth="m.jsonl", x=1)
     with pytest.raises(ValueError, match="needs a path"):

@@ -270,7 +270,8 @@ def _extract_locked(rows, encoder, out: Path, dataset, split, encoder_cfg, batch
         report["failed"] += [{"modality": m, "id": rid, "source": _short(r.source), "reason": why}
                              for r in mrows for rid, why in [(r.id, prog["failed"].get(r.id))] if why]
         if len(ok_idx) == 0 or n_bad > max_bad_frac * len(mrows):
-            reasons = sorted({why.split(":")[0] for why in prog["failed"].values()})[:5]
+            # messages read "<path>: <reason>"; summarise by reason, without the path
+            reasons = sorted({why.rsplit(": ", 1)[-1].split(" (")[0] for why in prog["failed"].values()})[:5]
             write_json(work / "report.json", report)
             raise FeatureStoreError(
                 f"{dataset}/{split}: {n_bad} of {len(mrows)} {m} rows failed (limit {max_bad_frac:.0%}); "

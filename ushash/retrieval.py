@@ -32,55 +32,74 @@ def direction_name(q: str, d: str) -> str:
     return f"{LETTER[q]}→{LETTER[d]}"
 
 
-def _group_ids(split: FeatureSplit) -> dict[str, np.ndarray]:
-    vocab = {g: i for i, g in enumerate(sorted(set().union(*(set(t.groups) for t in split.tables.values()))))}
-    return {m: np.fromiter((vocab[g] for g in t.groups), np.int64, len(t)) for m, t in split.tables.items()}
+def _group_ids(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]]:
+    names = set().union(*(set(t.groups) for s in splits for t in s.tables.values()))
+    vocab = {g: i for i, g in enumerate(sorted(names))}
+    return [{m: np.fromiter((vocab[g] for g in t.groups), np.int64, len(t)) for m, t in s.tables.items()}
+            for s in splits]
 
 
-def _label_matrix(split: FeatureSplit) -> dict[str, np.ndarray] | None:
-    names = sorted(set(l for t in split.tables.values() for labs in t.labels for l in labs))
+def _label_matrix(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]] | None:
+    names = sorted(set(l for s in splits for t in s.tables.values() for labs in t.labels for l in labs))
     if not names:
         return None
     col = {n: i for i, n in enumerate(names)}
-    out = {}
-    for m, t in split.tables.items():
-        mh = np.zeros((len(t), len(names)), dtype=bool)
-        for i, labs in enumerate(t.labels):
-            mh[i, [col[l] for l in labs]] = True
-        out[m] = mh
+    out = []
+    for s in splits:
+        per = {}
+        for m, t in s.tables.items():
+            mh = np.zeros((len(t), len(names)), dtype=bool)
+            for i, labs in enumerate(t.labels):
+                mh[i, [col[l] for l in labs]] = True
+            per[m] = mh
+        out.append(per)
     return out
 
 
+def _represent(split: FeatureSplit, method: Method) -> dict:
+    reps = {}
+    for m, t in split.tables.items():
+        try:
+            reps[m] = method(m, np.asarray(t.x))
+        except KeyError:
+            continue  # the method has no encoder for this modality
+    return reps
+
+
 def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1, 5, 10),
-             protocols=("paired", "label"), denominator: str = "min") -> list[dict]:
-    """One row per (method, direction, protocol). The label protocol runs only if the split has labels."""
-    groups = _group_ids(split)
-    labels = _label_matrix(split) if "label" in protocols else None
+             protocols=("paired", "label"), denominator: str = "min",
+             database: FeatureSplit | None = None) -> list[dict]:
+    """One row per (method, direction, protocol). The label protocol runs only if the split has labels.
+
+    Queries come from `split`; the database is `database` when given (the hashing protocol's query set
+    against its retrieval set), else `split` itself. A database smaller than k pads the ranking with
+    "no result" (-1), which is never relevant.
+    """
+    db_split = database if database is not None else split
+    both = [split, db_split]
+    (q_groups, d_groups) = _group_ids(both) if database is not None else _group_ids([split]) * 2
+    labels = _label_matrix(both) if "label" in protocols else None
     rows = []
     for name, method in methods.items():
-        reps = {}
-        for m, t in split.tables.items():
-            try:
-                reps[m] = method(m, np.asarray(t.x))
-            except KeyError:
-                continue  # the method has no encoder for this modality
-        for q, d in directions(m for m in split.modalities if m in reps):
-            kind, qx = reps[q]
-            _, dx = reps[d]
-            kk = min(k, len(dx))
+        q_reps = _represent(split, method)
+        d_reps = _represent(db_split, method) if database is not None else q_reps
+        mods = [m for m in split.modalities if m in q_reps and m in d_reps]
+        for q, d in directions(mods):
+            kind, qx = q_reps[q]
+            _, dx = d_reps[d]
             if kind == "codes":
-                _, I = HammingIndex(dx).search(qx, kk)
+                _, I = HammingIndex(dx).search(qx, k)
                 bits = int(qx.shape[1] * 8)
             else:
-                _, I = cosine_search(qx, dx, kk)
+                _, I = cosine_search(qx, dx, k)
                 bits = None
             for protocol in protocols:
                 if protocol == "label" and labels is None:
                     continue
                 rep = metrics.retrieval_report(
-                    I, groups[q], groups[d], protocol=protocol, k=k, ks=ks, denominator=denominator,
-                    q_labels=labels[q] if protocol == "label" else None,
-                    db_labels=labels[d] if protocol == "label" else None)
+                    I, q_groups[q], d_groups[d], protocol=protocol, k=k, ks=ks, denominator=denominator,
+                    q_labels=labels[0][q] if protocol == "label" else None,
+                    db_labels=labels[1][d] if protocol == "label" else None)
                 rows.append({"method": name, "kind": kind, "bits": bits, "direction": direction_name(q, d),
                              "n_database": int(len(dx)), **rep})
     return rows
