@@ -32,14 +32,25 @@ def direction_name(q: str, d: str) -> str:
     return f"{LETTER[q]}→{LETTER[d]}"
 
 
-def _group_ids(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]]:
+def _group_ids(split: FeatureSplit) -> dict[str, np.ndarray]:
+    """modality -> int64 group id per row (one vocabulary across the split's modalities)."""
+    return _joint_group_ids([split])[0]
+
+
+def _label_matrix(split: FeatureSplit) -> dict[str, np.ndarray] | None:
+    """modality -> multi-hot bool [N, L] over the split's label names; None when it has no labels."""
+    out = _joint_label_matrix([split])
+    return None if out is None else out[0]
+
+
+def _joint_group_ids(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]]:
     names = set().union(*(set(t.groups) for s in splits for t in s.tables.values()))
     vocab = {g: i for i, g in enumerate(sorted(names))}
     return [{m: np.fromiter((vocab[g] for g in t.groups), np.int64, len(t)) for m, t in s.tables.items()}
             for s in splits]
 
 
-def _label_matrix(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]] | None:
+def _joint_label_matrix(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]] | None:
     names = sorted(set(l for s in splits for t in s.tables.values() for labs in t.labels for l in labs))
     if not names:
         return None
@@ -77,8 +88,8 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1
     """
     db_split = database if database is not None else split
     both = [split, db_split]
-    (q_groups, d_groups) = _group_ids(both) if database is not None else _group_ids([split]) * 2
-    labels = _label_matrix(both) if "label" in protocols else None
+    (q_groups, d_groups) = _joint_group_ids(both) if database is not None else _joint_group_ids([split]) * 2
+    labels = _joint_label_matrix(both) if "label" in protocols else None
     rows = []
     for name, method in methods.items():
         q_reps = _represent(split, method)
