@@ -68,3 +68,67 @@ def prototype(prototypes: torch.Tensor) -> torch.Tensor:
     bits = g.shape[0]
     off = g - torch.eye(bits, device=g.device, dtype=g.dtype)
     return (off ** 2).sum() / (bits * max(bits - 1, 1))
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+# Objectives of the trained baselines (ushash/methods/). Same relaxed codes h in (-1, 1), same pairing signal.
+
+def pairwise_likelihood(ha: torch.Tensor, hb: torch.Tensor, ga: torch.Tensor, gb: torch.Tensor,
+                        scale: float = 0.5, pos_weight: float | str = "balanced") -> torch.Tensor:
+    """Negative log-likelihood of the pairwise similarities (DPSH, DCMH):
+
+        theta_ij = scale * h_a[i] . h_b[j],   p(s_ij = 1) = sigmoid(theta_ij)
+        L = sum_ij w_ij * (softplus(theta_ij) - s_ij * theta_ij) / sum_ij w_ij
+
+    s_ij = 1 when rows i and j share a group. DCMH/DPSH use scale 0.5 and unweighted sums (pos_weight 1), which
+    suits class labels (many similar pairs). With pairs as the only similarity, a batch of B groups has about
+    B similar pairs among B^2, and the unweighted likelihood is minimised by codes that make every cross-modal
+    pair dissimilar (one modality's codes the negation of the other's). pos_weight="balanced" gives the similar
+    and the dissimilar pairs equal total weight (HashNet's weighted likelihood, Cao et al., ICCV 2017).
+    """
+    theta = scale * (ha @ hb.T)
+    s = (ga[:, None] == gb[None, :]).to(theta.dtype)
+    if pos_weight == "balanced":
+        n_pos = s.sum()
+        pos_weight = float((s.numel() - n_pos) / n_pos.clamp(min=1.0))
+    w = 1.0 + (float(pos_weight) - 1.0) * s
+    return (w * (F.softplus(theta) - s * theta)).sum() / w.sum()
+
+
+def hadamard_centres(n: int, bits: int, seed: int = 0) -> torch.Tensor:
+    """CSQ's hash centres: n codes in {-1, +1}^bits, pairwise far apart.
+
+    The rows of a Sylvester Hadamard matrix H and of -H (2*bits centres, pairwise Hamming distance
+    >= bits/2) come first, in a seeded random order; when n > 2*bits (or bits is not a power of two)
+    the remaining centres are seeded Bernoulli(0.5) codes, as CSQ does for many classes.
+    """
+    gen = torch.Generator().manual_seed(int(seed))
+    rows = []
+    if bits & (bits - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < bits:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        had = torch.cat([h, -h], 0)
+        rows.append(had[torch.randperm(len(had), generator=gen)][:n])
+    rest = n - sum(len(r) for r in rows)
+    if rest > 0:
+        rows.append(torch.randint(0, 2, (rest, bits), generator=gen).float() * 2 - 1)
+    return torch.cat(rows, 0)
+
+
+def centre_bce(h: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """CSQ's central similarity loss: per-bit binary cross-entropy between (h+1)/2 and (c+1)/2."""
+    p = ((h + 1) / 2).clamp(1e-6, 1 - 1e-6)
+    t = (centres + 1) / 2
+    return F.binary_cross_entropy(p, t)
+
+
+def cosine_margin_ce(h: torch.Tensor, codebook: torch.Tensor, target: torch.Tensor, scale: float = 8.0,
+                     margin: float = 0.2) -> torch.Tensor:
+    """OrthoHash's objective: cross-entropy over cos(h, codebook row) with an additive margin on the target.
+
+    codebook: [C, bits] fixed +-1 codes (near-orthogonal); target: [B] row of each code's own class.
+    """
+    cos = F.normalize(h, dim=-1) @ F.normalize(codebook, dim=-1).T
+    cos = cos - margin * F.one_hot(target, cos.shape[1]).to(cos.dtype)
+    return F.cross_entropy(scale * cos, target)

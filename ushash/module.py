@@ -3,7 +3,6 @@ checkpoints rebuild with no config tree and load with `torch.load(weights_only=T
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
@@ -19,11 +18,25 @@ class USHashModule(pl.LightningModule):
                  dropout: float = 0.1, lr: float = 1e-3, weight_decay: float = 1e-4, temperature: float = 0.2,
                  relax: str = "tanh", beta_start: float = 1.0, beta_end: float = 16.0,
                  w_contrastive: float = 1.0, w_float: float = 0.5, w_quant: float = 0.1, w_balance: float = 0.1,
-                 w_decor: float = 0.01, w_proto: float = 0.01, max_epochs: int = 30, provenance: dict | None = None):
+                 w_decor: float = 0.01, w_proto: float = 0.01, max_epochs: int = 30, provenance: dict | None = None,
+                 method: str = "ushash", method_args: dict | None = None, n_train_groups: int = 0):
         """provenance: plain dict describing what the head was trained on (dataset, encoder name, config and
-        fingerprint, feature store paths); stored in the checkpoint so it describes itself."""
+        fingerprint, feature store paths); stored in the checkpoint so it describes itself.
+
+        method: the registered trained method (ushash/methods/) whose objective trains the network: "ushash"
+        (the w_* weights above) or a baseline ("pairwise", "csq", "orthohash"), whose own hyper-parameters are
+        the plain dict method_args. Every method trains the same network (per-modality heads + a linear hash
+        layer, ushash.heads.USHash), so every checkpoint loads and encodes the same way.
+        n_train_groups: number of training groups (centre/proxy tables of the CSQ- and OrthoHash-style methods)."""
         super().__init__()
+        from ushash import methods
+        spec = methods.get(method)
+        if spec.kind != "trained":
+            raise ValueError(f"method {method!r} is a no-training baseline; it is fitted, not trained "
+                             f"(python -m ushash.sweep method={spec.name})")
+        method, method_args = spec.name, dict(method_args or {})  # canonical name; plain dict in the checkpoint
         self.save_hyperparameters()
+        self._objective = spec.objective
         self.model = USHash(in_dims, bits=bits, dim=dim, hidden=hidden, layers=layers, dropout=dropout)
 
     # ------------------------------------------------------------------ relaxation schedule
@@ -48,26 +61,7 @@ class USHashModule(pl.LightningModule):
             z[m], lg = self.model(m, x)
             h[m] = losses.relax(lg, beta, hp.relax)
             g[m], present[m] = gid, pres
-        l_con = l_float = x.new_zeros(())
-        n_pairs = 0
-        for a, b in itertools.combinations(h, 2):
-            both = present[a] & present[b]
-            if both.sum() < 2:
-                continue
-            l_con = l_con + losses.contrastive(h[a][both], h[b][both], g[a][both], g[b][both], hp.temperature)
-            # the same objective on the continuous embeddings keeps z well-shaped (and is the float baseline)
-            l_float = l_float + losses.contrastive(z[a][both], z[b][both], g[a][both], g[b][both],
-                                                   hp.temperature * hp.dim / hp.bits)
-            n_pairs += 1
-        n_pairs = max(n_pairs, 1)
-        hs = torch.cat([h[m][present[m]] for m in h])
-        parts = {
-            "contrastive": l_con / n_pairs, "float": l_float / n_pairs, "quant": losses.quantization(hs),
-            "balance": losses.balance(hs), "decor": losses.decorrelation(hs),
-            "proto": losses.prototype(self.model.prototypes),
-        }
-        weights = {"contrastive": hp.w_contrastive, "float": hp.w_float, "quant": hp.w_quant,
-                   "balance": hp.w_balance, "decor": hp.w_decor, "proto": hp.w_proto}
+        parts, weights = self._objective(self, h, z, g, present, hp.method_args)
         loss = sum(weights[k] * v for k, v in parts.items())
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite training loss at step {self.global_step}: "

@@ -1,4 +1,4 @@
-"""python -m ushash.train data=tuxpaint encoder=offline bits=64 trainer.max_epochs=30
+"""python -m ushash.train data=tuxpaint encoder=offline bits=64 trainer.max_epochs=30 [method=pairwise]
 
 Trains US-HASH heads on cached features (extracting them first if needed). Checkpoints go to
 checkpoints/<run>/ (`best.ckpt` chosen on the validation split, `last.ckpt` to resume from).
@@ -20,12 +20,34 @@ from ushash.extract import run_extract
 from ushash.module import USHashModule
 
 
-def module_kwargs(cfg: DictConfig, in_dims: dict, provenance: dict) -> dict:
+def method_config(cfg: DictConfig) -> dict:
+    """The `method` config group as a plain dict {"name", "args"}; US-HASH when the config has none."""
+    meth = to_dict(cfg.get("method")) or {"name": "ushash"}
+    return {"name": str(meth["name"]), "args": dict(meth.get("args") or {})}
+
+
+def module_kwargs(cfg: DictConfig, in_dims: dict, provenance: dict, n_train_groups: int = 0) -> dict:
     m = to_dict(cfg.model)
     w = m.pop("loss")
     m.pop("batch_size")
+    meth = method_config(cfg)
     return dict(in_dims=in_dims, bits=int(cfg.bits), max_epochs=int(cfg.trainer.max_epochs), provenance=provenance,
+                method=meth["name"], method_args=meth["args"], n_train_groups=int(n_train_groups),
                 **m, **{f"w_{k}": float(v) for k, v in w.items()})
+
+
+def _check_resumable(last: Path, method: str) -> None:
+    """Refuse to resume another method's run (run names default to data-encoder-bits-seed)."""
+    import torch
+    try:
+        hp = torch.load(last, map_location="cpu", weights_only=True).get("hyper_parameters") or {}
+    except Exception:
+        return  # Lightning reports an unreadable checkpoint itself
+    from ushash import methods
+    theirs = methods.get(hp.get("method", "ushash")).name
+    if theirs != methods.get(method).name:
+        raise ValueError(f"{last} was trained with method {theirs!r}, not {method!r}; set run_name=... "
+                         f"(or resume=false) so the runs do not share a folder")
 
 
 def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
@@ -37,8 +59,9 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     in_dims = {m: int(train.meta["modalities"][m]["dim"]) for m in mods}
     provenance = {"dataset": train.meta["dataset"], "encoder": train.meta["encoder"],
                   "features_dir": str(Path(train.path).parent.parent.parent), "run_name": str(cfg.run_name),
-                  "seed": int(cfg.seed), "data": to_dict(cfg.data)}
-    module = USHashModule(**module_kwargs(cfg, in_dims, provenance))
+                  "seed": int(cfg.seed), "data": to_dict(cfg.data), "method": method_config(cfg)}
+    n_groups = len(set().union(*(set(train.tables[m].groups) for m in mods)))  # = GroupBatches' group count
+    module = USHashModule(**module_kwargs(cfg, in_dims, provenance, n_train_groups=n_groups))
     dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
     run_dir = Path(cfg.paths.checkpoints_dir) / str(cfg.run_name)
     ckpt = ModelCheckpoint(dirpath=run_dir, filename="best", monitor="val/map@10", mode="max", save_last=True,
@@ -48,6 +71,8 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     trainer = pl.Trainer(**to_dict(cfg.trainer), callbacks=[ckpt], logger=logger, default_root_dir=str(run_dir))
     last = run_dir / "last.ckpt"
     resume = str(last) if cfg.resume and last.exists() else None
+    if resume:
+        _check_resumable(last, module.hparams.method)
     if resume:
         print(f"[train] resuming from {resume}")
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
