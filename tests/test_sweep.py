@@ -1,0 +1,132 @@
+"""Sweeps: one run per (method, bits, seed), resume, aggregation, plots, and the train/test wall."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ushash import sweep
+from ushash.config import ROOT, compose
+from ushash.methods.base import FittedMethod
+
+SMALL = ["sweep.synthetic.n_train=400", "sweep.synthetic.n_val=80", "sweep.synthetic.n_test=120",
+         "sweep.synthetic.n_classes=8", "sweep.threads=1"]
+
+
+def _cfg(tmp_path, *extra):
+    return compose("config", ["experiment=sweep_synthetic", f"paths.root={tmp_path}", *SMALL, *extra])
+
+
+def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, capsys):
+    cfg = _cfg(tmp_path, "method=itq", "bits=16", "seed=0")
+    res = sweep.run_one(cfg)
+    f = tmp_path / "experiments" / "synthetic" / "runs" / "itq-16b-s0" / "result.json"
+    assert f.exists() and res["fitted_on"] == "train" and res["split"] == "test"
+    assert {r["protocol"] for r in res["rows"]} == {"paired", "label"}
+    assert {r["direction"] for r in res["rows"]} == {"I→T", "T→I", "I→A", "A→I", "T→A", "A→T"}
+    pr = res["curves"][0]["pr"]
+    assert len(pr["precision"]) == 17 and pr["recall"][-1] == pytest.approx(1.0)  # radius = bits retrieves all
+    mtime = f.stat().st_mtime_ns
+    again = sweep.run_one(cfg)
+    assert "done already" in capsys.readouterr().out
+    assert f.stat().st_mtime_ns == mtime and again["digest"] == res["digest"]
+    # a changed setting is a different run: it is redone, not mixed up with the stored one
+    changed = sweep.run_one(_cfg(tmp_path, "method=itq", "bits=16", "seed=0", "method.args.common_dim=64"))
+    assert changed["digest"] != res["digest"]
+
+
+def test_fitted_baseline_never_sees_the_test_split(tmp_path, monkeypatch):
+    """The sweep hands a no-training method the training split only, and the test split is not read until
+    the fit is over (a tripwire on the test tables)."""
+    cfg = _cfg(tmp_path, "method=pca_rotation", "bits=16", "seed=0")
+    splits = sweep.open_splits(cfg)
+    fitting = {"now": False, "calls": []}
+
+    class Tripwire:
+        def __init__(self, split):
+            self._split = split
+
+        def __getattr__(self, name):
+            if fitting["now"]:
+                raise AssertionError(f"test split read during fit ({name})")
+            return getattr(self._split, name)
+
+    real_fit = FittedMethod.fit
+
+    def spy(self, train):
+        fitting["now"] = True
+        fitting["calls"].append(train.meta["split"])
+        try:
+            return real_fit(self, train)
+        finally:
+            fitting["now"] = False
+
+    monkeypatch.setattr(FittedMethod, "fit", spy)
+    res = sweep.run_one(cfg, splits={**splits, "test": Tripwire(splits["test"])})
+    assert fitting["calls"] == ["train"]
+    assert res["rows"]
+    # train and test share no item (groups are the items)
+    tr = set().union(*(set(t.groups) for t in splits["train"].tables.values()))
+    te = set().union(*(set(t.groups) for t in splits["test"].tables.values()))
+    assert not tr & te
+
+
+def test_trained_run_resumes_from_its_checkpoint(tmp_path, capsys):
+    cfg = _cfg(tmp_path, "method=pairwise", "bits=16", "seed=0", "trainer.max_epochs=2")
+    first = sweep.run_one(cfg)
+    run_dir = tmp_path / "experiments" / "synthetic" / "runs" / "pairwise-16b-s0"
+    assert (run_dir / "last.ckpt").exists() and first["val_map@10"] is not None
+    (run_dir / "result.json").unlink()  # as if the sweep had been killed after training, before evaluation
+    second = sweep.run_one(cfg)
+    assert "resuming from" in capsys.readouterr().out
+    a = {(r["direction"], r["protocol"]): r["map@10"] for r in first["rows"]}
+    b = {(r["direction"], r["protocol"]): r["map@10"] for r in second["rows"]}
+    assert a == b
+    from ushash.module import load_checkpoint
+    mod = load_checkpoint(run_dir / "best.ckpt")  # weights_only, no config tree
+    assert mod.hparams.method == "pairwise" and mod.hparams.bits == 16
+
+
+def test_aggregate_tables_and_plots(tmp_path):
+    for method in ("lsh", "itq", "float"):
+        for bits in (16, 32):
+            for seed in (0, 1):
+                sweep.run_one(_cfg(tmp_path, f"method={method}", f"bits={bits}", f"seed={seed}"))
+    exp = tmp_path / "experiments" / "synthetic"
+    agg = sweep.aggregate(exp, command="python -m ushash.sweep -m experiment=sweep_synthetic", wall_s=1.0)
+    assert agg["n_runs"] == 12
+    cell = agg["summary"]["lsh"]["32"]["label"]["map@10"]["mean"]
+    seeds = [json.loads((exp / "runs" / f"lsh-32b-s{s}" / "result.json").read_text()) for s in (0, 1)]
+    per_seed = [np.mean([r["map@10"] for r in res["rows"] if r["protocol"] == "label"]) for res in seeds]
+    assert cell[0] == pytest.approx(np.mean(per_seed), abs=1e-5)
+    assert cell[1] == pytest.approx(np.std(per_seed, ddof=1), abs=1e-5) and cell[2] == 2
+    md = (exp / "results.md").read_text()
+    assert "## mAP@10, protocol paired" in md and "## mAP@10, protocol label" in md and " ± " in md
+    assert "Z=min(k, #relevant)" in md and "python -m ushash.sweep" in md
+    assert md.count("| float (shared input space, cosine) | float |") == 4 * 2  # once per table; P@H≤2 is codes only
+    for png in ("map_vs_bits.png", "precision_h2.png", "pr_hamming_32b.png", "p_at_k_32b.png"):
+        assert (exp / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # re-aggregation reads the runs again and keeps the recorded command
+    before = (exp / "results.md").read_text()
+    sweep.run_sweep(_cfg(tmp_path, "sweep.aggregate_only=true"))
+    assert (exp / "results.md").read_text() == before
+
+
+@pytest.mark.slow
+def test_hydra_multirun_sweep_and_resume(tmp_path):
+    """The real command: Hydra multirun over methods x bits x seeds, aggregated at the end; run again, every
+    finished run is skipped."""
+    cmd = [sys.executable, "-m", "ushash.sweep", "-m", "experiment=sweep_synthetic", f"paths.root={tmp_path}",
+           *SMALL, "method=lsh,itq,pairwise", "bits=16,32", "seed=0,1", "trainer.max_epochs=2"]
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    exp = tmp_path / "experiments" / "synthetic"
+    agg = json.loads((exp / "results.json").read_text())
+    assert agg["n_runs"] == 12 and agg["sweep_wall_s"] > 0
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("done already") == 12
