@@ -162,3 +162,59 @@ def test_slow_redis_times_out_and_is_counted(redis_server):
     blocker.join()
     assert took < 0.3, took
     assert a.metrics.value("cache_l2_errors_total", op="lookup") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli not installed")
+def test_redis_cluster_layout(tmp_path):
+    """Three masters on loopback: multi-key lookups (SUNION of a tenant's buckets) and the put script
+    work because every key of a tenant carries the tenant's hash tag."""
+    import redis
+
+    nodes = []
+    try:
+        for i in range(3):
+            d = tmp_path / f"n{i}"
+            d.mkdir()
+            port = _free_port()
+            p = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                  "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
+                                  "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            nodes.append((port, p))
+        for port, _ in nodes:
+            for _ in range(200):
+                try:
+                    redis.Redis(port=port).ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.02)
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p, _ in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        for _ in range(300):
+            if b"cluster_state:ok" in redis.Redis(port=nodes[0][0]).execute_command("CLUSTER", "INFO"):
+                break
+            time.sleep(0.05)
+        url = f"redis://127.0.0.1:{nodes[0][0]}/0"
+        caches = [SemanticCache(_head(), {"radius": 3, "l2": {"url": url, "cluster": True, "watermark_check_s": 0,
+                                                              "timeout_s": 1.0}}) for _ in range(2)]
+        rng = np.random.default_rng(0)
+        xs = rng.normal(size=(30, 16)).astype(np.float32)
+        tenants = [f"t{i}" for i in range(10)]
+        for i, x in enumerate(xs):
+            assert caches[0].put("text", features=x, value=i, tenant=tenants[i % 10])
+        for i, x in enumerate(xs):
+            hit = caches[1].get("text", features=x, tenant=tenants[i % 10])
+            assert hit is not None and hit.tier == "l2" and hit.value == i
+            assert caches[1].get("text", features=x + 1e-3, tenant=tenants[(i + 1) % 10]) is None
+        assert caches[0].metrics.value("cache_l2_errors_total", op="put") == 0
+        assert sum(caches[1].metrics.value("cache_l2_errors_total", op=op) for op in ("lookup", "fetch")) == 0
+        # the tenants spread over the cluster's masters
+        owners = set()
+        for port, _ in nodes:
+            if redis.Redis(port=port).dbsize():
+                owners.add(port)
+        assert len(owners) >= 2
+    finally:
+        for _, p in nodes:
+            p.terminate()
+            p.wait(5)
