@@ -69,7 +69,8 @@ def test_run_cachesim_writes_a_report_and_hash_caches_are_never_stale(store, tmp
     root, splits = store
     head = _export(tmp_path, DIMS, {"name": "synthetic", "fingerprint": synthetic.ENCODER["fingerprint"]})
     cfg = compose("cachesim", [f"paths.root={tmp_path}", f"features_dir={root / 'features'}", "stream.n_requests=1500",
-                               "sweep.radii=[0,3,8]", "sweep.thresholds=[0.9,0.8]", f"out={tmp_path / 'out'}",
+                               "sweep.radii=[0,3,8]", "sweep.thresholds=[0.9,0.8]",
+                               "sweep.payload_thresholds=[0.8,0.95]", f"out={tmp_path / 'out'}",
                                "cache.ttl_s=600"])
     res = run_cachesim(cfg, head=head)
     out = tmp_path / "out"
@@ -77,7 +78,8 @@ def test_run_cachesim_writes_a_report_and_hash_caches_are_never_stale(store, tmp
     assert (out / "results.md").read_text().startswith("Stream: 1500 requests over 120 classes")
     data = json.loads((out / "results.json").read_text())
     assert set(data["sweep"]) == {"float z cosine", "LSH 64-bit codes of z + payload check",
-                                  "US-HASH 64-bit codes + payload check", "US-HASH 64-bit codes only"}
+                                  "US-HASH 64-bit codes + payload check", "US-HASH 64-bit codes only",
+                                  "US-HASH radius 3, payload threshold t"}
     rows = {r["method"]: r for r in res["rows"]}
     assert len(rows) == 5
     for name, r in rows.items():

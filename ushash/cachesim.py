@@ -488,6 +488,14 @@ def run_cachesim(cfg: DictConfig, head=None, pool: Pool | None = None) -> dict:
         hash_runs(f"US-HASH {head.bits}-bit codes + payload check", hm, True)
         if "ushash_codes_only" in methods:
             hash_runs(f"US-HASH {head.bits}-bit codes only", hm, False)
+        if cfg.sweep.get("payload_thresholds"):
+            # the other knob: the payload cosine threshold at the configured radius
+            pts = []
+            for th in sorted(float(x) for x in cfg.sweep.payload_thresholds):
+                hm.reset(payload_check=True, payload_threshold=th)
+                pts.append({"method": f"US-HASH radius {radius} + payload cos >= t", "param": f"payload cos >= {th:g}",
+                            "threshold": th, **replay(hm, stream, pool, clock, **rp)})
+            sweep[f"US-HASH radius {radius}, payload threshold t"] = pts
     seconds = time.perf_counter() - t0
     kinds = {k: int(sum(1 for x in pool.kind if x == k)) for k in sorted(set(pool.kind))}
     info = {"dataset": dataset, "split": str(cfg.split), "revision": head.revision, "bits": int(head.bits),
