@@ -55,6 +55,10 @@ def test_checkpoint_describes_itself_and_eval_writes_tables(tmp_path):
     assert all(r["denominator"] == "min" for r in res["rows"])
     assert "paired" in res["table"] and "label" in res["table"]
     assert (tmp_path / "experiments" / "eval").exists()
+    # queries from test ranked against another split (the hashing protocol's query set vs database)
+    res_db = run_eval(compose("eval", [f"paths.root={tmp_path}", f"ckpt={out['last']}", "database=train"]))
+    assert {r["n_database"] for r in res_db["rows"]} == {300}
+    assert {r["n_queries"] for r in res_db["rows"]} == {100}
     # the checkpoint holds only plain data: it loads with weights_only=True and rebuilds without Hydra
     import torch
     ck = torch.load(out["last"], weights_only=True, map_location="cpu")

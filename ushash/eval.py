@@ -125,15 +125,20 @@ def run_eval(cfg: DictConfig, module=None) -> dict:
     enc = prov["encoder"]
     features_dir = cfg.features_dir or prov["features_dir"]
     split = open_split(store_path(features_dir, prov["dataset"], cfg.split, enc["name"], enc["fingerprint"]))
-    rows = retrieval.evaluate(split, methods_for(module, enc["name"]), k=int(cfg.k),
+    db_name = cfg.get("database")
+    database = (open_split(store_path(features_dir, prov["dataset"], db_name, enc["name"], enc["fingerprint"]))
+                if db_name and db_name != cfg.split else None)
+    rows = retrieval.evaluate(split, methods_for(module, enc["name"]), k=int(cfg.k), database=database,
                               protocols=tuple(cfg.protocols), denominator=str(cfg.denominator))
     run = prov.get("run_name", Path(str(cfg.ckpt)).parent.name)
     out = Path(cfg.out) if cfg.out else Path(cfg.paths.experiments_dir) / "eval" / run
     out.mkdir(parents=True, exist_ok=True)
-    title = (f"{prov['dataset']} / {cfg.split} split, encoder {enc['name']} ({enc['fingerprint']}), "
+    against = f" against the {db_name} split" if database is not None else ""
+    title = (f"{prov['dataset']} / {cfg.split} split{against}, encoder {enc['name']} ({enc['fingerprint']}), "
              f"{module.hparams.bits} bits")
     table = retrieval.markdown_table(rows, k=int(cfg.k), title=title)
-    result = {"checkpoint": str(cfg.ckpt), "dataset": prov["dataset"], "split": cfg.split, "encoder": enc,
+    result = {"checkpoint": str(cfg.ckpt), "dataset": prov["dataset"], "split": cfg.split,
+              "database": db_name or cfg.split, "encoder": enc,
               "bits": module.hparams.bits, "k": int(cfg.k), "tie_rule": "ascending database index", "rows": rows}
     write_json(out / "results.json", result)
     tmp = out / ".results.md.tmp"

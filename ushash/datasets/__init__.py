@@ -22,9 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 Recipe = Callable[..., list[Row]]
 DATASETS: dict[str, Recipe] = {}
+EXTRA_SPLITS: dict[str, tuple[str, ...]] = {}  # e.g. the hashing protocol's retrieval "database"
 
 
-def register(name: str) -> Callable[[Recipe], Recipe]:
+def register(name: str, extra_splits: tuple[str, ...] = ()) -> Callable[[Recipe], Recipe]:
     """Decorator: make `fn(split, **cfg)` available as `load_rows(name, split, **cfg)`."""
 
     def deco(fn: Recipe) -> Recipe:
@@ -32,6 +33,7 @@ def register(name: str) -> Callable[[Recipe], Recipe]:
         if old is not None and not _same_function(old, fn):
             raise ValueError(f"dataset {name!r} is already registered (by {DATASETS[name].__module__})")
         DATASETS[name] = fn
+        EXTRA_SPLITS[name] = tuple(extra_splits)
         return fn
 
     return deco
@@ -55,8 +57,9 @@ def config_keys(name: str) -> tuple[str, ...]:
 def load_rows(name: str, split: str, **cfg) -> list[Row]:
     """The rows of one split of dataset `name`; raises on unknown names/keys and on empty splits."""
     fn = _recipe(name)
-    if split not in SPLITS:
-        raise ValueError(f"dataset {name!r}: unknown split {split!r}; expected one of {SPLITS}")
+    known = SPLITS + EXTRA_SPLITS.get(name, ())
+    if split not in known:
+        raise ValueError(f"dataset {name!r}: unknown split {split!r}; expected one of {known}")
     allowed = config_keys(name)
     unknown = sorted(set(cfg) - set(allowed))
     if unknown:

@@ -260,16 +260,17 @@ def load(split: str, *, root: str = "data/coco", image_root: str | None = None, 
                          captions_per_image=captions_per_image, restval_in_train=restval_in_train, labels=labs)
 
 
-HASHING_PART = {"train": "train", "val": "val", "test": "query"}
+HASHING_PART = {"train": "train", "val": "val", "test": "query", "database": "database"}
 
 
-@register("coco_hashing")
+@register("coco_hashing", extra_splits=("database",))
 def load_hashing(split: str, *, root: str = "data/coco", image_root: str | None = None, n_query: int = 5000,
                  n_train: int = 10000, n_val: int = 2000, captions_per_image: int = 5, seed: int = 0,
                  annotations_dir: str = "annotations") -> list[Row]:
-    """Cross-modal hashing protocol (2017 captions + instances); "test" is the query set."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    """Cross-modal hashing protocol (2017 captions + instances); "test" is the query set, "database" the
+    retrieval set it is ranked against (`python -m ushash.eval ... database=database`)."""
+    if split not in HASHING_PART:
+        raise ValueError(f"unknown split {split!r}; expected one of {tuple(HASHING_PART)}")
     return hashing_rows(HASHING_PART[split], resolve_path(root),
                         image_root=resolve_path(image_root) if image_root else None, n_query=n_query,
                         n_train=n_train, n_val=n_val, captions_per_image=captions_per_image, seed=seed,
