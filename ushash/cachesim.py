@@ -425,7 +425,8 @@ def build_pool(cfg: DictConfig, head) -> tuple[Pool, str]:
     if cfg.raw_media:
         from ushash.datasets import load_rows
         from ushash.cache.request import QueryEncoder
-        rows = load_rows(dataset, str(cfg.split), **to_dict(cfg.get("data") or {}))
+        data = cfg.get("data")
+        rows = load_rows(dataset, str(cfg.split), **(to_dict(data) if data is not None else {}))
         encoder = QueryEncoder(head).encoder()
         return pool_from_media(rows, encoder, n_variants=int(v.perturb), jpeg_quality=int(v.jpeg_quality),
                                crop_frac=float(v.crop_frac), snr_db=float(v.snr_db), seed=int(cfg.stream.seed)), dataset
