@@ -536,31 +536,36 @@ def markdown(info: dict, rows: list[dict]) -> str:
 
 
 def plot_sweep(sweep: dict, rows: list[dict], path: Path, title: str = "") -> None:
+    """Left: hit rate against false-hit rate for every sweep (labels: radius or threshold); right: the
+    same with only correct hits from fresh entries on the y axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 5), dpi=110)
-    for name, pts in sweep.items():
-        x = [p["false_hit_rate"] for p in pts]
-        y = [p["hit_rate"] for p in pts]
-        ax.plot(x, y, marker="o", ms=3, label=name)
-        for p in pts:
-            lab = p.get("radius", p.get("threshold"))
-            ax.annotate(f"{lab:g}", (p["false_hit_rate"], p["hit_rate"]), fontsize=6, xytext=(2, 2),
-                        textcoords="offset points")
-    for r in rows:
-        if r["method"].startswith("exact"):
-            ax.plot([r["false_hit_rate"]], [r["hit_rate"]], "k*", ms=9, label=r["method"])
-    if rows:
-        ax.axhline(rows[0]["oracle_hit_rate"], color="grey", ls=":", lw=1, label="oracle hit rate")
-    ax.set_xlabel("false-hit rate (false hits / requests)")
-    ax.set_ylabel("hit rate (hits / requests)")
-    ax.set_xscale("symlog", linthresh=1e-3)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), dpi=110, sharex=True)
+    for ax, key, ylabel in ((axes[0], "hit_rate", "hit rate (hits / requests)"),
+                            (axes[1], "valid_hit_rate", "correct hits from fresh entries / requests")):
+        for name, pts in sweep.items():
+            x = [p["false_hit_rate"] for p in pts]
+            y = [p[key] for p in pts]
+            ax.plot(x, y, marker="o", ms=3, label=name)
+            for p in pts:
+                lab = p.get("radius", p.get("threshold"))
+                ax.annotate(f"{lab:g}", (p["false_hit_rate"], p[key]), fontsize=6, xytext=(2, 2),
+                            textcoords="offset points")
+        for r in rows:
+            if r["method"].startswith("exact"):
+                ax.plot([r["false_hit_rate"]], [r[key]], "k*", ms=9, label=r["method"])
+        if rows:
+            ax.axhline(rows[0]["oracle_hit_rate"], color="grey", ls=":", lw=1, label="oracle hit rate")
+        ax.set_xlabel("false-hit rate (false hits / requests)")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("symlog", linthresh=1e-3)
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title + "  (point labels: Hamming radius or cosine threshold)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
