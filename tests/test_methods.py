@@ -215,3 +215,36 @@ def test_a_fitted_method_cannot_be_trained():
     from ushash.module import USHashModule
     with pytest.raises(ValueError, match="fitted, not trained"):
         USHashModule(in_dims={"image": 4, "text": 4}, bits=16, method="itq")
+
+
+# ---------------------------------------------------------------------------------------------- US-HASH vs ITQ
+
+US_VS_ITQ = "measured in experiments/synthetic (3 seeds): label mAP@10 US-HASH 0.645 vs ITQ 0.788 at 32 bits; " \
+            "paired mAP@10 at 16 bits US-HASH 0.136 vs ITQ 0.163 (docs/baselines.md)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits,protocol", [
+    (16, "label"),
+    pytest.param(32, "label", marks=pytest.mark.xfail(strict=True, reason="US-HASH does not beat GCCA-aligned ITQ: " + US_VS_ITQ)),
+    pytest.param(16, "paired", marks=pytest.mark.xfail(strict=True, reason="US-HASH does not beat GCCA-aligned ITQ: " + US_VS_ITQ)),
+])
+def test_ushash_beats_itq_on_synthetic(bits, protocol, unaligned, tmp_path):
+    """The issue's check, as it stands: US-HASH (trained as in configs/experiment/sweep_synthetic.yaml, seed 0)
+    beats ITQ (fitted on the training split in the GCCA space) by 0.1 mAP@10. It holds at 16 bits with label
+    relevance (measured over 3 seeds: 0.778 vs 0.570) and fails elsewhere; the failing cases are strict
+    xfails, so the day US-HASH beats ITQ there this test says so."""
+    from ushash.config import compose
+    from ushash.module import load_checkpoint
+    from ushash.train import run_train
+    cfg = compose("config", [f"paths.root={tmp_path}", "trainer.accelerator=cpu", "trainer.max_epochs=12",
+                             "model.batch_size=128", f"bits={bits}", "+trainer.enable_progress_bar=false"])
+    module = load_checkpoint(run_train(cfg, splits=unaligned)["best"])
+    test = unaligned["test"]
+
+    def score(method):
+        reps = encode_once(test, method)
+        return retrieval.mean_map(retrieval.evaluate(test, {"m": lambda m, x: reps[m]}, protocols=(protocol,)), protocol)
+
+    us, itq = score(module.code_method()), score(methods.build("itq", bits, seed=0).fit(unaligned["train"]))
+    assert us > itq + 0.1, (us, itq)

@@ -130,3 +130,13 @@ def test_hydra_multirun_sweep_and_resume(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("done already") == 12
+
+
+def test_a_length_a_method_cannot_make_is_recorded_not_fatal(tmp_path):
+    # synthetic features have rank 32 per modality (the latent), so the GCCA space has 96 dims: no 128 PCA bits
+    res = sweep.run_one(_cfg(tmp_path, "method=pca_sign", "bits=128", "seed=0"))
+    assert res["status"] == "not_applicable" and "bits=128 > shared space dim" in res["reason"]
+    sweep.run_one(_cfg(tmp_path, "method=lsh", "bits=128", "seed=0"))  # random hyperplanes need no PCA
+    agg = sweep.aggregate(tmp_path / "experiments" / "synthetic")
+    assert agg["n_runs"] == 1 and agg["not_applicable"][0]["key"] == "pca_sign-128b-s0"
+    assert "Not applicable (1 runs" in (tmp_path / "experiments" / "synthetic" / "results.md").read_text()

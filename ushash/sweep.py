@@ -31,6 +31,7 @@ from ushash import methods, retrieval
 from ushash.config import CONFIG_DIR, to_dict
 from ushash.eval import CURVES_DOC, encode_once, ranking_curves
 from ushash.features import FeatureSplit, open_split, store_path, write_json
+from ushash.methods.base import NotApplicable
 
 SPLITS = ("train", "val", "test")
 DEFAULTS = {"name": None, "aggregate_only": False, "synthetic": None, "threads": None,
@@ -131,7 +132,14 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     extra = {}
     if spec.kind == "fitted":
         model = methods.build(spec.name, bits=int(cfg.bits), seed=int(cfg.seed), **settings["method"]["args"])
-        model.fit(train)  # the training split only
+        try:
+            model.fit(train)  # the training split only
+        except NotApplicable as e:  # recorded, so the sweep goes on and the tables say why the cell is empty
+            result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
+                      "digest": dg, "status": "not_applicable", "reason": str(e)}
+            write_json(result_file, result)
+            print(f"[sweep] {key}: not applicable: {e}")
+            return result
         entries = {spec.name: (spec.title, model)}
         extra["space"] = model.describe()
         if getattr(model.space, "shared_axes", None) is not None:
@@ -222,11 +230,13 @@ def _mean_curves(results: list[dict], name: str, bits: int, protocol: str) -> di
     if not cs:
         return {}
     out = {}
-    ks = sorted({k for c in cs for k in c["p_at_k"]}, key=int)
-    out["p_at_k"] = {k: float(np.mean([c["p_at_k"][k] for c in cs if k in c["p_at_k"]])) for k in ks}
+    # K values every direction has (a small database, e.g. 10 test sounds, caps K): a mean over a changing set
+    # of directions would zig-zag
+    ks = sorted(set.intersection(*(set(c["p_at_k"]) for c in cs)), key=int)
+    out["p_at_k"] = {k: round(float(np.mean([c["p_at_k"][k] for c in cs])), 5) for k in ks}
     pr = [c["pr"] for c in cs if "pr" in c]
     if pr:
-        out["pr"] = {k: [round(float(v), 5) for v in np.mean([p[k] for p in pr], axis=0)]
+        out["pr"] = {k: [round(float(v), 4) for v in np.mean([p[k] for p in pr], axis=0)]
                      for k in ("precision", "recall", "retrieved")}
     return out
 
@@ -235,6 +245,8 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
     """Read experiments/<name>/runs/*/result.json; write results.json, results.md and the plots."""
     exp = Path(exp)
     results = load_results(exp)
+    not_applicable = [{"key": r["key"], "reason": r["reason"]} for r in results if r.get("status") == "not_applicable"]
+    results = [r for r in results if r.get("status") != "not_applicable"]
     if not results:
         raise FileNotFoundError(f"no run results under {exp / 'runs'}; run the sweep first")
     prev = exp / "results.json"
@@ -269,6 +281,8 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
         "runs_wall_s": round(sum(r["wall_s"] for r in results), 1), "n_runs": len(results),
         "protocols": {p: f"{PROTOCOL_DOC.get(p, p)}; mAP@10 with {retrieval.DENOMINATOR_DOC.get(den, den)}; "
                          f"queries without a relevant item score 0" for p in protocols},
+        "queries": {f"{r['direction']} {r['protocol']}": [r["n_queries"], r["n_no_relevant"], r["n_database"]]
+                    for r in first["rows"] if r["method"] == first["method"]},
         "tie_rule": "ascending database index", "curves_doc": CURVES_DOC,
         "std": "sample standard deviation over seeds (ddof=1); 0 with one seed",
         "summary_format": "summary[method][bits][protocol][metric][direction] = [mean, std, n_seeds]; direction "
@@ -278,7 +292,7 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
                                              "shared_axes") if r.get(k) is not None},
                   "mean_map@10": {n: {p: round(retrieval.mean_map([x for x in r["rows"] if x["method"] == n], p), 5)
                                       for p in protocols} for n in r["entries"]}} for r in results],
-        "summary": summary, "curves": curves,
+        "not_applicable": not_applicable, "summary": summary, "curves": curves,
     }
     _write_compact(exp / "results.json", out)
     md = markdown(out)
@@ -308,6 +322,31 @@ def cells(agg: dict):
                                "direction": direction, "mean": mean, "std": std, "n": n}
 
 
+SUMMARY_COLUMNS = (("paired", "map@10"), ("label", "map@10"), ("paired", "R@1"), ("paired", "R@10"),
+                   ("label", "P@10"), ("label", "p_h2"))
+
+
+def summary_table(agg: dict, flat: list | None = None) -> list[str]:
+    """One line per method and code length: the mean over directions of the headline metrics."""
+    flat = list(cells(agg)) if flat is None else flat
+    have = {(r["protocol"], r["metric"]) for r in flat}
+    cols = [c for c in SUMMARY_COLUMNS if c in have]
+    idx = {(r["method"], r["bits"], r["protocol"], r["metric"]): r for r in flat if r["direction"] == "mean"}
+    lines = ["## Summary (mean over directions)", "",
+             "| method | bits | " + " | ".join(f"{METRIC_NAMES[m]} {p}" for p, m in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for name, meta in agg["methods"].items():
+        bits_list = sorted({r["bits"] for r in flat if r["method"] == name})
+        if meta["output"] == "float" and meta["kind"] == "fitted":
+            bits_list = bits_list[:1]
+        for bits in bits_list:
+            shown = str(bits) if meta["output"] == "codes" else ("float" if meta["kind"] == "fitted" else f"float ({bits}-bit run)")
+            vals = [idx.get((name, bits, p, m)) for p, m in cols]
+            lines.append(f"| {meta['title']} | {shown} | " + " | ".join(
+                _fmt(v["mean"], v["std"], v["n"]) if v else "–" for v in vals) + " |")
+    return lines + [""]
+
+
 def _fmt(mean: float, std: float, n: int) -> str:
     return f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}"
 
@@ -327,9 +366,17 @@ def markdown(agg: dict, metrics=METRICS) -> str:
     for p, doc in agg["protocols"].items():
         lines.append(f"- Protocol **{p}**: {doc}.")
     lines.append(f"- {agg['curves_doc']}")
+    if agg.get("not_applicable"):
+        reasons = sorted({r["reason"] for r in agg["not_applicable"]})
+        lines.append(f"- Not applicable ({len(agg['not_applicable'])} runs, left out of the tables): "
+                     + ", ".join(r["key"] for r in agg["not_applicable"]) + ". Why: " + " / ".join(reasons))
+    if agg.get("queries"):
+        lines.append("- Queries per direction (queries / with no relevant item, scoring 0 / database size): " + "; ".join(
+            f"{k} {q}/{z}/{n}" for k, (q, z, n) in agg["queries"].items()) + ".")
     lines.append("")
     names = list(agg["methods"])
     flat = list(cells(agg))
+    lines += summary_table(agg, flat)
     for metric in metrics:
         for p in agg["protocols"]:
             rows = [r for r in flat if r["metric"] == metric and r["protocol"] == p]

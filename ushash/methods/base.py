@@ -10,6 +10,10 @@ from ushash.features import FeatureSplit
 from ushash.methods.space import SharedSpace
 
 
+class NotApplicable(ValueError):
+    """This method cannot make codes of this length from this data (e.g. more PCA bits than input dims)."""
+
+
 class FittedMethod:
     """Subclasses implement `_fit(y)` (y: float32 [N, d] stacked training embeddings of every modality) and
     `_project(y) -> float [N, bits]`; the code is `_project(y) > 0`. The object is a retrieval method:
@@ -31,7 +35,7 @@ class FittedMethod:
         self.space.fit(train)
         y = self.space.train_embeddings(train)
         if self.output == "codes" and self.needs_pca and self.bits > y.shape[1]:
-            raise ValueError(f"{type(self).__name__}: bits={self.bits} > shared space dim {y.shape[1]}; "
+            raise NotApplicable(f"{type(self).__name__}: bits={self.bits} > shared space dim {y.shape[1]}; "
                              f"raise common_dim (and max_rank) or use fewer bits")
         self._fit(y)
         return self
