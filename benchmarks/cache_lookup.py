@@ -19,8 +19,11 @@ Prints p50 / p99 per lookup, the ratio cache / bare faiss, the bytes per entry t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
+import sys
 import time
 
 import faiss
@@ -131,7 +134,11 @@ def main():
     ap.add_argument("--queries", type=int, default=20_000)
     ap.add_argument("--codes", choices=["uniform", "clustered"], nargs="+", default=["uniform", "clustered"])
     ap.add_argument("--policy", default="wtinylfu", choices=["lru", "lfu", "wtinylfu", "lruk"])
+    ap.add_argument("--one", nargs=2, metavar=("CODES", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:  # one configuration in a fresh process, so its memory growth is its own
+        print(json.dumps(bench(int(args.one[1]), args.queries, args.one[0], args.policy)))
+        return
     print(f"# cache_lookup  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, faiss {faiss.__version__}")
     print(f"# {BITS}-bit codes, radius {RADIUS}, int4 payload of {DIM}-d z (72 B), 8-byte values; "
@@ -142,7 +149,9 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kind in args.codes:
         for n in args.sizes:
-            r = bench(n, args.queries, kind, args.policy)
+            out = subprocess.run([sys.executable, __file__, "--one", kind, str(n), "--queries", str(args.queries),
+                                  "--policy", args.policy], capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
             f50, f99 = r["faiss_mih"]
             c50, c99 = r["cache"]
             p50, p99 = r["cache_payload"]
@@ -150,6 +159,7 @@ def main():
                   f"{p50:.1f} / {p99:.1f} | {p50 / f50:.2f} / {p99 / f99:.2f} | {r['faiss_flat_k1'][0]:.0f} | "
                   f"{r['hit_frac']:.2f} | {r['accounted_bytes_per_entry']:.0f} | {r['rss_bytes_per_entry']:.0f} | "
                   f"{r['fill_s']:.0f} |", flush=True)
+    print(f"# load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

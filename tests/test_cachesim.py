@@ -77,11 +77,11 @@ def test_run_cachesim_writes_a_report_and_hash_caches_are_never_stale(store, tmp
     assert (out / "sweep.png").stat().st_size > 10_000
     assert (out / "results.md").read_text().startswith("Stream: 1500 requests over 120 classes")
     data = json.loads((out / "results.json").read_text())
-    assert set(data["sweep"]) == {"float z cosine", "LSH 64-bit codes of z + payload check",
+    assert set(data["sweep"]) == {"float z cosine", "LSH 64-bit codes of z + payload check", "LSH 64-bit codes of z only",
                                   "US-HASH 64-bit codes + payload check", "US-HASH 64-bit codes only",
                                   "US-HASH radius 3, payload threshold t"}
     rows = {r["method"]: r for r in res["rows"]}
-    assert len(rows) == 5
+    assert len(rows) == 6
     for name, r in rows.items():
         assert 0 <= r["false_hit_rate"] <= r["hit_rate"] <= 1
         assert r["lookup_p99_us"] >= r["lookup_p50_us"] > 0 or name.startswith("exact")

@@ -215,6 +215,7 @@ class HashMethod:
         for m in sorted(set(pool.modality)):
             idx = np.flatnonzero(mods == m)
             codes, z = head.encode(m, np.stack([pool.features[i] for i in idx]))
+            z = z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-30)
             for i, c, zz in zip(idx, codes, z):
                 self.queries[i] = Query(m, c.tobytes(), np.ascontiguousarray(zz, np.float32))
         self.bits = int(head.bits)
@@ -481,9 +482,12 @@ def run_cachesim(cfg: DictConfig, head=None, pool: Pool | None = None) -> dict:
             if th == thr:
                 rows.append(res)
         sweep["float z cosine"] = pts
-    if "lsh" in methods:
-        hash_runs(f"LSH {head.bits}-bit codes of z + payload check", HashMethod("lsh", LSHHead.over(head, seed=int(st.seed)),
-                                                                         pool, cache_cfg, clock), True)
+    if "lsh" in methods or "lsh_codes_only" in methods:
+        lm = HashMethod("lsh", LSHHead.over(head, seed=int(st.seed)), pool, cache_cfg, clock)
+        if "lsh" in methods:
+            hash_runs(f"LSH {head.bits}-bit codes of z + payload check", lm, True)
+        if "lsh_codes_only" in methods:
+            hash_runs(f"LSH {head.bits}-bit codes of z only", lm, False)
     if "ushash" in methods:
         hm = HashMethod("ushash", head, pool, cache_cfg, clock)
         hash_runs(f"US-HASH {head.bits}-bit codes + payload check", hm, True)

@@ -217,7 +217,10 @@ class SemanticCache:
         code = np.asarray(code, dtype=np.uint8).reshape(-1)
         if code.shape != (self.code_bytes,):
             raise RequestError(f"code must be {self.code_bytes} bytes ({self.bits} bits); got {code.shape}")
-        return Query(modality, code.tobytes(), None if z is None else np.asarray(z, np.float32).reshape(-1))
+        if z is not None:
+            z = np.asarray(z, np.float32).reshape(-1)
+            z = z / max(float(np.sqrt(z @ z)), 1e-30)
+        return Query(modality, code.tobytes(), z)
 
     # ------------------------------------------------------------------ housekeeping (lock held)
     def _remove(self, slot: int, reason: str | None) -> None:
@@ -345,15 +348,12 @@ class SemanticCache:
         for i in keep:
             by_mod.setdefault(mods[i], []).append(i)
         best, n_bad = None, 0
-        qz = np.asarray(q.z, np.float32)
-        qn = qz / max(float(np.sqrt(qz @ qz)), 1e-30)
         for m, idx in by_mod.items():
             recs = np.frombuffer(b"".join(payloads[i] for i in idx), np.uint8).reshape(len(idx), -1)
-            # cosine with the decoded records: PayloadCodec.cosine computes the same, but its argument
-            # checks cost ~35 us a call, more than the decoding itself
+            # cosine with the decoded records (q.z is unit-norm): PayloadCodec.cosine computes the same,
+            # but its argument checks cost ~35 us a call, more than the decoding itself
             dec = self.payload_codec.decode(m, recs)
-            norms = np.sqrt(np.einsum("ij,ij->i", dec, dec))
-            cos = (dec @ qn) / np.where(norms > 0, norms, 1.0)
+            cos = (dec @ q.z) / np.sqrt(np.maximum(np.einsum("ij,ij->i", dec, dec), 1e-30))
             for i, cs in zip(idx, cos.tolist()):
                 if cs >= c.payload_threshold:
                     key = (dists[i], -cs, ids[i])

@@ -34,7 +34,7 @@ class RequestError(ValueError):
 class Query:
     modality: str
     code: bytes                 # packed code, bits / 8 bytes (ushash.codes bit order)
-    z: np.ndarray | None        # float32 [dim], L2-normalised shared-space embedding (payload check)
+    z: np.ndarray | None        # float32 [dim], unit L2 norm, shared-space embedding (payload check)
 
 
 def _sniff_suffix(data: bytes, modality: str) -> str:
@@ -65,6 +65,12 @@ def _decode_bytes(modality: str, data: bytes, sample_rate: int | None, seconds: 
             os.unlink(path)
         except OSError:
             pass
+
+
+def _unit(z) -> np.ndarray:
+    """float32 copy with unit L2 norm (heads already normalise z; this guards rounding and stand-ins)."""
+    z = np.asarray(z, np.float32).reshape(-1)
+    return np.ascontiguousarray(z / max(float(np.sqrt(z @ z)), 1e-30))
 
 
 class QueryEncoder:
@@ -159,10 +165,10 @@ class QueryEncoder:
         if not (np.issubdtype(f.dtype, np.floating) or np.issubdtype(f.dtype, np.integer)) or not np.isfinite(f).all():
             raise RequestError(f"{modality} features must be finite numbers")
         codes, z = self.head.encode(modality, f[None].astype(np.float32))
-        return Query(modality, codes[0].tobytes(), np.ascontiguousarray(z[0], dtype=np.float32))
+        return Query(modality, codes[0].tobytes(), _unit(z[0]))
 
     def batch(self, modality: str, features) -> list[Query]:
         """Many precomputed feature rows at once (one forward pass)."""
         modality = self.check_modality(modality)
         codes, z = self.head.encode(modality, np.asarray(features, dtype=np.float32))
-        return [Query(modality, c.tobytes(), zz) for c, zz in zip(codes, z.astype(np.float32))]
+        return [Query(modality, c.tobytes(), _unit(zz)) for c, zz in zip(codes, z)]
