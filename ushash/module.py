@@ -15,7 +15,7 @@ from ushash.heads import USHash
 
 class USHashModule(pl.LightningModule):
     def __init__(self, in_dims: dict, bits: int = 64, dim: int = 128, hidden: int = 512, layers: int = 2,
-                 dropout: float = 0.1, lr: float = 1e-3, weight_decay: float = 1e-4, temperature: float = 0.2,
+                 dropout: float = 0.1, lr: float = 1e-3, weight_decay: float = 1e-4, temperature: float = 0.05,
                  relax: str = "tanh", beta_start: float = 1.0, beta_end: float = 16.0,
                  w_contrastive: float = 1.0, w_float: float = 0.5, w_quant: float = 0.1, w_balance: float = 0.1,
                  w_decor: float = 0.01, w_proto: float = 0.01, max_epochs: int = 30, provenance: dict | None = None,
