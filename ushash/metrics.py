@@ -1,4 +1,4 @@
-"""Retrieval metrics with a named protocol (docs/design.md; /work/shared/notes/protocols.md).
+"""Retrieval metrics with a named protocol (docs/design.md, docs/baselines.md).
 
 Relevance
 - "paired": a database item is relevant to a query when it has the same group id (COCO 5k,
