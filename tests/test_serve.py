@@ -110,6 +110,18 @@ def test_malformed_and_oversized_bodies(client):
     assert r.status_code == 404
 
 
+@pytest.mark.parametrize("raw", [b"[]", b"null", b"42", b'"text"', b'{"modality": null}',
+                                 b'{"modality": "text", "features": [NaN, 1]}', b'{"modality": "text", "features": "abc"}',
+                                 b'{"modality": "text", "text": "x", "value": NaN}', b'{"modality": {"a": 1}}',
+                                 b'{"modality": "image", "data_b64": ""}', b'{"modality": "audio", "data_b64": "AAAA"}',
+                                 b'{"modality": "text", "features": [1e309]}', b'{"tenant": "' + b"a" * 100 + b'"}'])
+@pytest.mark.parametrize("route", ["/v1/lookup", "/v1/store"])
+def test_odd_bodies_never_give_a_500(client, raw, route):
+    r = client.post(route, content=raw, headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert r.json()["error"]
+
+
 def test_bearer_token(export_dir):
     cache = SemanticCache.from_export(export_dir, {})
     with TestClient(create_app(cache, token=TOKEN)) as c:

@@ -23,9 +23,9 @@ The semantic-cache workload evaluation (docs/cache.md, "Semantic cache evaluatio
    p50/p99 (codes precomputed: cache work only), bytes used.
 4. Methods on the same stream: an exact-key cache (sha256 of the normalised input), a float-embedding
    cosine-threshold cache like GPTCache / RedisVL (the head's float z, faiss IndexFlatIP, cosine >=
-   threshold), LSH codes of the same z (random hyperplanes, same bits), and US-HASH codes (with and
-   without the payload check). A sweep over the radius (thresholds for the float cache) is plotted as
-   hit rate against false-hit rate.
+   threshold), LSH codes of the same z (random hyperplanes, same bits) and US-HASH codes, each with and
+   without the payload check. A sweep over the radius (thresholds for the float cache, and the payload
+   threshold at the configured radius) is plotted as hit rate against false-hit rate.
 
 Writes results.json, results.md and sweep.png to experiments/cachesim/<name>/ (or `out`).
 """
