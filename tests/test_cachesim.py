@@ -1,7 +1,6 @@
 """The cache workload evaluation: stream construction, replay accounting, the comparison methods and the
 report, on a synthetic feature store (fast, untrained head) and on raw media through an encoder."""
 
-import io
 import json
 
 import numpy as np

@@ -2,8 +2,6 @@
 
 import base64
 import io
-import json
-import shutil
 import socket
 import subprocess
 import sys

@@ -274,15 +274,3 @@ class RedisStore:
             self._call("delete", lambda: self.r.delete(self.entry_key(tenant, eid)))
         except L2Unavailable:
             pass
-
-    def scan_codes(self, tenant: str, revision: str, limit: int = 10_000_000):
-        """(code) of live entries of one tenant and revision (seeds a Bloom filter); SCAN, not KEYS."""
-        pattern = f"{self.prefix}:{{{tenant}}}:e:*"
-        n = 0
-        for key in self.r.scan_iter(match=pattern, count=1000):
-            code, rev = self.r.hmget(key, ("c", "r"))
-            if code is not None and rev is not None and rev.decode() == revision:
-                yield code
-                n += 1
-                if n >= limit:
-                    return
