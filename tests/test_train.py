@@ -83,3 +83,13 @@ def test_bad_checkpoint_is_refused(tmp_path):
         load_checkpoint(bad)
     with pytest.raises(FileNotFoundError):
         load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 120, "val": 40, "test": 40},
+                                       n_classes=4, dims={"image": 8, "text": 8})
+    run_train(_cfg(tmp_path, "trainer.max_epochs=1"), splits=splits)
+    with pytest.raises(ValueError, match="other settings.*temperature"):
+        run_train(_cfg(tmp_path, "trainer.max_epochs=2", "model.temperature=0.5"), splits=splits)
+    out = run_train(_cfg(tmp_path, "trainer.max_epochs=1", "model.temperature=0.5", "resume=false"), splits=splits)
+    assert out["val_map@10"] is not None

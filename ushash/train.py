@@ -36,8 +36,9 @@ def module_kwargs(cfg: DictConfig, in_dims: dict, provenance: dict, n_train_grou
                 **m, **{f"w_{k}": float(v) for k, v in w.items()})
 
 
-def _check_resumable(last: Path, method: str) -> None:
-    """Refuse to resume another method's run (run names default to data-encoder-bits-seed)."""
+def _check_resumable(last: Path, hparams: dict) -> None:
+    """Refuse to resume a run trained with other settings (another method, bits, loss weights, data...):
+    only max_epochs may change between a run and its resumption."""
     import torch
     try:
         hp = torch.load(last, map_location="cpu", weights_only=True).get("hyper_parameters") or {}
@@ -45,9 +46,20 @@ def _check_resumable(last: Path, method: str) -> None:
         return  # Lightning reports an unreadable checkpoint itself
     from ushash import methods
     theirs = methods.get(hp.get("method", "ushash")).name
-    if theirs != methods.get(method).name:
-        raise ValueError(f"{last} was trained with method {theirs!r}, not {method!r}; set run_name=... "
-                         f"(or resume=false) so the runs do not share a folder")
+    if theirs != methods.get(hparams.get("method", "ushash")).name:
+        raise ValueError(f"{last} was trained with method {theirs!r}, not {hparams.get('method')!r}; set "
+                         f"run_name=... (or resume=false) so the runs do not share a folder")
+    differ = sorted(k for k in set(hp) | set(hparams)
+                    if k != "max_epochs" and _plain(hp.get(k)) != _plain(hparams.get(k)))
+    if differ:
+        raise ValueError(f"{last} was trained with other settings ({', '.join(differ)}); resuming it would mix "
+                         f"them. Set run_name=... for a new run, or resume=false to start this one over")
+
+
+def _plain(v):
+    """Compare hyper-parameters as plain data (tuples and lists alike)."""
+    import json
+    return json.dumps(v, sort_keys=True, default=str)
 
 
 def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
@@ -72,8 +84,7 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     last = run_dir / "last.ckpt"
     resume = str(last) if cfg.resume and last.exists() else None
     if resume:
-        _check_resumable(last, module.hparams.method)
-    if resume:
+        _check_resumable(last, dict(module.hparams))
         print(f"[train] resuming from {resume}")
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
     score = ckpt.best_model_score
