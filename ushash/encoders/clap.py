@@ -16,15 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from ushash.encoders.base import Encoder, audio_to_length, register, seeded
-from ushash.encoders.hf import check_source, pooled
-from ushash.encoders.tokenizing import HashTokenizer, HFTokenizer
+from ushash.encoders.base import audio_to_length, register
+from ushash.encoders.hf import HFPairEncoder, check_source, load_or_init, pooled
 
 
 @register("clap")
-class ClapEncoder(Encoder):
+class ClapEncoder(HFPairEncoder):
     modalities = ("audio", "text")
 
     def __init__(
@@ -40,19 +38,13 @@ class ClapEncoder(Encoder):
         amp: bool = True,
     ):
         super().__init__(device=device, amp=amp)
-        from transformers import AutoTokenizer, ClapConfig, ClapFeatureExtractor, ClapModel
+        from transformers import ClapConfig, ClapFeatureExtractor, ClapModel
 
         tokenizer = check_source(model, config, tokenizer, "clap")
-        if config is not None:
-            clap_config = ClapConfig(**dict(config))
-            with seeded(seed):
-                self.model: nn.Module = ClapModel(clap_config)
-            self.feature_extractor = ClapFeatureExtractor(
-                feature_size=clap_config.audio_config.num_mel_bins, max_length_s=audio_seconds or 10
-            )
-        else:
-            self.model = ClapModel.from_pretrained(model)
-            self.feature_extractor = ClapFeatureExtractor.from_pretrained(model)
+        self.model, self.feature_extractor = load_or_init(
+            ClapModel, ClapFeatureExtractor, model, ClapConfig(**dict(config)) if config is not None else None, seed,
+            lambda c: dict(feature_size=c.audio_config.num_mel_bins, max_length_s=audio_seconds or 10),
+        )
         fe = self.feature_extractor
         self.sample_rate = int(fe.sampling_rate)
         self.audio_seconds = float(audio_seconds or fe.max_length_s)
@@ -60,17 +52,8 @@ class ClapEncoder(Encoder):
             raise ValueError(f"clap: audio_seconds {self.audio_seconds} exceeds the model's window {fe.max_length_s} s")
         self.truncation = "fusion" if self.model.config.audio_config.enable_fusion else "rand_trunc"
 
-        text_cfg = self.model.config.text_config
-        max_length = int(max_length or text_cfg.max_position_embeddings - 2)  # RoBERTa positions start at pad+1
-        if tokenizer == "hash":
-            self.tokenizer = HashTokenizer(
-                text_cfg.vocab_size, max_length, text_cfg.pad_token_id, text_cfg.bos_token_id, text_cfg.eos_token_id
-            )
-        else:
-            self.tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(model), max_length)
-        self.normalize = normalize
-        d = int(self.model.config.projection_dim)
-        self.dims = {"audio": d, "text": d}
+        # RoBERTa positions start at pad+1, so two of them are never a token's.
+        max_length = self._text_tower(model, tokenizer, max_length, normalize, reserved=2)
         self._finish(dict(model=model, config=config, tokenizer=tokenizer, audio_seconds=self.audio_seconds,
                           max_length=max_length, normalize=normalize, seed=seed))
 
@@ -88,10 +71,6 @@ class ClapEncoder(Encoder):
             return torch.stack(items)
         return self.tokenizer(items)
 
-    def _encode(self, modality: str, batch: Any) -> torch.Tensor:
-        if modality == "audio":
-            is_longer = torch.zeros(batch.shape[0], 1, dtype=torch.bool, device=batch.device)
-            out = pooled(self.model.get_audio_features(input_features=batch, is_longer=is_longer))
-        else:
-            out = pooled(self.model.get_text_features(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
-        return nn.functional.normalize(out, dim=-1) if self.normalize else out
+    def _encode_media(self, batch: Any) -> torch.Tensor:
+        is_longer = torch.zeros(batch.shape[0], 1, dtype=torch.bool, device=batch.device)
+        return pooled(self.model.get_audio_features(input_features=batch, is_longer=is_longer))

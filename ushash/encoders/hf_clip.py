@@ -12,11 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
-from ushash.encoders.base import Encoder, register, seeded
-from ushash.encoders.hf import check_source, pooled
-from ushash.encoders.tokenizing import HFTokenizer, HashTokenizer
+from ushash.encoders.base import register
+from ushash.encoders.hf import HFPairEncoder, check_source, load_or_init, pooled
 
 
 def hash_tokenizer_ids(text_config: dict[str, Any]) -> dict[str, Any]:
@@ -29,8 +27,14 @@ def hash_tokenizer_ids(text_config: dict[str, Any]) -> dict[str, Any]:
     return {"pad_token_id": 0, "bos_token_id": vocab - 2, "eos_token_id": vocab - 1, **text_config}
 
 
+def _image_processor_kwargs(clip_config: Any) -> dict[str, Any]:
+    """A random-init model's image processor: resize the shortest edge, then centre-crop, to its image size."""
+    size = clip_config.vision_config.image_size
+    return {"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size}}
+
+
 @register("hf_clip")
-class HFClipEncoder(Encoder):
+class HFClipEncoder(HFPairEncoder):
     modalities = ("image", "text")
 
     def __init__(
@@ -45,33 +49,18 @@ class HFClipEncoder(Encoder):
         amp: bool = True,
     ):
         super().__init__(device=device, amp=amp)
-        from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+        from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
         tokenizer = check_source(model, config, tokenizer, "hf_clip")
+        clip_config = None
         if config is not None:
             cfg = dict(config)
             cfg["text_config"] = hash_tokenizer_ids(dict(cfg.get("text_config", {})))
             clip_config = CLIPConfig(**cfg)
-            with seeded(seed):
-                self.model: nn.Module = CLIPModel(clip_config)
-            size = clip_config.vision_config.image_size
-            self.image_processor = CLIPImageProcessor(
-                size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-            )
-        else:
-            self.model = CLIPModel.from_pretrained(model)
-            self.image_processor = CLIPImageProcessor.from_pretrained(model)
-        text_cfg = self.model.config.text_config
-        max_length = int(max_length or text_cfg.max_position_embeddings)
-        if tokenizer == "hash":
-            self.tokenizer = HashTokenizer(
-                text_cfg.vocab_size, max_length, text_cfg.pad_token_id, text_cfg.bos_token_id, text_cfg.eos_token_id
-            )
-        else:
-            self.tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(model), max_length)
-        self.normalize = normalize
-        d = int(self.model.config.projection_dim)
-        self.dims = {"image": d, "text": d}
+        self.model, self.image_processor = load_or_init(
+            CLIPModel, CLIPImageProcessor, model, clip_config, seed, _image_processor_kwargs
+        )
+        max_length = self._text_tower(model, tokenizer, max_length, normalize)
         self._finish(dict(model=model, config=config, tokenizer=tokenizer, max_length=max_length,
                           normalize=normalize, seed=seed))
 
@@ -85,9 +74,5 @@ class HFClipEncoder(Encoder):
             return torch.stack(items)
         return self.tokenizer(items)
 
-    def _encode(self, modality: str, batch: Any) -> torch.Tensor:
-        if modality == "image":
-            out = pooled(self.model.get_image_features(pixel_values=batch))
-        else:
-            out = pooled(self.model.get_text_features(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
-        return nn.functional.normalize(out, dim=-1) if self.normalize else out
+    def _encode_media(self, batch: Any) -> torch.Tensor:
+        return pooled(self.model.get_image_features(pixel_values=batch))
