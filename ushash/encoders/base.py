@@ -147,7 +147,7 @@ class Encoder(nn.Module):
 
     Subclasses either fill `self.parts` (a ModuleDict of `Part`s keyed by modality) and let the base
     class dispatch to them, or override `_preprocess`, `_collate` and `_encode` (e.g. one CLIP model
-    that serves two modalities). Either way they end `__init__` with `self._finish(config)`.
+    that serves two modalities; `MediaTextEncoder` does the first two for a media + text pair). Either way they end `__init__` with `self._finish(config)`.
     """
 
     name: str = ""
@@ -236,6 +236,25 @@ class Encoder(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, dims={self.dims}, fingerprint={self.fingerprint!r}"
+
+
+class MediaTextEncoder(Encoder):
+    """Base of the encoders with one media tower (image or audio) beside a text tower that `self.tokenizer`
+    feeds (openclip, hf_clip, clap): text items stay strings until `_collate` tokenises the batch; media
+    items are tensors from `_preprocess_media`, stacked per batch."""
+
+    def _preprocess_media(self, raw: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _preprocess(self, modality: str, raw: Any) -> Any:
+        if modality == "text":
+            return str(raw)
+        return self._preprocess_media(raw)
+
+    def _collate(self, modality: str, items: list[Any]) -> Any:
+        if modality == "text":
+            return self.tokenizer(items)
+        return torch.stack(items)
 
 
 @contextlib.contextmanager

@@ -57,19 +57,12 @@ class ClapEncoder(HFPairEncoder):
         self._finish(dict(model=model, config=config, tokenizer=tokenizer, audio_seconds=self.audio_seconds,
                           max_length=max_length, normalize=normalize, seed=seed))
 
-    def _preprocess(self, modality: str, raw: Any) -> Any:
-        if modality == "text":
-            return str(raw)
+    def _preprocess_media(self, raw: Any) -> torch.Tensor:
         wave = audio_to_length(np.asarray(raw, dtype=np.float32), self.sample_rate, self.audio_seconds)
         feats = self.feature_extractor(
             wave, sampling_rate=self.sample_rate, return_tensors="pt", truncation=self.truncation, padding="repeatpad"
         )
         return feats["input_features"][0]  # [channels (1, or 4 with fusion), frames, mel bins]
-
-    def _collate(self, modality: str, items: list[Any]) -> Any:
-        if modality == "audio":
-            return torch.stack(items)
-        return self.tokenizer(items)
 
     def _encode_media(self, batch: Any) -> torch.Tensor:
         is_longer = torch.zeros(batch.shape[0], 1, dtype=torch.bool, device=batch.device)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ushash.encoders.base import Encoder, seeded
+from ushash.encoders.base import MediaTextEncoder, seeded
 from ushash.encoders.tokenizing import HashTokenizer, HFTokenizer
 
 
@@ -58,7 +58,7 @@ def text_tokenizer(model: str | None, tokenizer: str | None, text_cfg: Any, max_
     return HFTokenizer(AutoTokenizer.from_pretrained(model), max_length)
 
 
-class HFPairEncoder(Encoder):
+class HFPairEncoder(MediaTextEncoder):
     """Base of hf_clip and clap: one transformers model (`self.model`) whose media tower (the modality other
     than "text") and text tower project to one space of `projection_dim`. Subclasses load `self.model`, call
     `_text_tower`, and implement `_encode_media`."""

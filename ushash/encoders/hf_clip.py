@@ -64,15 +64,8 @@ class HFClipEncoder(HFPairEncoder):
         self._finish(dict(model=model, config=config, tokenizer=tokenizer, max_length=max_length,
                           normalize=normalize, seed=seed))
 
-    def _preprocess(self, modality: str, raw: Any) -> Any:
-        if modality == "image":
-            return self.image_processor(images=raw.convert("RGB"), return_tensors="pt")["pixel_values"][0]
-        return str(raw)
-
-    def _collate(self, modality: str, items: list[Any]) -> Any:
-        if modality == "image":
-            return torch.stack(items)
-        return self.tokenizer(items)
+    def _preprocess_media(self, raw: Any) -> torch.Tensor:
+        return self.image_processor(images=raw.convert("RGB"), return_tensors="pt")["pixel_values"][0]
 
     def _encode_media(self, batch: Any) -> torch.Tensor:
         return pooled(self.model.get_image_features(pixel_values=batch))

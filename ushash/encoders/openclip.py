@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from PIL import Image
 
-from ushash.encoders.base import Encoder, register, seeded
+from ushash.encoders.base import MediaTextEncoder, register, seeded
 
 
 @register("openclip")
-class OpenClipEncoder(Encoder):
+class OpenClipEncoder(MediaTextEncoder):
     modalities = ("image", "text")
 
     def __init__(
@@ -55,15 +55,8 @@ class OpenClipEncoder(Encoder):
                 "text": int(self.model.encode_text(self.tokenizer([""])).shape[-1]),
             }
 
-    def _preprocess(self, modality: str, raw: Any) -> Any:
-        if modality == "image":
-            return self.image_transform(raw.convert("RGB"))
-        return str(raw)
-
-    def _collate(self, modality: str, items: list[Any]) -> Any:
-        if modality == "image":
-            return torch.stack(items)
-        return self.tokenizer(items)
+    def _preprocess_media(self, raw: Any) -> torch.Tensor:
+        return self.image_transform(raw.convert("RGB"))
 
     def _encode(self, modality: str, batch: Any) -> torch.Tensor:
         if modality == "image":
