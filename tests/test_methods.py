@@ -10,7 +10,6 @@ import yaml
 
 from ushash import codes, losses, methods, retrieval, synthetic
 from ushash.config import CONFIG_DIR
-from ushash.eval import encode_once
 from ushash.methods.space import SharedSpace
 
 FITTED_CODES = ("lsh", "pca_sign", "itq", "pca_rotation")
@@ -33,7 +32,7 @@ def joint(tmp_path_factory):
 
 
 def label_map(split, method) -> float:
-    reps = encode_once(split, method)
+    reps = retrieval.represent(split, method)
     rows = retrieval.evaluate(split, {"m": lambda m, x: reps[m]}, protocols=("label",))
     return retrieval.mean_map(rows, "label")
 
@@ -243,7 +242,7 @@ def test_ushash_beats_itq_on_synthetic(bits, protocol, unaligned, tmp_path):
     test = unaligned["test"]
 
     def score(method):
-        reps = encode_once(test, method)
+        reps = retrieval.represent(test, method)
         return retrieval.mean_map(retrieval.evaluate(test, {"m": lambda m, x: reps[m]}, protocols=(protocol,)), protocol)
 
     us, itq = score(module.code_method()), score(methods.build("itq", bits, seed=0).fit(unaligned["train"]))

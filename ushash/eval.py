@@ -41,17 +41,6 @@ def methods_for(module, encoder_name: str) -> dict:
     return methods
 
 
-def encode_once(split: FeatureSplit, method) -> dict:
-    """modality -> method(modality, features) for every table of the split the method can encode."""
-    reps = {}
-    for m, t in split.tables.items():
-        try:
-            reps[m] = method(m, np.asarray(t.x))
-        except KeyError:
-            continue
-    return reps
-
-
 def _relevance_matrix(protocol: str, q: str, d: str, groups: dict, labels: dict | None, qs: slice) -> np.ndarray:
     if protocol == "paired":
         return groups[q][qs, None] == groups[d][None, :]
@@ -60,7 +49,7 @@ def _relevance_matrix(protocol: str, q: str, d: str, groups: dict, labels: dict 
 
 def ranking_curves(split: FeatureSplit, reps: dict, protocols=("paired", "label"), ks=P_AT_K) -> list[dict]:
     """Per direction and protocol: P@K (codes and floats) and, for codes, the Hamming-radius PR curve and
-    P@H<=2 (see CURVES_DOC). reps: modality -> ("codes"|"float", array), from `encode_once`."""
+    P@H<=2 (see CURVES_DOC). reps: modality -> ("codes"|"float", array), from `retrieval.represent`."""
     groups = retrieval._group_ids(split)
     labels = retrieval._label_matrix(split) if "label" in protocols else None
     out = []

@@ -67,7 +67,8 @@ def _joint_label_matrix(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray
     return out
 
 
-def _represent(split: FeatureSplit, method: Method) -> dict:
+def represent(split: FeatureSplit, method: Method) -> dict:
+    """modality -> method(modality, features) for every table of the split the method can encode."""
     reps = {}
     for m, t in split.tables.items():
         try:
@@ -92,8 +93,8 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1
     labels = _joint_label_matrix(both) if "label" in protocols else None
     rows = []
     for name, method in methods.items():
-        q_reps = _represent(split, method)
-        d_reps = _represent(db_split, method) if database is not None else q_reps
+        q_reps = represent(split, method)
+        d_reps = represent(db_split, method) if database is not None else q_reps
         mods = [m for m in split.modalities if m in q_reps and m in d_reps]
         for q, d in directions(mods):
             kind, qx = q_reps[q]

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ushash import methods, retrieval
 from ushash.config import CONFIG_DIR, to_dict
-from ushash.eval import CURVES_DOC, encode_once, ranking_curves
+from ushash.eval import CURVES_DOC, ranking_curves
 from ushash.features import FeatureSplit, open_split, store_path, write_json
 from ushash.methods.base import NotApplicable
 
@@ -159,7 +159,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
         extra.update({"val_map@10": out["val_map@10"], "checkpoint": Path(out["best"]).name})
     rows, curves, outputs = [], [], {}
     for name, (title, fn) in entries.items():
-        reps = encode_once(test, fn)
+        reps = retrieval.represent(test, fn)
         for r in retrieval.evaluate(test, {name: lambda m, x, reps=reps: reps[m]}, k=int(s["k"]),
                                     protocols=tuple(s["protocols"]), denominator=str(s["denominator"])):
             rows.append(r)
