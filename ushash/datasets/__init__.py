@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -80,6 +81,27 @@ def resolve_path(p: str | Path) -> Path:
     """An absolute path: `~` expanded, relative paths taken from the repository root (not the cwd)."""
     q = Path(p).expanduser()
     return q if q.is_absolute() else REPO_ROOT / q
+
+
+#: Media files checked at load time: none of them existing means a wrong root (or media folder).
+PROBE = 20
+
+
+def listing(root: Path) -> str:
+    """What `root` holds (its first 12 names), for error messages."""
+    if not root.is_dir():
+        return f"{root} does not exist"
+    names = sorted(q.name for q in root.iterdir())
+    return f"{root} holds {names[:12]}{' ...' if len(names) > 12 else ''}"
+
+
+def probe_files(paths: list[str], what: str, layout: str, items: str, folder: str) -> None:
+    """Raise when none of the first PROBE paths exists: the root (or the `folder` setting) is wrong.
+    `items` names the files in the message ("images", "audio files")."""
+    sample = paths[:PROBE]
+    if sample and not any(os.path.isfile(p) for p in sample):
+        raise FileNotFoundError(f"{what}: none of the first {len(sample)} {items} exists, e.g. {sample[0]}; "
+                                f"is the root or {folder} wrong? {layout}")
 
 
 def hash_split(key: str, seed: int, val_frac: float, test_frac: float) -> str:

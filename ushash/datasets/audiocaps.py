@@ -20,8 +20,7 @@ import csv
 import os
 from pathlib import Path
 
-from ushash.datasets import SPLITS, register, resolve_path
-from ushash.datasets.clotho import _listing, probe
+from ushash.datasets import SPLITS, listing, probe_files, register, resolve_path
 from ushash.rows import Row
 
 AUDIO_EXTS = (".wav", ".flac", ".ogg", ".mp3")
@@ -50,10 +49,10 @@ def rows(root: str | os.PathLike, split: str, csv_name: str = "{split}.csv", aud
     layout = LAYOUT.format(root=root)
     csv_path = root / csv_name.format(split=split)
     if not csv_path.is_file():
-        raise FileNotFoundError(f"no {csv_path.name} under {csv_path.parent}; {layout}. {_listing(root)}")
+        raise FileNotFoundError(f"no {csv_path.name} under {csv_path.parent}; {layout}. {listing(root)}")
     audio = root / audio_dir.format(split=split)
     if not audio.is_dir():
-        raise FileNotFoundError(f"no audio folder {audio}; {layout}. {_listing(root)}")
+        raise FileNotFoundError(f"no audio folder {audio}; {layout}. {listing(root)}")
     stems = _stems(audio)
     out: list[Row] = []
     clips: dict[str, int] = {}
@@ -80,7 +79,7 @@ def rows(root: str | os.PathLike, split: str, csv_name: str = "{split}.csv", aud
                 paths.append(path)
                 out.append(Row("audio", clip, clip, path))
             out.append(Row("text", cid, clip, rec["caption"]))
-    probe(paths, f"audiocaps/{split}", layout)
+    probe_files(paths, f"audiocaps/{split}", layout, "audio files", "audio folder")
     return out
 
 

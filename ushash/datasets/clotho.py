@@ -23,29 +23,13 @@ import os
 import re
 from pathlib import Path
 
-from ushash.datasets import SPLITS, register, resolve_path
+from ushash.datasets import SPLITS, listing, probe_files, register, resolve_path
 from ushash.rows import Row
 
 PARTS = {"train": "development", "val": "validation", "test": "evaluation"}
 CAPTION_COL = re.compile(r"caption_(\d+)$")
-PROBE = 20
 LAYOUT = ("expected layout: {root}/clotho_captions_{{development,validation,evaluation}}.csv and the clips in "
           "{root}/{{development,validation,evaluation}}/ (see docs/datasets.md, section Clotho)")
-
-
-def _listing(root: Path) -> str:
-    if not root.is_dir():
-        return f"{root} does not exist"
-    names = sorted(q.name for q in root.iterdir())
-    return f"{root} holds {names[:12]}{' ...' if len(names) > 12 else ''}"
-
-
-def probe(paths: list[str], what: str, layout: str) -> None:
-    """Raise when none of the first PROBE files exists: the root (or audio folder) is wrong."""
-    sample = paths[:PROBE]
-    if sample and not any(os.path.isfile(p) for p in sample):
-        raise FileNotFoundError(f"{what}: none of the first {len(sample)} audio files exists, e.g. {sample[0]}; "
-                                f"is the root or audio folder wrong? {layout}")
 
 
 def rows(root: str | os.PathLike, split: str, captions_csv: str = "clotho_captions_{part}.csv",
@@ -57,10 +41,10 @@ def rows(root: str | os.PathLike, split: str, captions_csv: str = "clotho_captio
     layout = LAYOUT.format(root=root)
     csv_path = root / captions_csv.format(part=part, split=split)
     if not csv_path.is_file():
-        raise FileNotFoundError(f"no {csv_path.name} under {root}; {layout}. {_listing(root)}")
+        raise FileNotFoundError(f"no {csv_path.name} under {root}; {layout}. {listing(root)}")
     audio = root / audio_dir.format(part=part, split=split)
     if not audio.is_dir():
-        raise FileNotFoundError(f"no audio folder {audio}; {layout}. {_listing(root)}")
+        raise FileNotFoundError(f"no audio folder {audio}; {layout}. {listing(root)}")
     with open(csv_path, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f)
         cols = [c.strip() for c in reader.fieldnames or []]
@@ -86,7 +70,7 @@ def rows(root: str | os.PathLike, split: str, captions_csv: str = "clotho_captio
                 text = rec.get(c)
                 if text is not None:  # an empty cell stays: extraction names it as an empty caption
                     out.append(Row("text", f"{name}#{CAPTION_COL.match(c).group(1)}", name, text))
-    probe(paths, f"clotho/{split}", layout)
+    probe_files(paths, f"clotho/{split}", layout, "audio files", "audio folder")
     return out
 
 

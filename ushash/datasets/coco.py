@@ -38,12 +38,11 @@ import json
 import os
 from pathlib import Path
 
-from ushash.datasets import SPLITS, register, resolve_path
+from ushash.datasets import SPLITS, listing, probe_files, register, resolve_path
 from ushash.rows import Row
 
 KARPATHY_FILE = "dataset_coco.json"
 KARPATHY_SPLITS = {"train": ("train", "restval"), "val": ("val",), "test": ("test",)}
-PROBE = 20  # images checked at load time: none of them existing means a wrong root
 LAYOUT_KARPATHY = ("expected layout: {root}/dataset_coco.json (Karpathy split), {root}/train2014/*.jpg and "
                    "{root}/val2014/*.jpg (see docs/datasets.md, section MS-COCO)")
 LAYOUT_2017 = ("expected layout: {root}/annotations/captions_train2017.json, captions_val2017.json, "
@@ -55,21 +54,6 @@ LAYOUT_2017 = ("expected layout: {root}/annotations/captions_train2017.json, cap
 def _file_key(p: Path) -> tuple[str, int, float]:
     st = p.stat()
     return str(p), st.st_size, st.st_mtime
-
-
-def _listing(root: Path) -> str:
-    if not root.is_dir():
-        return f"{root} does not exist"
-    names = sorted(q.name for q in root.iterdir())
-    return f"{root} holds {names[:12]}{' ...' if len(names) > 12 else ''}"
-
-
-def probe_images(paths: list[str], what: str, layout: str) -> None:
-    """Raise when none of the first PROBE image paths exists (the root points at the wrong folder)."""
-    sample = paths[:PROBE]
-    if sample and not any(os.path.isfile(p) for p in sample):
-        raise FileNotFoundError(f"{what}: none of the first {len(sample)} images exists, e.g. {sample[0]}; "
-                                f"is the root or image_root wrong? {layout}")
 
 
 # ----------------------------------------------------------------------------------------- Karpathy
@@ -110,7 +94,7 @@ def karpathy_rows(root: str | os.PathLike, split: str, image_root: str | os.Path
     f = root / KARPATHY_FILE
     if not f.is_file():
         raise FileNotFoundError(f"no {KARPATHY_FILE} under {root}; {LAYOUT_KARPATHY.format(root=root)}. "
-                                f"{_listing(root)}")
+                                f"{listing(root)}")
     base = Path(image_root).absolute() if image_root else root
     wanted = KARPATHY_SPLITS[split] if restval_in_train or split != "train" else ("train",)
     out: list[Row] = []
@@ -124,7 +108,7 @@ def karpathy_rows(root: str | os.PathLike, split: str, image_root: str | os.Path
         out.append(Row("image", cid, cid, path, labs))
         for sid, raw in sents[: captions_per_image or None]:
             out.append(Row("text", str(sid), cid, raw, labs))
-    probe_images(paths, f"coco/{split}", LAYOUT_KARPATHY.format(root=root))
+    probe_files(paths, f"coco/{split}", LAYOUT_KARPATHY.format(root=root), "images", "image_root")
     return out
 
 
@@ -168,7 +152,7 @@ def _annotation(root: Path, annotations_dir: str, kind: str, subset: str) -> Pat
     p = root / annotations_dir / f"{kind}_{subset}.json"
     if not p.is_file():
         raise FileNotFoundError(f"no {p.name} under {p.parent}; {LAYOUT_2017.format(root=root)}. "
-                                f"{_listing(p.parent if p.parent.is_dir() else root)}")
+                                f"{listing(p.parent if p.parent.is_dir() else root)}")
     return p
 
 
@@ -197,7 +181,7 @@ def _image_paths(root: Path, base: Path, names: dict[str, tuple[str, str]]) -> d
     if not found:
         missing = sorted({s for s, _ in names.values() if not (base / s).is_dir()})
         raise FileNotFoundError(f"no image folders {missing} (nor train2014/val2014) under {base}; "
-                                f"{LAYOUT_2017.format(root=root)}. {_listing(base)}")
+                                f"{LAYOUT_2017.format(root=root)}. {listing(base)}")
     # ids absent from the 2014 folders point at where the 2017 file would be: a bad row at extraction
     return {i: found.get(i, str(base / s / fn)) for i, (s, fn) in names.items()}
 
@@ -245,7 +229,8 @@ def hashing_rows(part: str, root: str | os.PathLike, image_root: str | os.PathLi
         out.append(Row("image", i, i, paths[i], labels[i]))
         for cid, cap in caps.get(i, ())[: captions_per_image or None]:
             out.append(Row("text", str(cid), i, cap, labels[i]))
-    probe_images([paths[i] for i in sorted(ids, key=int)], f"coco_hashing/{part}", LAYOUT_2017.format(root=root))
+    probe_files([paths[i] for i in sorted(ids, key=int)], f"coco_hashing/{part}", LAYOUT_2017.format(root=root),
+                "images", "image_root")
     return out
 
 
