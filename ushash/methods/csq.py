@@ -14,6 +14,8 @@ Centres exist only in training; the checkpoint holds the same network as every t
 
 from __future__ import annotations
 
+from typing import Callable
+
 import faiss
 import numpy as np
 import torch
@@ -67,17 +69,23 @@ def class_centres(module, args) -> tuple[torch.Tensor, torch.Tensor]:
     return cls.to(module.device), table.to(module.device)
 
 
-def objective(module, h, z, g, present, args):
-    cls, c = class_centres(module, args)
+def class_losses(module, h, g, present, args, loss: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`loss(codes, table, classes)` averaged over the modalities present in the batch, the quantization
+    term of all present codes), with the class of each group and the table from `class_centres`."""
+    cls, table = class_centres(module, args)
     ref = next(iter(h.values()))
-    l_c, n = ref.new_zeros(()), 0
+    total, n = ref.new_zeros(()), 0
     for m in h:
         if present[m].any():
-            l_c = l_c + losses.centre_bce(h[m][present[m]], c[cls[g[m][present[m]]]])
+            total = total + loss(h[m][present[m]], table, cls[g[m][present[m]]])
             n += 1
     hs = torch.cat([h[m][present[m]] for m in h])
-    parts = {"centre": l_c / max(n, 1), "quant": losses.quantization(hs)}
-    return parts, {"centre": 1.0, "quant": float(args.get("w_quant", 0.01))}
+    return total / max(n, 1), losses.quantization(hs)
+
+
+def objective(module, h, z, g, present, args):
+    l_c, l_q = class_losses(module, h, g, present, args, lambda hm, c, k: losses.centre_bce(hm, c[k]))
+    return {"centre": l_c, "quant": l_q}, {"centre": 1.0, "quant": float(args.get("w_quant", 0.01))}
 
 
 register(MethodSpec(name="csq", title="hash centres (CSQ-style, Hadamard)", kind="trained", objective=objective,

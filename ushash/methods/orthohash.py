@@ -8,26 +8,16 @@ Departures from OrthoHash: classes are made from the training pairs as for the C
 
 from __future__ import annotations
 
-import torch
-
 from ushash import losses
 from ushash.methods import MethodSpec, register
-from ushash.methods.csq import class_centres
+from ushash.methods.csq import class_losses
 
 
 def objective(module, h, z, g, present, args):
-    cls, book = class_centres(module, args)
-    ref = next(iter(h.values()))
-    l_ce, n = ref.new_zeros(()), 0
-    for m in h:
-        if present[m].any():
-            l_ce = l_ce + losses.cosine_margin_ce(h[m][present[m]], book, cls[g[m][present[m]]],
-                                                  scale=float(args.get("scale", 8.0)),
-                                                  margin=float(args.get("margin", 0.2)))
-            n += 1
-    hs = torch.cat([h[m][present[m]] for m in h])
-    parts = {"proxy_ce": l_ce / max(n, 1), "quant": losses.quantization(hs)}
-    return parts, {"proxy_ce": 1.0, "quant": float(args.get("w_quant", 0.01))}
+    scale, margin = float(args.get("scale", 8.0)), float(args.get("margin", 0.2))
+    l_ce, l_q = class_losses(module, h, g, present, args,
+                             lambda hm, book, k: losses.cosine_margin_ce(hm, book, k, scale=scale, margin=margin))
+    return {"proxy_ce": l_ce, "quant": l_q}, {"proxy_ce": 1.0, "quant": float(args.get("w_quant", 0.01))}
 
 
 register(MethodSpec(name="orthohash", title="orthogonal codebook + cosine CE (OrthoHash-style)", kind="trained",
