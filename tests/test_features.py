@@ -164,3 +164,11 @@ def test_concurrent_extractions_of_one_store_take_turns(tmp_path):
         assert t.is_alive() and enc.seen == 0  # waiting for the lock, nothing encoded yet
     t.join(timeout=30)
     assert len(result["split"].tables["image"]) == 4
+
+
+def test_decode_workers_auto_leaves_a_core_for_the_encoder(monkeypatch):
+    monkeypatch.setattr(features.os, "cpu_count", lambda: 2)
+    assert features.decode_workers("auto") == 1
+    monkeypatch.setattr(features.os, "cpu_count", lambda: 64)
+    assert features.decode_workers("auto") == 8
+    assert features.decode_workers(3) == 3

@@ -10,7 +10,7 @@ from ushash import shards
 from ushash.config import CONFIG_DIR, to_dict
 from ushash.datasets import load_rows
 from ushash.encoders import build_encoder
-from ushash.features import FeatureSplit, extract
+from ushash.features import FeatureSplit, decode_workers, extract
 
 
 def resolve_device(name: str) -> str:
@@ -35,7 +35,7 @@ def run_extract(cfg: DictConfig, splits: list[str] | None = None, encoder=None) 
         else:
             out[split] = extract(rows, encoder, cfg.paths.features_dir, dataset=name, split=split,
                                  encoder_cfg=enc_cfg, batch_size=cfg.extract.batch_size,
-                                 num_workers=cfg.extract.num_workers, progress=cfg.extract.progress,
+                                 num_workers=decode_workers(cfg.extract.num_workers), progress=cfg.extract.progress,
                                  max_bad_frac=cfg.extract.max_bad_frac)
         rep = out[split].report
         counts = ", ".join(f"{m} {v.get('ok', 0)}/{v['rows']}" for m, v in rep["modalities"].items())

@@ -56,6 +56,14 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def decode_workers(value) -> int:
+    """DataLoader workers for decoding: an int, or "auto" = one per core left after the encoder's
+    main process (1 on 2 cores, where a second worker would take CPU from the forward pass), at most 8."""
+    if value == "auto":
+        return max(1, min(8, (os.cpu_count() or 2) - 1))
+    return int(value)
+
+
 def store_path(root: str | Path, dataset: str, split: str, encoder_name: str, fingerprint: str) -> Path:
     return Path(root) / dataset / split / f"{encoder_name}-{fingerprint}"
 

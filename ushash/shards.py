@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 
 import ushash
 from ushash import features, media
-from ushash.features import FeatureSplit, FeatureStoreError, open_split, store_path, write_json
+from ushash.features import FeatureSplit, FeatureStoreError, decode_workers, open_split, store_path, write_json
 from ushash.rows import Row, check_unique
 
 SHARD_ROWS = 10_000  # rows per hash shard when the shard count is automatic
@@ -98,7 +98,7 @@ def options(extract_cfg) -> dict:
     accelerator = {"auto": "auto", "cpu": "cpu"}.get(device, "gpu" if device.startswith("cuda") else device)
     return dict(shards=int(get("shards", 0) or 0), strategy=str(get("strategy", None) or "auto"),
                 accelerator=accelerator, devices=get("devices", 1), num_nodes=int(get("num_nodes", 1)),
-                batch_size=int(get("batch_size", 64)), num_workers=int(get("num_workers", 2)),
+                batch_size=int(get("batch_size", 64)), num_workers=decode_workers(get("num_workers", "auto")),
                 progress=bool(get("progress", True)), max_bad_frac=float(get("max_bad_frac", 0.5)))
 
 

@@ -1,0 +1,86 @@
+"""Head training steps/s on cached features, and codes emitted per second.
+
+Fixed inputs: seeded synthetic features (image 1280-d, text 384-d: the offline encoders' widths), 64 bits.
+References measured in the same run:
+- training: a bare PyTorch loop (same model, same loss, same batches, no Lightning);
+- codes: a bare matmul + sign + np.packbits of the same features through the same weights.
+Prints medians over repeats and the ratios.
+
+    ./run bench heads
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ushash import codes, losses
+from ushash.module import USHashModule
+
+
+def main(n=20000, batch=256, steps=60, repeats=5):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    x = {"image": torch.from_numpy(rng.normal(size=(n, 1280)).astype(np.float32)),
+         "text": torch.from_numpy(rng.normal(size=(n, 384)).astype(np.float32))}
+    g = torch.arange(n)
+    mod = USHashModule({"image": 1280, "text": 384}, bits=64)
+    batches = [torch.from_numpy(rng.integers(0, n, size=batch)) for _ in range(steps)]
+
+    def module_loop():
+        opt = mod.configure_optimizers()["optimizer"]
+        mod.train()
+        for idx in batches:
+            b = {m: (x[m][idx], g[idx], torch.ones(len(idx), dtype=torch.bool)) for m in x}
+            loss = mod.training_step(b, 0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+    def bare_loop():
+        model = mod.model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model.train()
+        for idx in batches:
+            (za, la), (zb, lb) = model("image", x["image"][idx]), model("text", x["text"][idx])
+            ha, hb = torch.tanh(4 * la), torch.tanh(4 * lb)
+            gi = g[idx]
+            loss = (losses.contrastive(ha, hb, gi, gi) + 0.5 * losses.contrastive(za, zb, gi, gi, 0.4)
+                    + 0.1 * losses.quantization(torch.cat([ha, hb])))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+    mod.log = mod.log_dict = lambda *a, **k: None  # no trainer attached: logging is a no-op here
+    t_mod, t_bare = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); module_loop(); t_mod.append(time.perf_counter() - t0)
+        t0 = time.perf_counter(); bare_loop(); t_bare.append(time.perf_counter() - t0)
+    sm, sb = steps / statistics.median(t_mod), steps / statistics.median(t_bare)
+    print(f"training, batch {batch}, 64 bits: US-HASH module {sm:.1f} steps/s; bare loop (3 losses) {sb:.1f} steps/s; "
+          f"ratio {sm / sb:.2f}x")
+
+    # codes emitted per second
+    feats = x["image"].numpy()
+    mod.eval()
+    lin = [m for m in mod.model.heads["image"] if isinstance(m, torch.nn.Linear)]
+    t_enc, t_ref = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); packed, _ = mod.model.encode("image", feats); t_enc.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            z = mod.model.embed("image", torch.from_numpy(feats))
+            ref = np.packbits((mod.model.logits(z) > 0).numpy(), axis=1, bitorder="little")
+        t_ref.append(time.perf_counter() - t0)
+    assert (ref == packed).all() and len(lin) == 2
+    ce, cr = n / statistics.median(t_enc), n / statistics.median(t_ref)
+    print(f"codes: USHash.encode {ce:,.0f} codes/s; bare forward + packbits {cr:,.0f} codes/s; ratio {ce / cr:.2f}x")
+    assert codes.pack(np.ones((1, 64))).shape == (1, 8)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    main()
