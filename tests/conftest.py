@@ -18,3 +18,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip)
+
+
+# A tiny exported head over the tiny random-init encoder: the cache and service tests load it.
+ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
+
+
+def write_tiny_export(out):
+    import torch
+
+    from ushash.encoders import build_encoder
+    from ushash.export import write_export
+    from ushash.heads import USHash
+
+    enc = build_encoder({**ENC_CFG, "device": "cpu"})
+    torch.manual_seed(0)
+    model = USHash(dict(enc.dims), bits=64, dim=32, hidden=32).eval()
+    write_export(model, out, {"name": "tiny", "fingerprint": enc.fingerprint, "config": ENC_CFG})
+    return out

@@ -5,27 +5,17 @@ import io
 
 import numpy as np
 import pytest
+from conftest import write_tiny_export
 import soundfile as sf
 from PIL import Image
 
 from ushash.cache import RequestError, SemanticCache
-from ushash.encoders import build_encoder
-from ushash.export import write_export
-from ushash.heads import USHash
 
-ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
 
 
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory):
-    import torch
-
-    enc = build_encoder({**ENC_CFG, "device": "cpu"})
-    torch.manual_seed(0)
-    model = USHash(dict(enc.dims), bits=64, dim=32, hidden=32).eval()
-    out = tmp_path_factory.mktemp("export") / "tiny-64b"
-    write_export(model, out, {"name": "tiny", "fingerprint": enc.fingerprint, "config": ENC_CFG})
-    return out
+    return write_tiny_export(tmp_path_factory.mktemp("export") / "tiny-64b")
 
 
 def _png(color, size=40) -> bytes:

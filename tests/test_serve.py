@@ -9,29 +9,19 @@ import time
 
 import numpy as np
 import pytest
+from conftest import write_tiny_export
 from fastapi.testclient import TestClient
 from PIL import Image
 
 from ushash.cache import SemanticCache
-from ushash.encoders import build_encoder
-from ushash.export import write_export
-from ushash.heads import USHash
 from ushash.serve import check_binding, create_app, is_loopback
 
-ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
 TOKEN = "s3cret-token-0123456789"
 
 
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory):
-    import torch
-
-    enc = build_encoder({**ENC_CFG, "device": "cpu"})
-    torch.manual_seed(0)
-    model = USHash(dict(enc.dims), bits=64, dim=32, hidden=32).eval()
-    out = tmp_path_factory.mktemp("export") / "tiny-64b"
-    write_export(model, out, {"name": "tiny", "fingerprint": enc.fingerprint, "config": ENC_CFG})
-    return out
+    return write_tiny_export(tmp_path_factory.mktemp("export") / "tiny-64b")
 
 
 @pytest.fixture
