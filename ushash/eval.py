@@ -16,7 +16,6 @@ from ushash import codes as codes_lib
 from ushash import metrics, retrieval
 from ushash.config import CONFIG_DIR
 from ushash.features import FeatureSplit, open_split, store_path, write_json
-from ushash.index import HammingIndex, cosine_search
 from ushash.methods.space import JOINT_SPACE_ENCODERS  # image/text (or audio/text) in one space already
 from ushash.module import load_checkpoint
 
@@ -59,12 +58,7 @@ def ranking_curves(split: FeatureSplit, reps: dict, protocols=("paired", "label"
         n = len(dx)
         kmax = min(max(ks), n)
         ks_here = tuple(K for K in ks if K <= n) or (n,)
-        if kind == "codes":
-            _, I = HammingIndex(dx).search(qx, kmax)
-            bits = qx.shape[1] * 8
-        else:
-            _, I = cosine_search(qx, dx, kmax)
-            bits = None
+        I, bits = retrieval.rank(kind, qx, dx, kmax)
         for protocol in protocols:
             if protocol == "label" and labels is None:
                 continue

@@ -99,12 +99,7 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1
         for q, d in directions(mods):
             kind, qx = q_reps[q]
             _, dx = d_reps[d]
-            if kind == "codes":
-                _, I = HammingIndex(dx).search(qx, k)
-                bits = int(qx.shape[1] * 8)
-            else:
-                _, I = cosine_search(qx, dx, k)
-                bits = None
+            I, bits = rank(kind, qx, dx, k)
             for protocol in protocols:
                 if protocol == "label" and labels is None:
                     continue
@@ -115,6 +110,13 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1
                 rows.append({"method": name, "kind": kind, "bits": bits, "direction": direction_name(q, d),
                              "n_database": int(len(dx)), **rep})
     return rows
+
+
+def rank(kind: str, qx: np.ndarray, dx: np.ndarray, k: int) -> tuple[np.ndarray, int | None]:
+    """Top-k database rows per query (ties by ascending index) and the code length (None for floats)."""
+    if kind == "codes":
+        return HammingIndex(dx).search(qx, k)[1], int(qx.shape[1] * 8)
+    return cosine_search(qx, dx, k)[1], None
 
 
 def mean_map(rows: list[dict], protocol: str = "paired", k: int = 10) -> float:

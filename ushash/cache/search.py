@@ -46,6 +46,17 @@ class HammingBackend:
         self.add_many(np.array([slot], np.int64), self._check_code(code)[None])
 
     def add_many(self, slots: np.ndarray, codes: np.ndarray) -> None:
+        """Add (or replace) entries: shared checks here, storage in the backend's `_append`."""
+        slots = np.asarray(slots, np.int64)
+        codes = np.ascontiguousarray(codes, dtype=np.uint8).reshape(len(slots), self.nbytes)
+        if len(slots) == 0:
+            return
+        for s in slots.tolist():
+            if s in self._slot2pos:
+                self.remove(s)
+        self._append(slots, codes)
+
+    def _append(self, slots: np.ndarray, codes: np.ndarray) -> None:
         raise NotImplementedError
 
     def remove(self, slot: int) -> None:
@@ -149,14 +160,7 @@ class FaissBackend(HammingBackend):
         p2s[: self._n] = self._pos2slot[: self._n]
         self._codes, self._pos2slot = codes, p2s
 
-    def add_many(self, slots, codes) -> None:
-        slots = np.asarray(slots, np.int64)
-        codes = np.ascontiguousarray(codes, dtype=np.uint8).reshape(len(slots), self.nbytes)
-        if len(slots) == 0:
-            return
-        for s in slots.tolist():
-            if s in self._slot2pos:
-                self.remove(s)
+    def _append(self, slots: np.ndarray, codes: np.ndarray) -> None:
         self._grow(self._n + len(slots))
         start = self._n
         self._codes[start : start + len(slots)] = codes
@@ -262,14 +266,7 @@ class TorchBackend(HammingBackend):
         p2s[: self._n] = self._pos2slot[: self._n]
         self._codes, self._alive, self._pos2slot, self._cap = codes, alive, p2s, cap
 
-    def add_many(self, slots, codes) -> None:
-        slots = np.asarray(slots, np.int64)
-        codes = np.ascontiguousarray(codes, dtype=np.uint8).reshape(len(slots), self.nbytes)
-        if len(slots) == 0:
-            return
-        for s in slots.tolist():
-            if s in self._slot2pos:
-                self.remove(s)
+    def _append(self, slots: np.ndarray, codes: np.ndarray) -> None:
         reuse = [self._free.pop() for _ in range(min(len(self._free), len(slots)))]
         fresh = len(slots) - len(reuse)
         self._grow(self._n + fresh)
