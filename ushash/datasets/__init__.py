@@ -133,4 +133,4 @@ def _recipe(name: str) -> Recipe:
 
 
 # Recipes register themselves on import.
-from ushash.datasets import audiocaps, cc3m, clotho, coco, hf, manifest, tuxpaint  # noqa: E402,F401
+from ushash.datasets import audiocaps, cc3m, clotho, coco, emoji, hf, manifest, tuxpaint  # noqa: E402,F401
