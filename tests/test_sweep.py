@@ -56,11 +56,11 @@ def test_fitted_baseline_never_sees_the_test_split(tmp_path, monkeypatch):
 
     real_fit = FittedMethod.fit
 
-    def spy(self, train):
+    def spy(self, train, val=None):
         fitting["now"] = True
         fitting["calls"].append(train.meta["split"])
         try:
-            return real_fit(self, train)
+            return real_fit(self, train, val)
         finally:
             fitting["now"] = False
 

@@ -119,6 +119,21 @@ def rank(kind: str, qx: np.ndarray, dx: np.ndarray, k: int) -> tuple[np.ndarray,
     return cosine_search(qx, dx, k)[1], None
 
 
+SELECTION_DOC = ("mean mAP@10 over every direction and over the protocols the split has (paired, and label "
+                 "when it has labels)")
+
+
+def selection_score(split: FeatureSplit, method: Method) -> float:
+    """What every choice on the validation split maximises (checkpoints, epochs, the shared space's settings):
+    see SELECTION_DOC. One number, so that all methods are chosen by the same rule."""
+    return selection(evaluate(split, {"m": method}, protocols=("paired", "label")))  # label only where there are labels
+
+
+def selection(rows: list[dict]) -> float:
+    """The selection score of one method's `evaluate` rows (SELECTION_DOC)."""
+    return float(np.mean([mean_map(rows, p) for p in sorted({r["protocol"] for r in rows})]))
+
+
 def mean_map(rows: list[dict], protocol: str = "paired", k: int = 10) -> float:
     vals = [r[f"map@{k}"] for r in rows if r["protocol"] == protocol]
     return float(np.mean(vals)) if vals else 0.0

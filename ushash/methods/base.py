@@ -1,5 +1,6 @@
-"""The no-training baselines' common part: fit a `SharedSpace` on the training split, fit a projection to
-`bits` dimensions on all modalities' training embeddings stacked together, and encode by sign."""
+"""The no-training baselines' common part: fit a `SharedSpace` on the training split (its settings chosen on
+the validation split when they are "auto", `choose_space`), fit a projection to `bits` dimensions on all
+modalities' training embeddings stacked together, and encode by sign."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 
 from ushash import codes as codes_lib
 from ushash.features import FeatureSplit
-from ushash.methods.space import SharedSpace
+from ushash.methods.space import SharedSpace, choose_space, is_auto
 
 
 class NotApplicable(ValueError):
@@ -21,18 +22,22 @@ class FittedMethod:
 
     output = "codes"
 
-    def __init__(self, bits: int, seed: int = 0, align: str = "auto", common_dim: int = 128, max_rank: int = 256,
-                 reg: float = 1.0, power: float = 1.0):
+    def __init__(self, bits: int, seed: int = 0, align: str = "auto", common_dim: int = 128, max_rank=256,
+                 reg=1.0, power: float = 1.0, rank_grid=None, reg_grid=None):
         self.bits = codes_lib.check_bits(bits) if self.output == "codes" else int(bits)
         self.seed = int(seed)
-        self.space = SharedSpace(align=align, common_dim=max(int(common_dim), self.bits if self.output == "codes" else 0),
-                                 max_rank=max_rank, reg=reg, power=power)
+        self.space_settings = {"align": align, "common_dim": max(int(common_dim), self.bits if self.output == "codes" else 0),
+                               "max_rank": max_rank if is_auto(max_rank) else int(max_rank),
+                               "reg": reg if is_auto(reg) else float(reg), "power": float(power)}
+        self.space_settings.update({k: tuple(v) for k, v in (("rank_grid", rank_grid), ("reg_grid", reg_grid)) if v})
+        self.space: SharedSpace | None = None
 
-    def fit(self, train: FeatureSplit) -> "FittedMethod":
+    def fit(self, train: FeatureSplit, val: FeatureSplit | None = None) -> "FittedMethod":
+        """Fit on `train`; `val` is read only to choose the space's "auto" settings (never the test split)."""
         split = train.meta.get("split")
         if split not in (None, "train"):
             raise ValueError(f"baselines are fitted on the training split only; got the {split!r} split")
-        self.space.fit(train)
+        self.space = choose_space(train, val, **self.space_settings)
         y = self.space.train_embeddings(train)
         if self.output == "codes" and self.needs_pca and self.bits > y.shape[1]:
             raise NotApplicable(f"{type(self).__name__}: bits={self.bits} > shared space dim {y.shape[1]}; "

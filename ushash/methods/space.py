@@ -31,6 +31,15 @@ GCCA (MAXVAR) with missing views, regularised, as fitted here:
    were.
 For every space, each modality's training mean is then subtracted (the "modality gap" between towers)
 and rows are L2-normalised: the baselines see unit vectors centred per modality.
+
+Choosing the space on val (`choose_space`)
+``max_rank`` and ``reg`` decide how much of each encoder's space GCCA may use and how hard it is
+regularised; the right values depend on the data (feature widths, number of training pairs). With
+``max_rank="auto"`` / ``reg="auto"`` (the shipped defaults, configs/space/default.yaml) every pair of
+``rank_grid`` x ``reg_grid`` is fitted on the training split and the one whose float space scores best on
+the validation split (`retrieval.selection_score`: mean mAP@10 over directions and protocols) is kept.
+Every method fitted in the space, and US-HASH's closed-form initialisation, then use that one space:
+the same care for every method, and selection on val, never on test.
 """
 
 from __future__ import annotations
@@ -59,16 +68,46 @@ def _group_means(x: np.ndarray, groups) -> tuple[np.ndarray, np.ndarray]:
     return uniq, sums / np.bincount(inv, minlength=len(uniq))[:, None]
 
 
+_VIEWS: dict = {}
+
+
+def _views(tables) -> tuple[np.ndarray, dict]:
+    """(group vocabulary, per modality (groups, group means, mean, singular values, right vectors)): the
+    part of the GCCA fit that does not depend on max_rank / reg, computed once per training split."""
+    key = tuple((m, id(t.x), len(t)) for m, t in tables.items())
+    hit = _VIEWS.get(key)
+    if hit is not None and all(h is t for h, t in zip(hit[0], tables.values())):
+        return hit[1]
+    vocab = np.unique(np.concatenate([np.asarray(t.groups).astype(str) for t in tables.values()]))
+    views = {}
+    for m, t in tables.items():
+        uniq, xg = _group_means(np.asarray(t.x, np.float64), t.groups)
+        mean = xg.mean(axis=0)
+        _, s, vt = np.linalg.svd(xg - mean, full_matrices=False)
+        views[m] = (uniq, xg, mean, s, vt)
+    _VIEWS.clear()  # one split's views at a time: they hold the features' size
+    _VIEWS[key] = (tuple(tables.values()), (vocab, views))
+    return vocab, views
+
+
 def _l2(x: np.ndarray) -> np.ndarray:
     n = np.linalg.norm(x, axis=1, keepdims=True)
     return (x / np.where(n > 0, n, 1.0)).astype(np.float32)
 
 
+RANK_GRID = (128, 256, 512, 1024, 2048)
+REG_GRID = (0.1, 0.3, 1.0, 3.0)
+
+
 class SharedSpace:
-    """Fit with `fit(train_split)`; then `transform(modality, x)` -> float32 [N, dim], unit rows."""
+    """Fit with `fit(train_split)`; then `transform(modality, x)` -> float32 [N, dim], unit rows.
+    max_rank / reg must be numbers here; "auto" is resolved on val by `choose_space`."""
 
     def __init__(self, align: str = "auto", common_dim: int = 128, max_rank: int = 256, reg: float = 1.0,
                  power: float = 1.0):
+        if is_auto(max_rank) or is_auto(reg):
+            raise ValueError("max_rank/reg='auto' are chosen on the validation split: use "
+                             "ushash.methods.space.choose_space(train, val, ...) (or pass numbers)")
         self.align, self.common_dim, self.max_rank, self.reg, self.power = align, int(common_dim), int(max_rank), float(reg), float(power)
         self.maps: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # modality -> (input mean, projection)
         self.post_mean: dict[str, np.ndarray] = {}
@@ -103,12 +142,10 @@ class SharedSpace:
     def _fit_gcca(self, tables) -> None:
         if len(tables) < 2:
             raise ValueError(f"align=gcca needs at least two modalities in the training split, got {list(tables)}")
-        vocab = np.unique(np.concatenate([np.asarray(t.groups).astype(str) for t in tables.values()]))
+        vocab, views = _views(tables)
         blocks, whiten = {}, {}
-        for m, t in tables.items():
-            uniq, xg = _group_means(np.asarray(t.x, np.float64), t.groups)
-            mean = xg.mean(axis=0)
-            _, s, vt = np.linalg.svd(xg - mean, full_matrices=False)
+        for m in tables:
+            uniq, xg, mean, s, vt = views[m]
             lam = s ** 2
             r = int(min(self.max_rank, (lam > lam[0] * 1e-10).sum()))
             lam, v = lam[:r], vt[:r].T
@@ -170,4 +207,63 @@ class SharedSpace:
     def describe(self) -> str:
         if self.resolved == "none":
             return "raw joint encoder space"
-        return f"GCCA-aligned {self.dim}-d space fitted on training pairs"
+        return (f"GCCA-aligned {self.dim}-d space fitted on training pairs (max_rank {self.max_rank}, "
+                f"reg {self.reg:g})")
+
+
+# ---------------------------------------------------------------------------------------------- choice on val
+
+def is_auto(v) -> bool:
+    return isinstance(v, str) and v.lower() == "auto"
+
+
+_CHOSEN: dict = {}
+
+
+def choose_space(train: FeatureSplit, val: FeatureSplit | None, align: str = "auto", common_dim: int = 128,
+                 max_rank="auto", reg="auto", power: float = 1.0, rank_grid=RANK_GRID, reg_grid=REG_GRID,
+                 progress: bool = False) -> SharedSpace:
+    """The shared space fitted on `train`, with max_rank / reg set to "auto" chosen on `val` (module doc).
+
+    Numbers are used as given. The result carries `choice`: the settings kept, the val score of every
+    candidate and the criterion. Choices are remembered per (train, val, settings) within the process,
+    so a sweep over methods, code lengths and seeds fits the grid once."""
+    auto_rank, auto_reg = is_auto(max_rank), is_auto(reg)
+    resolved = resolve_align(align, train.meta["encoder"]["name"])
+    if resolved == "none" or not (auto_rank or auto_reg):
+        space = SharedSpace(align, common_dim, 256 if auto_rank else max_rank, 1.0 if auto_reg else reg, power)
+        space.fit(train)
+        space.choice = {"max_rank": space.max_rank, "reg": space.reg, "chosen_on": None}
+        return space
+    if val is None:
+        raise ValueError("max_rank/reg='auto' are chosen on the validation split, and none was given; pass the "
+                         "val split (ushash.train and ushash.sweep do) or set space.max_rank / space.reg to numbers")
+    if val.meta.get("split") not in (None, "val"):
+        raise ValueError(f"the shared space is chosen on the validation split only; got the {val.meta.get('split')!r} split")
+    ranks = [int(r) for r in rank_grid] if auto_rank else [int(max_rank)]
+    regs = [float(r) for r in reg_grid] if auto_reg else [float(reg)]
+    key = (id(train), id(val), str(train.path), str(val.path), align, int(common_dim), tuple(ranks), tuple(regs),
+           float(power))
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    from ushash import retrieval
+    from tqdm.auto import tqdm
+    dims = {m: train.tables[m].x.shape[1] for m in train.modalities}
+    groups = len(set().union(*(set(t.groups) for t in train.tables.values())))
+    cap = min(max(dims.values()), groups)  # a rank above every view's own rank fits the same space
+    ranks = sorted({min(r, cap) for r in ranks})
+    scores, best = [], None
+    grid = [(r, g) for r in ranks for g in regs]
+    for r, g in tqdm(grid, desc="shared space on val", disable=not progress, leave=False):
+        space = SharedSpace(align, common_dim, r, g, power).fit(train)
+        score = retrieval.selection_score(val, lambda m, x, s=space: ("float", s.transform(m, x)))
+        scores.append({"max_rank": r, "reg": g, "val": round(score, 5)})
+        if best is None or score > best[0]:
+            best = (score, space)
+    space = best[1]
+    space.choice = {"max_rank": space.max_rank, "reg": space.reg, "chosen_on": "val", "val_score": round(best[0], 5),
+                    "criterion": retrieval.SELECTION_DOC, "candidates": scores}
+    if len(_CHOSEN) >= 8:  # a few recent choices: each holds a fitted space
+        _CHOSEN.pop(next(iter(_CHOSEN)))
+    _CHOSEN[key] = space
+    return space
