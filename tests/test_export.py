@@ -25,8 +25,10 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     splits = synthetic.write_synthetic(root / "data" / "features", sizes={"train": 300, "val": 100, "test": 150},
                                        n_classes=5, dims=DIMS)
+    # an MLP head (init=random, 2 layers): the export carries every op the serving forward knows
     cfg = compose("config", [f"paths.root={root}", "trainer.accelerator=cpu", "trainer.max_epochs=2", "bits=32",
-                             "model.batch_size=128", "+trainer.enable_progress_bar=false"])
+                             "model.batch_size=128", "+trainer.enable_progress_bar=false", "model.init=random",
+                             "model.layers=2"])
     out = run_train(cfg, splits=splits)
     from ushash.export import run_export
     exp = run_export(_export_cfg(root, out["last"], "exports/tiny"))

@@ -90,6 +90,6 @@ def test_resume_refuses_other_settings(tmp_path):
                                        n_classes=4, dims={"image": 8, "text": 8})
     run_train(_cfg(tmp_path, "trainer.max_epochs=1"), splits=splits)
     with pytest.raises(ValueError, match="other settings.*temperature"):
-        run_train(_cfg(tmp_path, "trainer.max_epochs=2", "model.temperature=0.5"), splits=splits)
-    out = run_train(_cfg(tmp_path, "trainer.max_epochs=1", "model.temperature=0.5", "resume=false"), splits=splits)
+        run_train(_cfg(tmp_path, "trainer.max_epochs=2", "model.temperature=0.3"), splits=splits)
+    out = run_train(_cfg(tmp_path, "trainer.max_epochs=1", "model.temperature=0.3", "resume=false"), splits=splits)
     assert out["val_map@10"] is not None

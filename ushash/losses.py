@@ -1,6 +1,7 @@
 """US-HASH losses. Each takes relaxed codes h in (-1, 1) (or logits) and returns a scalar.
 
 - `contrastive`: symmetric cross-modal InfoNCE on relaxed codes; rows sharing a group are positives.
+- `similarity_distillation`: code similarities pulled to a teacher space's cosines (every pair of the batch).
 - `quantization`: pulls |h| to 1 so that sign() loses little.
 - `balance`: each bit is +1 on half the batch (mean of each bit near 0).
 - `decorrelation`: bits carry different information (off-diagonal of the bit covariance near 0).
@@ -24,14 +25,20 @@ def relax(logits: torch.Tensor, beta: float, mode: str = "tanh") -> torch.Tensor
 
 
 def contrastive(ha: torch.Tensor, hb: torch.Tensor, ga: torch.Tensor, gb: torch.Tensor,
-                temperature: float = 0.2) -> torch.Tensor:
-    """Symmetric InfoNCE between two modalities' relaxed codes.
+                temperature: float | torch.Tensor = 0.2, similarity: str = "dot") -> torch.Tensor:
+    """Symmetric InfoNCE between two modalities' relaxed codes (or embeddings).
 
-    Similarity is the normalised inner product h_a . h_b / bits (1 - 2 * Hamming / bits for exact codes).
+    similarity "dot": h_a . h_b / width (1 - 2 * Hamming / bits for exact codes); "cosine": the cosine of the
+    rows, the same for exact codes and independent of how far tanh() has saturated.
     ga, gb: integer group ids; every (i, j) with ga[i] == gb[j] is a positive (several captions per image).
+    temperature: a number or a 0-d tensor (a learned scale).
     """
-    bits = ha.shape[1]
-    sim = ha @ hb.T / bits / temperature
+    if similarity == "cosine":
+        sim = F.normalize(ha, dim=-1) @ F.normalize(hb, dim=-1).T / temperature
+    elif similarity == "dot":
+        sim = ha @ hb.T / ha.shape[1] / temperature
+    else:
+        raise ValueError(f"similarity {similarity!r}: expected 'dot' or 'cosine'")
     pos = (ga[:, None] == gb[None, :]).float()
 
     def _side(s: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -43,6 +50,13 @@ def contrastive(ha: torch.Tensor, hb: torch.Tensor, ga: torch.Tensor, gb: torch.
         return -((logp * p).sum(1) / p.sum(1)).mean()
 
     return 0.5 * (_side(sim, pos) + _side(sim.T, pos.T))
+
+
+def similarity_distillation(ha: torch.Tensor, hb: torch.Tensor, ta: torch.Tensor, tb: torch.Tensor) -> torch.Tensor:
+    """Mean squared gap between the codes' similarities h_a . h_b / bits and the teacher's cosines t_a . t_b
+    (t: unit rows), over every pair of the batch, positives and negatives alike: the codes keep the teacher
+    space's neighbourhoods, not only the training pairs."""
+    return ((ha @ hb.T / ha.shape[1] - ta @ tb.T) ** 2).mean()
 
 
 def quantization(h: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     if spec.kind == "fitted":
         model = methods.build(spec.name, bits=int(cfg.bits), seed=int(cfg.seed), **settings["method"]["args"])
         try:
-            model.fit(train)  # the training split only
+            model.fit(train, splits["val"])  # fitted on train; val only chooses the space's "auto" settings
         except NotApplicable as e:  # recorded, so the sweep goes on and the tables say why the cell is empty
             result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
                       "digest": dg, "status": "not_applicable", "reason": str(e)}
@@ -142,6 +142,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
             return result
         entries = {spec.name: (spec.title, model)}
         extra["space"] = model.describe()
+        extra["space_choice"] = {k: v for k, v in model.space.choice.items() if k != "candidates"}
         if getattr(model.space, "shared_axes", None) is not None:
             extra["shared_axes"] = int(model.space.shared_axes)
     else:
@@ -156,7 +157,10 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
         entries = {spec.name: (spec.title, module.code_method())}
         if spec.name == "ushash":  # its own continuous upper bound: the head's embedding z
             entries["ushash_float"] = (f"US-HASH float z ({module.hparams.dim}-d, cosine)", module.float_method())
-        extra.update({"val_map@10": out["val_map@10"], "checkpoint": Path(out["best"]).name})
+        extra.update({"val_map@10": out["val_map@10"], "val_score": out["val_score"], "best_epoch": out["best_epoch"],
+                      "checkpoint": Path(out["best"]).name})
+        if out["space"]:
+            extra["space_choice"] = out["space"]
     rows, curves, outputs = [], [], {}
     for name, (title, fn) in entries.items():
         reps = retrieval.represent(test, fn)

@@ -8,8 +8,9 @@ Kinds
 - "fitted": no training; `build(bits=, seed=, **args)` returns an object with `fit(train_split)` and
   `encode(modality, x) -> ("codes", packed uint8) | ("float", float32)`; fitted on the training split only.
 - "trained": trained by the one Lightning loop (`ushash.module.USHashModule(method=<name>)`) on the same
-  network (per-modality projection heads + a linear hash layer); `objective(module, h, z, g, present, args)`
-  returns `(parts, weights)`, the loss terms and their weights.
+  network (per-modality projection heads + a linear hash layer) from the same closed-form start;
+  `objective(module, h, z, g, present, args, teacher=None)` returns `(parts, weights)`, the loss terms and
+  their weights (`teacher`: modality -> the closed-form space's embedding of the batch, or None).
 
 Every method sees the same features, splits and evaluation code (ushash.retrieval, ushash.eval).
 """
@@ -31,7 +32,7 @@ class MethodSpec:
     kind: str                       # "fitted" or "trained"
     output: str = "codes"           # "codes" (Hamming ranking) or "float" (cosine ranking)
     build: Callable | None = None   # fitted: build(bits=, seed=, **args) -> object with fit() / encode()
-    objective: Callable | None = None  # trained: objective(module, h, z, g, present, args) -> (parts, weights)
+    objective: Callable | None = None  # trained: objective(module, h, z, g, present, args, teacher) -> (parts, weights)
     aliases: tuple[str, ...] = field(default_factory=tuple)
     reference: str = ""             # the paper(s) it follows, and how it departs from them
 

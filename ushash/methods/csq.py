@@ -31,7 +31,9 @@ def _pseudo_classes(module, args, n_classes: int) -> np.ndarray:
         raise ValueError(f"method {module.hparams.method} with classes=kmeans needs the FeatureDataModule "
                          "(its training split) to make pseudo-classes; or use classes=groups")
     split, ts = dm.train_split, dm.train_set
-    space = SharedSpace(align=str(args.get("align", "auto"))).fit(split)
+    space = module.shared_space  # the closed-form start's space (init=gcca), chosen on val
+    if space is None:
+        space = SharedSpace(align=str(args.get("align", "auto"))).fit(split)
     gid = {g: i for i, g in enumerate(ts.groups)}
     emb = np.zeros((len(ts.groups), space.dim))
     for m in ts.modalities:
@@ -83,7 +85,7 @@ def class_losses(module, h, g, present, args, loss: Callable) -> tuple[torch.Ten
     return total / max(n, 1), losses.quantization(hs)
 
 
-def objective(module, h, z, g, present, args):
+def objective(module, h, z, g, present, args, teacher=None):
     l_c, l_q = class_losses(module, h, g, present, args, lambda hm, c, k: losses.centre_bce(hm, c[k]))
     return {"centre": l_c, "quant": l_q}, {"centre": 1.0, "quant": float(args.get("w_quant", 0.01))}
 

@@ -19,6 +19,11 @@ class ITQ(FittedMethod):
     def _project(self, y):
         return self.itq.apply(np.ascontiguousarray(y, dtype=np.float32))
 
+    def rotation(self) -> np.ndarray:
+        """[bits, dim]: PCA then the ITQ rotation as one matrix (faiss applies it to y - mean)."""
+        lt = self.itq.pca_then_itq
+        return faiss.vector_to_array(lt.A).reshape(lt.d_out, lt.d_in).astype(np.float32)
+
 
 register(MethodSpec(name="itq", title="ITQ (faiss ITQTransform)", kind="fitted", build=ITQ,
                     reference="Gong & Lazebnik, CVPR 2011; faiss ITQTransform (factory 'ITQ<bits>,LSH')."))

@@ -13,7 +13,7 @@ from ushash.methods import MethodSpec, register
 from ushash.methods.csq import class_losses
 
 
-def objective(module, h, z, g, present, args):
+def objective(module, h, z, g, present, args, teacher=None):
     scale, margin = float(args.get("scale", 8.0)), float(args.get("margin", 0.2))
     l_ce, l_q = class_losses(module, h, g, present, args,
                              lambda hm, book, k: losses.cosine_margin_ce(hm, book, k, scale=scale, margin=margin))

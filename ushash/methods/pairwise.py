@@ -18,7 +18,7 @@ from ushash.methods import MethodSpec, register
 from ushash.methods.ushash import cross_modal_pairs, stacked
 
 
-def objective(module, h, z, g, present, args):
+def objective(module, h, z, g, present, args, teacher=None):
     ref = next(iter(h.values()))
     l_pair, n = ref.new_zeros(()), 0
     for a, b, both in cross_modal_pairs(h, present):
