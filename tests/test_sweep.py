@@ -106,8 +106,9 @@ def test_aggregate_tables_and_plots(tmp_path):
     md = (exp / "results.md").read_text()
     assert "## mAP@10, protocol paired" in md and "## mAP@10, protocol label" in md and " ± " in md
     assert "Z=min(k, #relevant)" in md and "python -m ushash.sweep" in md
-    # once in the summary and once per metric table (P@H≤2 is codes only)
-    assert md.count("| float (shared input space, cosine) | float |") == 1 + 4 * 2
+    # once in the summary and once per metric table: tie-aware mAP@10, tie-broken mAP@10, R@1, R@10, P@10, per
+    # protocol (P@H≤2 is codes only)
+    assert md.count("| float (shared input space, cosine) | float |") == 1 + 5 * 2
     for png in ("map_vs_bits.png", "precision_h2.png", "pr_hamming_32b.png", "p_at_k_32b.png"):
         assert (exp / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # re-aggregation reads the runs again and keeps the recorded command

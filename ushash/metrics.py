@@ -199,3 +199,131 @@ def retrieval_report(I, q_groups, db_groups, protocol, k=10, ks=(1, 5, 10), deno
         "denominator": denominator,
     })
     return out
+
+
+# ---------------------------------------------------------------------------------------------- tie-aware
+
+TIE_DOC = ("tie-aware: the expected value over every ordering of tied items (McSherry & Najork, ECIR 2008), in "
+           "closed form; methods are ranked by it")
+
+
+def relevance_matrix(q_groups, db_groups, protocol="paired", q_labels=None, db_labels=None) -> np.ndarray:
+    """bool [M, N]: is database item j relevant to query i (the protocols of `relevance`, every item)."""
+    if protocol == "paired":
+        qg = _check_groups(q_groups, "q_groups", None)
+        dg = _check_groups(db_groups, "db_groups", None)
+        return qg[:, None] == dg[None, :]
+    if protocol == "label":
+        if db_labels is None:
+            raise ValueError("db_labels is required for protocol='label' (multi-hot bool [N, L])")
+        n = np.asarray(db_labels).shape[0]
+        dl = _check_labels(db_labels, "db_labels", n)
+        m = np.asarray(q_labels).shape[0] if q_labels is not None else 0
+        ql = _check_labels(q_labels, "q_labels", m, dl.shape[1])
+        return (ql.astype(np.float32) @ dl.T.astype(np.float32)) > 0  # exact for L < 2**24
+    raise ValueError(f"protocol must be one of {PROTOCOLS}; got {protocol!r}")
+
+
+def tie_blocks(scores, rel, depth: int, descending: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The ranking of each query as tie blocks, down to `depth` positions.
+
+    scores: [M, N] (distances with descending=False, similarities with True); rel: bool [M, N].
+    Returns (count, relevant) int64 [M, B]: block b of query i holds count[i, b] items with one score, of
+    which relevant[i, b] are relevant, blocks in rank order; only the blocks that reach the first `depth`
+    positions are kept (the block straddling position `depth` whole), and rows are padded with empty blocks.
+    """
+    scores = np.asarray(scores)
+    rel = np.asarray(rel, bool)
+    if scores.ndim != 2 or rel.shape != scores.shape:
+        raise ValueError(f"scores and rel must be [M, N] of one shape; got {scores.shape} and {rel.shape}")
+    m, n = scores.shape
+    depth = int(min(depth, n))
+    if m == 0 or n == 0 or depth == 0:
+        return np.zeros((m, 0), np.int64), np.zeros((m, 0), np.int64)
+    key = -scores if descending else scores
+    order = np.argsort(key, axis=1, kind="stable")
+    ks = np.take_along_axis(key, order, axis=1)
+    rs = np.take_along_axis(rel, order, axis=1)
+    # the block straddling `depth`: every item tied with the item at position depth - 1
+    reach = (ks <= ks[:, depth - 1 : depth]).sum(axis=1)
+    width = int(reach.max())
+    ks, rs = ks[:, :width], rs[:, :width]
+    inside = np.arange(width)[None, :] < reach[:, None]
+    new = np.ones((m, width), bool)
+    new[:, 1:] = ks[:, 1:] != ks[:, :-1]
+    new &= inside
+    bid = np.cumsum(new, axis=1) - 1                                # block index of each position
+    nb = int(bid.max()) + 1
+    flat = (np.arange(m)[:, None] * nb + bid)[inside]
+    count = np.bincount(flat, minlength=m * nb).reshape(m, nb)
+    relevant = np.bincount(flat, weights=rs[inside], minlength=m * nb).reshape(m, nb).astype(np.int64)
+    return count.astype(np.int64), relevant
+
+
+def hamming_blocks(dist, rel, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """`tie_blocks` for integer Hamming distances [M, N] in [0, bits]: one block per distance value
+    (empty blocks included), so no sort is needed."""
+    dist = np.asarray(dist)
+    rel = np.asarray(rel, bool)
+    m, n = dist.shape
+    width = int(bits) + 1
+    flat = (np.arange(m)[:, None] * width + dist).ravel()
+    count = np.bincount(flat, minlength=m * width).reshape(m, width)
+    relevant = np.bincount(flat[rel.ravel()], minlength=m * width).reshape(m, width)
+    return count.astype(np.int64), relevant.astype(np.int64)
+
+
+def _harmonic(n: int) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(1.0 / np.arange(1, n + 1))])
+
+
+def _log_factorial(n: int) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1)))])
+
+
+def expected_report(count, relevant, n_rel, k=10, ks=(1, 5, 10), denominator="min") -> dict:
+    """Tie-aware metrics (TIE_DOC) from tie blocks (`tie_blocks` / `hamming_blocks`):
+    {f"tie_map@{k}", f"tie_R@{K}", f"tie_P@{K}"}: means over queries of the expected AP@k (Z named as in
+    `average_precision_at_k`; "min" or "all", whose Z does not depend on the order), R@K and P@K.
+
+    Within a block of m items (r relevant) that starts after s items, R of them relevant, a uniformly
+    random order puts a relevant item at its j-th position with probability r/m, with 1 + (j-1)(r-1)/(m-1)
+    relevant items among its first j expected given that; summing P@i over the block's positions <= k is
+    a difference of harmonic numbers. R@K misses only when no relevant item lands in the top K: a
+    hypergeometric term for the block straddling K.
+    """
+    if denominator not in ("min", "all"):
+        raise ValueError(f"tie-aware AP is defined here for denominator 'min' or 'all' (Z fixed); got {denominator!r}")
+    ks = _check_ks(ks)
+    count = np.asarray(count, np.int64)
+    relevant = np.asarray(relevant, np.int64)
+    n_rel = np.asarray(n_rel, np.int64)
+    m = count.shape[0]
+    if m == 0:
+        return {f"tie_map@{k}": 0.0, **{f"tie_R@{K}": 0.0 for K in ks}, **{f"tie_P@{K}": 0.0 for K in ks}}
+    s = np.cumsum(count, axis=1) - count                       # items before each block
+    rb = np.cumsum(relevant, axis=1) - relevant                # relevant items before each block
+    c = count.astype(np.float64)
+    r = relevant.astype(np.float64)
+    top = int(s[:, -1].max() + count[:, -1].max()) + 1
+    H = _harmonic(max(top, int(k)) + 1)
+    J = np.clip(int(k) - s, 0, count)                          # positions of the block within the top k
+    dH = H[s + J] - H[s]
+    frac = np.divide(r, c, out=np.zeros_like(r), where=c > 0)
+    b = np.divide(r - 1, c - 1, out=np.zeros_like(r), where=c > 1)
+    num = (frac * ((rb + 1) * dH + b * (J - (s + 1) * dH))).sum(axis=1)
+    z = np.minimum(int(k), n_rel) if denominator == "min" else n_rel
+    ap = np.divide(num, z, out=np.zeros(m), where=z > 0)
+    out = {f"tie_map@{int(k)}": float(ap.mean())}
+    lf = _log_factorial(top + max(ks))
+    for K in ks:
+        jk = np.clip(K - s, 0, count)
+        out[f"tie_P@{K}"] = float(((frac * jk).sum(axis=1) / K).mean())
+        # P(no relevant item in the top K) = prod over blocks of C(m - r, j) / C(m, j)
+        free = count - relevant
+        ok = free >= jk
+        logp = np.where(ok, lf[np.where(ok, free, 0)] - lf[np.where(ok, free - jk, 0)]
+                        - lf[count] + lf[count - jk], 0.0)
+        p_none = np.where(ok.all(axis=1), np.exp(logp.sum(axis=1)), 0.0)
+        out[f"tie_R@{K}"] = float((1.0 - p_none).mean())
+    return out

@@ -139,7 +139,7 @@ def plot_all(agg: dict, out: str | Path, bits: int | None = None) -> list[Path]:
     swept = _swept_bits(agg)
     if bits is None or bits not in swept:
         bits = 64 if 64 in swept else (swept[-1] if swept else None)
-    made = [_vs_bits(agg, out, "map@10", "mAP@10", "map_vs_bits.png"),
+    made = [_vs_bits(agg, out, "tie_map@10", "mAP@10 (tie-aware)", "map_vs_bits.png"),
             _vs_bits(agg, out, "p_h2", "precision within Hamming radius 2", "precision_h2.png", codes_only=True)]
     if bits is not None:
         made += [plot_pr(agg, out, bits), plot_p_at_k(agg, out, bits)]

@@ -12,9 +12,10 @@ from typing import Callable
 
 import numpy as np
 
+from ushash import codes as codes_lib
 from ushash import metrics
 from ushash.features import FeatureSplit
-from ushash.index import HammingIndex, cosine_search
+from ushash.index import HammingIndex, _l2_normalise, cosine_search
 
 LETTER = {"image": "I", "text": "T", "audio": "A"}
 DENOMINATOR_DOC = {"min": "Z=min(k, #relevant)", "found": "Z=#relevant in top k", "all": "Z=#relevant"}
@@ -100,16 +101,47 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1
             kind, qx = q_reps[q]
             _, dx = d_reps[d]
             I, bits = rank(kind, qx, dx, k)
-            for protocol in protocols:
-                if protocol == "label" and labels is None:
-                    continue
+            here = [p for p in protocols if p != "label" or labels is not None]
+            rel_args = {p: (q_groups[q], d_groups[d], p, labels[0][q] if p == "label" else None,
+                            labels[1][d] if p == "label" else None) for p in here}
+            tie = tie_aware(kind, qx, dx, rel_args, k=k, ks=ks, denominator=denominator)
+            for protocol in here:
                 rep = metrics.retrieval_report(
                     I, q_groups[q], d_groups[d], protocol=protocol, k=k, ks=ks, denominator=denominator,
                     q_labels=labels[0][q] if protocol == "label" else None,
                     db_labels=labels[1][d] if protocol == "label" else None)
                 rows.append({"method": name, "kind": kind, "bits": bits, "direction": direction_name(q, d),
-                             "n_database": int(len(dx)), **rep})
+                             "n_database": int(len(dx)), **rep, **tie.get(protocol, {})})
     return rows
+
+
+def tie_aware(kind: str, qx: np.ndarray, dx: np.ndarray, rel_args: dict, k: int = 10, ks=(1, 5, 10),
+              denominator: str = "min") -> dict[str, dict]:
+    """protocol -> metrics.expected_report over every query (metrics.TIE_DOC): the Hamming distances (codes)
+    or cosines (floats) to every database item, one block of queries at a time. rel_args: protocol ->
+    the arguments of metrics.relevance_matrix for these queries. Empty for denominator "found"."""
+    if denominator not in ("min", "all") or not len(qx) or not len(dx):
+        return {}
+    n = len(dx)
+    depth = max(int(k), *ks)
+    sums: dict[str, dict] = {p: {} for p in rel_args}
+    if kind == "codes":
+        wq, wd = codes_lib.words(np.ascontiguousarray(qx)), codes_lib.words(np.ascontiguousarray(dx))
+        bits = int(qx.shape[1] * 8)
+    else:
+        qn, dn = _l2_normalise(np.asarray(qx, np.float32)), _l2_normalise(np.asarray(dx, np.float32))
+    step = max(1, (1 << 21) // n)
+    for s in range(0, len(qx), step):
+        sl = slice(s, s + step)
+        score = codes_lib.hamming_words(wq[sl], wd) if kind == "codes" else qn[sl] @ dn.T
+        for p, (qg, dg, proto, ql, dl) in rel_args.items():
+            rel = metrics.relevance_matrix(qg[sl], dg, proto, ql[sl] if ql is not None else None, dl)
+            blocks = (metrics.hamming_blocks(score, rel, bits) if kind == "codes"
+                      else metrics.tie_blocks(score, rel, depth, descending=True))
+            rep = metrics.expected_report(*blocks, rel.sum(axis=1), k=k, ks=ks, denominator=denominator)
+            for key, v in rep.items():
+                sums[p][key] = sums[p].get(key, 0.0) + v * len(rel)
+    return {p: {key: v / len(qx) for key, v in acc.items()} for p, acc in sums.items()}
 
 
 def rank(kind: str, qx: np.ndarray, dx: np.ndarray, k: int) -> tuple[np.ndarray, int | None]:

@@ -27,7 +27,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ushash import methods, retrieval
+from ushash import methods, metrics, retrieval
 from ushash.config import CONFIG_DIR, to_dict
 from ushash.eval import CURVES_DOC, ranking_curves
 from ushash.features import FeatureSplit, open_split, store_path, write_json
@@ -183,8 +183,10 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
 
 # ---------------------------------------------------------------------------------------------- aggregation
 
-METRICS = ("map@10", "R@1", "R@10", "P@10", "p_h2")
-METRIC_NAMES = {"map@10": "mAP@10", "R@1": "R@1", "R@10": "R@10", "P@10": "P@10", "p_h2": "P@H≤2"}
+ROW_METRICS = ("tie_map@10", "map@10", "tie_R@1", "tie_R@10", "tie_P@10")   # from retrieval.evaluate rows
+METRICS = (*ROW_METRICS, "p_h2")
+METRIC_NAMES = {"tie_map@10": "mAP@10", "map@10": "mAP@10 (tie-broken)", "tie_R@1": "R@1", "tie_R@10": "R@10",
+                "tie_P@10": "P@10", "p_h2": "P@H≤2"}
 
 
 def _entry_order(name: str) -> tuple:
@@ -211,14 +213,12 @@ def _per_seed(results: list[dict]) -> dict:
             for r in res["rows"]:
                 if r["method"] != name:
                     continue
-                for m in ("map@10", "R@1", "R@10"):
+                for m in ROW_METRICS:
                     if m in r:
                         vals[(r["protocol"], r["direction"], m)] = r[m]
             for c in res["curves"]:
                 if c["method"] != name:
                     continue
-                if "10" in c["p_at_k"]:
-                    vals[(c["protocol"], c["direction"], "P@10")] = c["p_at_k"]["10"]
                 if "p_h2" in c:
                     vals[(c["protocol"], c["direction"], "p_h2")] = c["p_h2"]
             for p, m in {(p, m) for (p, _, m) in vals}:
@@ -287,7 +287,7 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
                          f"queries without a relevant item score 0" for p in protocols},
         "queries": {f"{r['direction']} {r['protocol']}": [r["n_queries"], r["n_no_relevant"], r["n_database"]]
                     for r in first["rows"] if r["method"] == first["method"]},
-        "tie_rule": "ascending database index", "curves_doc": CURVES_DOC,
+        "tie_rule": "ascending database index", "tie_doc": metrics.TIE_DOC, "curves_doc": CURVES_DOC,
         "std": "sample standard deviation over seeds (ddof=1); 0 with one seed",
         "summary_format": "summary[method][bits][protocol][metric][direction] = [mean, std, n_seeds]; direction "
                           "'mean' is the mean over directions, taken per seed first",
@@ -326,8 +326,8 @@ def cells(agg: dict):
                                "direction": direction, "mean": mean, "std": std, "n": n}
 
 
-SUMMARY_COLUMNS = (("paired", "map@10"), ("label", "map@10"), ("paired", "R@1"), ("paired", "R@10"),
-                   ("label", "P@10"), ("label", "p_h2"))
+SUMMARY_COLUMNS = (("paired", "tie_map@10"), ("label", "tie_map@10"), ("paired", "map@10"), ("paired", "tie_R@1"),
+                   ("paired", "tie_R@10"), ("label", "tie_P@10"), ("label", "p_h2"))
 
 
 def summary_table(agg: dict, flat: list | None = None) -> list[str]:
@@ -364,8 +364,10 @@ def markdown(agg: dict, metrics=METRICS) -> str:
     wall = agg.get("sweep_wall_s")
     lines.append(f"Runs: {agg['n_runs']} (seeds {seeds}); compute time of the runs {agg['runs_wall_s']:.0f} s"
                  + (f"; wall time of the sweep command {wall:.0f} s" if wall else "") + ".")
-    lines.append("No-training methods are fitted on the training split only; trained ones use the checkpoint chosen "
-                 "on the validation split. Cells: mean ± " + agg["std"] + ". Ties: " + agg["tie_rule"] + ".")
+    lines.append("No-training methods are fitted on the training split only (the shared space's settings chosen on "
+                 "the validation split); trained ones use the checkpoint chosen on the validation split. Cells: mean ± "
+                 + agg["std"] + ". mAP@10, R@K and P@K are " + agg.get("tie_doc", "tie-broken") + "; the tie-broken "
+                 "column orders ties by " + agg["tie_rule"] + ".")
     lines.append("")
     for p, doc in agg["protocols"].items():
         lines.append(f"- Protocol **{p}**: {doc}.")
