@@ -60,9 +60,9 @@ def percentiles(lat: list[float]) -> tuple[float, float]:
 
 
 def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: int = 5) -> dict:
-    from ushash.cache import SemanticCache
-    from ushash.cache.lsh import LSHHead
-    from ushash.payload import PayloadCodec
+    from ushash.serving.cache import SemanticCache
+    from ushash.serving.cache.lsh import LSHHead
+    from ushash.serving.payload import PayloadCodec
 
     rng = np.random.default_rng(SEED)
     codes = make_codes(n, kind, rng)

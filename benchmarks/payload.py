@@ -1,11 +1,11 @@
 """Benchmark and measure cache-entry payloads (ushash/payload.py): fp32, fp16, int4, int4 + sparse top-k.
 
     python benchmarks/payload.py quality --ckpt checkpoints/<run>/best.ckpt [--candidates 32]
-    python benchmarks/payload.py quality --synthetic            # trains a small head on ushash.synthetic data
+    python benchmarks/payload.py quality --synthetic            # trains a small head on ushash.data.synthetic data
     python benchmarks/payload.py speed [--n-db 100000] [--queries 2000] [--candidates 100]
 
 quality: on the evaluation split of a checkpoint's feature store, through an export of the head (the
-serving path, ushash.artifact): bytes per entry; reconstruction cosine of z; retrieval mAP@10 when each
+serving path, ushash.serving.artifact): bytes per entry; reconstruction cosine of z; retrieval mAP@10 when each
 query's top-C Hamming candidates are re-ranked by cosine between the query's fp32 z and the candidates'
 decoded payloads (every direction, paired and label relevance); throughput of dequantize + re-rank. The
 references are measured in the same run: the same candidates re-ranked by fp32 payloads, Hamming order
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ushash.payload import PayloadCodec, PayloadFormat, describe
+from ushash.serving.payload import PayloadCodec, PayloadFormat, describe
 
 SETTINGS = {  # name -> settings for every modality (None: the modality-aware defaults)
     "fp32": {"kind": "fp32"},
@@ -78,9 +78,9 @@ def make_codec(name: str, dim: int, modalities, calib: dict | None = None) -> Pa
 # ---------------------------------------------------------------------------------------------- quality
 
 def _synthetic_checkpoint(work: Path) -> str:
-    from ushash import synthetic
+    from ushash.data import synthetic
     from ushash.config import compose
-    from ushash.train import run_train
+    from ushash.hashing.training import run_train
 
     splits = synthetic.write_synthetic(work / "data" / "features", sizes={"train": 3000, "val": 300, "test": 1000},
                                        n_classes=20, dims={"image": 64, "text": 48, "audio": 32}, noise=0.6)
@@ -90,11 +90,13 @@ def _synthetic_checkpoint(work: Path) -> str:
 
 
 def quality(args) -> None:
-    from ushash import artifact, metrics, retrieval
-    from ushash.export import write_export
-    from ushash.features import open_split, store_path
-    from ushash.index import HammingIndex, cosine_search
-    from ushash.module import load_checkpoint
+    from ushash.serving import artifact
+    from ushash.core import metrics
+    from ushash.evaluation import retrieval
+    from ushash.serving.export import write_export
+    from ushash.data.store import open_split, store_path
+    from ushash.core.index import HammingIndex, cosine_search
+    from ushash.hashing.module import load_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="ushash-payload-"))
     ckpt = args.ckpt or _synthetic_checkpoint(tmp)
@@ -104,7 +106,7 @@ def quality(args) -> None:
     fdir = args.features_dir or prov["features_dir"]
     split = open_split(store_path(fdir, prov["dataset"], args.split, enc["name"], enc["fingerprint"]))
     train = open_split(store_path(fdir, prov["dataset"], "train", enc["name"], enc["fingerprint"]))
-    # the serving path: export the head and compute codes and z through ushash.artifact
+    # the serving path: export the head and compute codes and z through ushash.serving.artifact
     head = artifact.load_export(write_export(module.model.eval(), tmp / "export", enc))
     mods = [m for m in split.modalities if m in head.modalities]
     codes = {m: head.codes(m, np.asarray(split.tables[m].x)) for m in mods}

@@ -88,8 +88,8 @@ def _export(root: Path) -> Path:
     import torch
 
     from ushash.encoders import build_encoder
-    from ushash.export import write_export
-    from ushash.heads import USHash
+    from ushash.serving.export import write_export
+    from ushash.hashing.heads import USHash
 
     enc = build_encoder({**ENC_CFG, "device": "cpu"})
     torch.manual_seed(0)

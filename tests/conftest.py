@@ -28,8 +28,8 @@ def write_tiny_export(out):
     import torch
 
     from ushash.encoders import build_encoder
-    from ushash.export import write_export
-    from ushash.heads import USHash
+    from ushash.serving.export import write_export
+    from ushash.hashing.heads import USHash
 
     enc = build_encoder({**ENC_CFG, "device": "cpu"})
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from ushash.cache import CacheConfig, RequestError, SemanticCache, UnknownTenant
-from ushash.cache.lsh import LSHHead
-from ushash.codes import hamming
+from ushash.serving.cache import CacheConfig, RequestError, SemanticCache, UnknownTenant
+from ushash.serving.cache.lsh import LSHHead
+from ushash.core.codes import hamming
 
 BACKENDS = [
     pytest.param({"backend": "flat"}, id="faiss-flat"),

@@ -1,4 +1,4 @@
-"""SemanticCache on a real export (ushash.export / ushash.artifact): raw image, text and audio inputs
+"""SemanticCache on a real export (ushash.export / ushash.serving.artifact): raw image, text and audio inputs
 through the export's frozen encoder, and refusals of bad media."""
 
 import io
@@ -9,7 +9,7 @@ from conftest import write_tiny_export
 import soundfile as sf
 from PIL import Image
 
-from ushash.cache import RequestError, SemanticCache
+from ushash.serving.cache import RequestError, SemanticCache
 
 
 
@@ -78,7 +78,7 @@ def test_bad_media_is_refused_with_a_clear_message(export_dir):
 
 
 def test_export_expectations_are_checked(export_dir):
-    from ushash.artifact import IncompatibleExport
+    from ushash.serving.artifact import IncompatibleExport
 
     with pytest.raises(IncompatibleExport):
         SemanticCache.from_export(export_dir, {}, expect_bits=32)

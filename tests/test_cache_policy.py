@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ushash.cache.policy import LRUKDecay, make_policy
+from ushash.serving.cache.policy import LRUKDecay, make_policy
 
 
 class FakeClock:

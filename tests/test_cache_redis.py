@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from ushash.cache import SemanticCache
-from ushash.cache.lsh import LSHHead
+from ushash.serving.cache import SemanticCache
+from ushash.serving.cache.lsh import LSHHead
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed (./run test installs it)")

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from ushash.cache.search import FaissBackend, make_backend
-from ushash.codes import hamming
+from ushash.serving.cache.search import FaissBackend, make_backend
+from ushash.core.codes import hamming
 
 BACKENDS = [
     pytest.param("flat", "cpu", id="faiss-flat"),

@@ -8,13 +8,13 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from ushash import synthetic
-from ushash.artifact import load_export
-from ushash.cachesim import ExactMethod, Pool, SimClock, make_stream, pool_from_split, replay, run_cachesim
+from ushash.data import synthetic
+from ushash.serving.artifact import load_export
+from ushash.sim.cachesim import ExactMethod, Pool, SimClock, make_stream, pool_from_split, replay, run_cachesim
 from ushash.config import compose
 from ushash.encoders import build_encoder
-from ushash.export import write_export
-from ushash.heads import USHash
+from ushash.serving.export import write_export
+from ushash.hashing.heads import USHash
 
 DIMS = {"image": 24, "text": 24}
 
@@ -137,8 +137,8 @@ def test_raw_media_variants_go_through_the_encoder(tmp_path):
 def test_trained_head_beats_exact_keys_without_false_hits(tmp_path):
     """A head trained for seconds on synthetic features: semantic hits on paraphrases and perturbed
     copies that an exact-key cache misses, with no false hits at the default radius."""
-    from ushash.export import run_export
-    from ushash.train import run_train
+    from ushash.serving.export import run_export
+    from ushash.hashing.training import run_train
 
     splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 600, "val": 100, "test": 200},
                                        n_classes=200, dims=DIMS, aligned=True, noise=0.5)

@@ -2,8 +2,8 @@ import faiss
 import numpy as np
 import pytest
 
-from ushash import codes
-from ushash.codes import bit_balance, hamming, pack, unpack
+from ushash.core import codes
+from ushash.core.codes import bit_balance, hamming, pack, unpack
 
 
 def _naive_hamming(a, b):

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from ushash import media, metrics
+from ushash.data import media
+from ushash.core import metrics
 from ushash.config import compose
-from ushash.datasets import load_rows
-from ushash.eval import run_eval
-from ushash.extract import run_extract
-from ushash.train import run_train
+from ushash.data.datasets import load_rows
+from ushash.evaluation.evaluate import run_eval
+from ushash.data.extract import run_extract
+from ushash.hashing.training import run_train
 
 N_CLIPS = 13  # per split: retrieval.evaluate needs a database of at least k=10 items
 

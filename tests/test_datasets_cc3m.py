@@ -1,4 +1,4 @@
-"""CC3M recipe on img2dataset-style webdataset tars, streamed through ushash.shards, end to end."""
+"""CC3M recipe on img2dataset-style webdataset tars, streamed through ushash.data.shards, end to end."""
 
 import io
 import json
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ushash import shards
+from ushash.data import shards
 from ushash.config import compose
-from ushash.datasets import hash_split, load_rows
-from ushash.eval import run_eval
-from ushash.extract import run_extract
-from ushash.train import run_train
+from ushash.data.datasets import hash_split, load_rows
+from ushash.evaluation.evaluate import run_eval
+from ushash.data.extract import run_extract
+from ushash.hashing.training import run_train
 
 VAL_FRAC = 0.5
 CORRUPT = {"000000003", "000100005"}   # image bytes that are not a JPEG (train, validation)

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ushash import metrics
+from ushash.core import metrics
 from ushash.config import compose
-from ushash.datasets import load_rows
-from ushash.datasets import coco
+from ushash.data.datasets import load_rows
+from ushash.data.datasets import coco
 from ushash.encoders import build_encoder
-from ushash.eval import run_eval
-from ushash.features import extract, open_split, store_path
-from ushash.index import HammingIndex
-from ushash.module import load_checkpoint
-from ushash.extract import run_extract
-from ushash.train import run_train
+from ushash.evaluation.evaluate import run_eval
+from ushash.data.store import extract, open_split, store_path
+from ushash.core.index import HammingIndex
+from ushash.hashing.module import load_checkpoint
+from ushash.data.extract import run_extract
+from ushash.hashing.training import run_train
 
 # The fixture: 40 COCO images. Karpathy splits: 1-12 train (train2014), 13 restval, 14-25 val, 26-39 test
 # (val2014), 40 in none. Image 6's file is missing, 28 is corrupt, 29 truncated; image 26 has 6 captions,

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from ushash import media
-from ushash.datasets import REPO_ROOT, SPLITS, config_keys, load_rows, resolve_path
-from ushash.datasets import emoji as E
-from ushash.datasets.emoji import FetchError, RenderError
+from ushash.data import media
+from ushash.data.datasets import REPO_ROOT, SPLITS, config_keys, load_rows, resolve_path
+from ushash.data.datasets import emoji as E
+from ushash.data.datasets.emoji import FetchError, RenderError
 
 PAD = 55  # emoji-test.txt pads the code point column to this width
 

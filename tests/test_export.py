@@ -8,8 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from ushash import artifact, retrieval, synthetic
-from ushash.artifact import (CorruptExport, IncompatibleExport, TamperedExport, TruncatedExport, load_export,
+from ushash.serving import artifact
+from ushash.evaluation import retrieval
+from ushash.data import synthetic
+from ushash.serving.artifact import (CorruptExport, IncompatibleExport, TamperedExport, TruncatedExport, load_export,
                              manifest_digest, revision_id)
 from ushash.config import ROOT, compose
 
@@ -19,8 +21,8 @@ DIMS = {"image": 16, "text": 12, "audio": 8}
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny head trained (2 epochs) on synthetic features, its checkpoint, and an export of it."""
-    from ushash.module import load_checkpoint
-    from ushash.train import run_train
+    from ushash.hashing.module import load_checkpoint
+    from ushash.hashing.training import run_train
 
     root = tmp_path_factory.mktemp("export")
     splits = synthetic.write_synthetic(root / "data" / "features", sizes={"train": 300, "val": 100, "test": 150},
@@ -30,7 +32,7 @@ def trained(tmp_path_factory):
                              "model.batch_size=128", "+trainer.enable_progress_bar=false", "model.init=random",
                              "model.layers=2"])
     out = run_train(cfg, splits=splits)
-    from ushash.export import run_export
+    from ushash.serving.export import run_export
     exp = run_export(_export_cfg(root, out["last"], "exports/tiny"))
     return {"root": root, "ckpt": out["last"], "splits": splits, "export": exp, "module": load_checkpoint(out["last"])}
 
@@ -59,7 +61,7 @@ def _rewrite_manifest(path, change, resign=True):
 # ------------------------------------------------------------------------------------------ equivalence
 
 def test_export_codes_are_bit_identical_to_eval(trained):
-    from ushash.eval import methods_for
+    from ushash.evaluation.evaluate import methods_for
 
     head = load_export(trained["export"]["out"], expect_bits=32, expect_encoder=synthetic.ENCODER)
     module = trained["module"]
@@ -100,7 +102,7 @@ def test_manifest_describes_the_head(trained):
 
 
 def test_export_is_deterministic_and_refuses_to_overwrite(trained):
-    from ushash.export import run_export
+    from ushash.serving.export import run_export
 
     root = trained["root"]
     with pytest.raises(FileExistsError, match="overwrite"):
@@ -127,18 +129,18 @@ def test_no_pickle_in_an_export(trained):
 
 
 def test_serving_loader_imports_no_training_code():
-    code = ("import sys, ushash.artifact, ushash.payload\n"
+    code = ("import sys, ushash.serving.artifact, ushash.serving.payload\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('hydra', 'omegaconf', 'pytorch_lightning', 'lightning', 'lightning_fabric', 'faiss') "
-            "or m in ('ushash.module', 'ushash.train', 'ushash.heads', 'ushash.features', 'ushash.export', "
-            "'ushash.config', 'ushash.losses', 'ushash.datamodule'))\n"
+            "or m in ('ushash.hashing.module', 'ushash.train', 'ushash.hashing.training', 'ushash.hashing.heads', 'ushash.data.store', 'ushash.export', 'ushash.serving.export', "
+            "'ushash.config', 'ushash.hashing.losses', 'ushash.hashing.datamodule'))\n"
             "print(bad)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_channel_scales_are_calibrated_and_exported(trained):
-    from ushash.export import run_export
+    from ushash.serving.export import run_export
 
     root = trained["root"]
     cfg = _export_cfg(root, trained["ckpt"], "exports/chan", "payload=int4", "payload.image.scale=channel",
@@ -238,7 +240,7 @@ def test_incompatible_bits_and_encoder(trained):
 
 
 def test_checkpoint_without_encoder_provenance_is_refused(trained, tmp_path):
-    from ushash.export import write_export
+    from ushash.serving.export import write_export
 
     with pytest.raises(ValueError, match="fingerprint"):
         write_export(trained["module"].model, tmp_path / "x", encoder={"name": "synthetic"})

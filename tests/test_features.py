@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from ushash import features
-from ushash.features import FeatureStoreError, extract, open_split
-from ushash.rows import Row
+from ushash.data import store as features
+from ushash.data.store import FeatureStoreError, extract, open_split
+from ushash.data.rows import Row
 
 
 class CountingEncoder(torch.nn.Module):

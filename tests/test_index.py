@@ -3,9 +3,9 @@ import zlib
 import numpy as np
 import pytest
 
-from ushash import index as index_mod
-from ushash.codes import hamming
-from ushash.index import PAD_DISTANCE, HammingIndex, cosine_search
+from ushash.core import index as index_mod
+from ushash.core.codes import hamming
+from ushash.core.index import PAD_DISTANCE, HammingIndex, cosine_search
 
 
 def _popcount_dist(a, b):

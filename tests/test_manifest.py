@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from ushash.datasets import DATASETS, REPO_ROOT, SPLITS, config_keys, load_rows, register
-from ushash.datasets.manifest import rows
-from ushash.rows import Row
+from ushash.data.datasets import DATASETS, REPO_ROOT, SPLITS, config_keys, load_rows, register
+from ushash.data.datasets.manifest import rows
+from ushash.data.rows import Row
 
 
 def write_jsonl(path: Path, records):

@@ -8,8 +8,8 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from ushash import media
-from ushash.media import MediaError, load, load_audio, load_image, load_text
+from ushash.data import media
+from ushash.data.media import MediaError, load, load_audio, load_image, load_text
 
 SVG = """<svg xmlns="http://www.w3.org/2000/svg" width="40" height="20" viewBox="0 0 40 20">
 <rect x="0" y="0" width="20" height="20" fill="#ff0000"/></svg>"""

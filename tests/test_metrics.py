@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from ushash.codes import hamming
-from ushash.index import HammingIndex
-from ushash.metrics import (
+from ushash.core.codes import hamming
+from ushash.core.index import HammingIndex
+from ushash.core.metrics import (
     average_precision_at_k,
     precision_at_k,
     recall_at_k,
@@ -108,7 +108,7 @@ def test_relevance_and_metrics_match_reference(case):
 
 
 def test_label_relevance_chunked(monkeypatch):
-    import ushash.metrics as metrics_mod
+    import ushash.core.metrics as metrics_mod
 
     I, qg, dg, ql, dl = random_case(seed=7, m=50, n=40, protocol="label")
     full = relevance(I, qg, dg, "label", q_labels=ql, db_labels=dl)

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from ushash.metrics import expected_report, hamming_blocks, relevance_matrix, tie_blocks
+from ushash.core.metrics import expected_report, hamming_blocks, relevance_matrix, tie_blocks
 
 
 def _ap(rel_row, n_rel, k, denominator):
@@ -121,8 +121,10 @@ def test_found_denominator_is_refused():
 def test_evaluate_reports_the_tie_aware_value_beside_the_tie_broken_one(tmp_path):
     """8-bit codes of 150 items: heavy ties. The tie-broken mAP@10 moves when the database rows are shuffled;
     the tie-aware value does not, and it is the mean of the tie-broken value over shuffles (within error)."""
-    from ushash import codes, retrieval, synthetic
-    from ushash.features import FeatureSplit, Table
+    from ushash.core import codes
+    from ushash.evaluation import retrieval
+    from ushash.data import synthetic
+    from ushash.data.store import FeatureSplit, Table
 
     sp = synthetic.write_synthetic(tmp_path, sizes={"train": 10, "val": 10, "test": 150}, n_classes=6,
                                    dims={"image": 8, "text": 8})["test"]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from ushash.index import cosine_search
-from ushash.payload import (DEFAULTS, PayloadCodec, PayloadError, PayloadFormat, describe, memory_bytes, pool_tokens,
+from ushash.core.index import cosine_search
+from ushash.serving.payload import (DEFAULTS, PayloadCodec, PayloadError, PayloadFormat, describe, memory_bytes, pool_tokens,
                             text_token_tfidf, vision_token_topk)
 
 

@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from ushash import methods, retrieval, synthetic
+from ushash.hashing import methods
+from ushash.evaluation import retrieval
+from ushash.data import synthetic
 from ushash.config import compose
-from ushash.methods.space import SharedSpace, choose_space
-from ushash.module import load_checkpoint
-from ushash.train import run_train
+from ushash.hashing.methods.space import SharedSpace, choose_space
+from ushash.hashing.module import load_checkpoint
+from ushash.hashing.training import run_train
 
 DIMS = {"image": 64, "text": 48, "audio": 32}
 
@@ -71,8 +73,8 @@ def test_baselines_use_the_space_chosen_on_val(data):
 def test_closed_form_start_gives_itq_codes_and_the_space(data, tmp_path):
     """Before the first step US-HASH's z is the shared space's embedding and its codes are ITQ's (up to ITQ's
     centring, which sign(z . P^T) has no bias for: >= 97% of bits agree)."""
-    from ushash.methods.ushash import closed_form_start
-    from ushash.module import USHashModule
+    from ushash.hashing.methods.ushash import closed_form_start
+    from ushash.hashing.module import USHashModule
 
     space, protos = closed_form_start(data["train"], data["val"], 32, 0, {"max_rank": "auto", "reg": "auto"})
     mod = USHashModule({m: d for m, d in DIMS.items()}, bits=32, dim=space.dim)
@@ -109,7 +111,7 @@ def test_early_stopping_counts_from_the_best_epoch(data, tmp_path):
 def test_train_and_sweep_give_the_same_model_for_a_seed(tmp_path):
     """ushash.train (which extracts the features itself) and ushash.sweep (which opens them first) train the
     same weights for the same seed: the seed is set after the data is open in both."""
-    from ushash import sweep
+    from ushash.evaluation import sweep
     media = tmp_path / "m"
     media.mkdir()
     from PIL import Image

@@ -2,8 +2,9 @@
 
 import numpy as np
 
-from ushash import retrieval, synthetic
-from ushash.features import write_split
+from ushash.evaluation import retrieval
+from ushash.data import synthetic
+from ushash.data.store import write_split
 
 
 def _naive_ap10(q_groups, d_groups, scores):
@@ -32,7 +33,7 @@ def test_codes_against_naive_hamming_ranking_with_separate_database(tmp_path):
     planes = np.random.default_rng(0).normal(size=(8, 8))
 
     def lsh(m, x):
-        from ushash import codes
+        from ushash.core import codes
         return "codes", codes.pack(x @ planes > 0)
 
     rows = retrieval.evaluate(q, {"lsh": lsh}, protocols=("paired",), database=d)

@@ -13,8 +13,8 @@ from conftest import write_tiny_export
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from ushash.cache import SemanticCache
-from ushash.serve import check_binding, create_app, is_loopback
+from ushash.serving.cache import SemanticCache
+from ushash.serving.service import check_binding, create_app, is_loopback
 
 TOKEN = "s3cret-token-0123456789"
 

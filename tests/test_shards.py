@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ushash import shards
+from ushash.data import shards
 from ushash.encoders import build_encoder
-from ushash.features import FeatureStoreError, extract, open_split
-from ushash.rows import Row
+from ushash.data.store import FeatureStoreError, extract, open_split
+from ushash.data.rows import Row
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from ushash import sweep
+from ushash.evaluation import sweep
 from ushash.config import ROOT, compose
-from ushash.methods.base import FittedMethod
+from ushash.hashing.methods.base import FittedMethod
 
 SMALL = ["sweep.synthetic.n_train=400", "sweep.synthetic.n_val=80", "sweep.synthetic.n_test=120",
          "sweep.synthetic.n_classes=8", "sweep.threads=1"]
@@ -85,7 +85,7 @@ def test_trained_run_resumes_from_its_checkpoint(tmp_path, capsys):
     a = {(r["direction"], r["protocol"]): r["map@10"] for r in first["rows"]}
     b = {(r["direction"], r["protocol"]): r["map@10"] for r in second["rows"]}
     assert a == b
-    from ushash.module import load_checkpoint
+    from ushash.hashing.module import load_checkpoint
     mod = load_checkpoint(run_dir / "best.ckpt")  # weights_only, no config tree
     assert mod.hparams.method == "pairwise" and mod.hparams.bits == 16
 

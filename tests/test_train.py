@@ -3,11 +3,13 @@
 import numpy as np
 import pytest
 
-from ushash import codes, retrieval, synthetic
+from ushash.core import codes
+from ushash.evaluation import retrieval
+from ushash.data import synthetic
 from ushash.config import compose
-from ushash.eval import run_eval
-from ushash.module import load_checkpoint
-from ushash.train import run_train
+from ushash.evaluation.evaluate import run_eval
+from ushash.hashing.module import load_checkpoint
+from ushash.hashing.training import run_train
 
 
 def _cfg(tmp_path, *extra):

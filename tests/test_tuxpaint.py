@@ -11,9 +11,9 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from ushash import media
-from ushash.datasets import REPO_ROOT, SPLITS, config_keys, load_rows, resolve_path, tuxpaint
-from ushash.datasets.tuxpaint import FetchError, fetch, labels_for, rows, split_of, summary
+from ushash.data import media
+from ushash.data.datasets import REPO_ROOT, SPLITS, config_keys, load_rows, resolve_path, tuxpaint
+from ushash.data.datasets.tuxpaint import FetchError, fetch, labels_for, rows, split_of, summary
 
 SVG = '<svg xmlns="http://www.w3.org/2000/svg" width="30" height="60"><circle cx="15" cy="30" r="10"/></svg>'
 

@@ -12,9 +12,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ushash.config import CONFIG_DIR
-from ushash.eval import run_eval
-from ushash.extract import run_extract
-from ushash.train import run_train
+from ushash.evaluation.evaluate import run_eval
+from ushash.data.extract import run_extract
+from ushash.hashing.training import run_train
 
 
 def run_demo(cfg: DictConfig) -> dict:

@@ -1,176 +1,26 @@
-"""python -m ushash.train data=tuxpaint encoder=offline bits=64 trainer.max_epochs=30 [method=pairwise]
-
-Trains US-HASH heads on cached features (extracting them first if needed). With model.init=gcca (the
-default) the heads start from the closed-form shared space chosen on the validation split and the ITQ
-rotation of it (ushash/methods/ushash.py: closed_form_start). Checkpoints go to checkpoints/<run>/:
-`best.ckpt` holds the weights with the best validation score seen (retrieval.SELECTION_DOC), the initial
-weights included, and `last.ckpt` is what a rerun resumes from; training stops early after
-`early_stop.patience` epochs without a better validation score.
-"""
+"""python -m ushash.train data=tuxpaint encoder=offline bits=64 [method=pairwise]: train hash heads on
+cached features (extracting them first if needed); returns the validation score of the kept checkpoint, so
+a Hydra sweeper can optimise it. The recipe and the checkpoints: ushash/hashing/training.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import os
+import logging
 
 import hydra
-import pytorch_lightning as pl
 from omegaconf import DictConfig
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint
-from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
-from ushash.config import CONFIG_DIR, to_dict
-from ushash.datamodule import FeatureDataModule
-from ushash.extract import run_extract
-from ushash.module import USHashModule
+from ushash.config import CONFIG_DIR
+from ushash.hashing.training import run_train
 
-
-def method_config(cfg: DictConfig) -> dict:
-    """The `method` config group as a plain dict {"name", "args"}; US-HASH when the config has none."""
-    meth = to_dict(cfg.get("method")) or {"name": "ushash"}
-    return {"name": str(meth["name"]), "args": dict(meth.get("args") or {})}
-
-
-def space_settings(cfg: DictConfig) -> dict:
-    """The shared space's settings (configs/space/default.yaml), as keyword arguments of the fitted methods."""
-    return to_dict(cfg.get("space")) or {}
-
-
-def module_kwargs(cfg: DictConfig, in_dims: dict, provenance: dict, n_train_groups: int = 0,
-                  dim: int | None = None) -> dict:
-    m = to_dict(cfg.model)
-    w = m.pop("loss")
-    m.pop("batch_size")
-    if dim is not None:
-        m["dim"] = int(dim)
-    meth = method_config(cfg)
-    return dict(in_dims=in_dims, bits=int(cfg.bits), max_epochs=int(cfg.trainer.max_epochs), provenance=provenance,
-                method=meth["name"], method_args=meth["args"], n_train_groups=int(n_train_groups),
-                **m, **{f"w_{k}": float(v) for k, v in w.items()})
-
-
-class BestOnVal(Callback):
-    """Writes `path` whenever the validation score beats the best so far, the initial weights (before the
-    first step) included, and stops training after `patience` epochs without a better score. Its state
-    (best score and epoch) travels in last.ckpt, so a resumed run keeps counting."""
-
-    def __init__(self, path: Path, patience: int | None = None):
-        self.path, self.patience = Path(path), (int(patience) if patience else None)
-        self.best: float | None = None
-        self.best_epoch: int | None = None
-        self.best_map: float | None = None
-
-    def state_dict(self) -> dict:
-        return {"best": self.best, "best_epoch": self.best_epoch, "best_map": self.best_map}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.best, self.best_epoch, self.best_map = state.get("best"), state.get("best_epoch"), state.get("best_map")
-
-    def on_fit_start(self, trainer, module) -> None:
-        if self.best is None:  # a fresh run; a resumed one restored its best from last.ckpt
-            from ushash import retrieval
-            score, rows = module.val_scores()
-            self._keep(trainer, score, retrieval.mean_map(rows, "paired"), epoch=0)
-
-    def on_validation_end(self, trainer, module) -> None:
-        if trainer.sanity_checking or "val/score" not in trainer.callback_metrics:
-            return
-        score = float(trainer.callback_metrics["val/score"])
-        epoch = trainer.current_epoch + 1
-        if self.best is None or score > self.best:
-            self._keep(trainer, score, float(trainer.callback_metrics["val/map@10"]), epoch)
-        elif self.patience and epoch - self.best_epoch >= self.patience:
-            trainer.should_stop = True
-
-    def _keep(self, trainer, score: float, paired: float, epoch: int) -> None:
-        self.best, self.best_map, self.best_epoch = score, paired, epoch
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        trainer.save_checkpoint(tmp, weights_only=False)
-        if trainer.is_global_zero:
-            os.replace(tmp, self.path)
-
-
-def _check_resumable(last: Path, hparams: dict) -> None:
-    """Refuse to resume a run trained with other settings (another method, bits, loss weights, data...):
-    only max_epochs may change between a run and its resumption."""
-    import torch
-    try:
-        hp = torch.load(last, map_location="cpu", weights_only=True).get("hyper_parameters") or {}
-    except Exception:
-        return  # Lightning reports an unreadable checkpoint itself
-    from ushash import methods
-    theirs = methods.get(hp.get("method", "ushash")).name
-    if theirs != methods.get(hparams.get("method", "ushash")).name:
-        raise ValueError(f"{last} was trained with method {theirs!r}, not {hparams.get('method')!r}; set "
-                         f"run_name=... (or resume=false) so the runs do not share a folder")
-    differ = sorted(k for k in set(hp) | set(hparams)
-                    if k != "max_epochs" and _plain(hp.get(k)) != _plain(hparams.get(k)))
-    if differ:
-        raise ValueError(f"{last} was trained with other settings ({', '.join(differ)}); resuming it would mix "
-                         f"them. Set run_name=... for a new run, or resume=false to start this one over")
-
-
-def _plain(v):
-    """Compare hyper-parameters as plain data (tuples and lists alike)."""
-    import json
-    return json.dumps(v, sort_keys=True, default=str)
-
-
-def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
-    """Train; returns {"run_dir", "best", "last", "val_score", "val_map@10", "best_epoch", "space"}:
-    val_score is the selection score of best.ckpt, val_map@10 its mean paired mAP@10 on val, best_epoch 0
-    when the initial weights were never beaten."""
-    splits = splits or run_extract(cfg, splits=["train", "val"])
-    train, val = splits["train"], splits["val"]
-    mods = [m for m in train.modalities if m in val.modalities]
-    in_dims = {m: int(train.meta["modalities"][m]["dim"]) for m in mods}
-    space = prototypes = None
-    if cfg.model.init == "gcca":
-        from ushash.methods.ushash import closed_form_start
-        space, prototypes = closed_form_start(train, val, int(cfg.bits), int(cfg.seed), space_settings(cfg))
-    provenance = {"dataset": train.meta["dataset"], "encoder": train.meta["encoder"],
-                  "features_dir": str(Path(train.path).parent.parent.parent), "run_name": str(cfg.run_name),
-                  "seed": int(cfg.seed), "data": to_dict(cfg.data), "method": method_config(cfg),
-                  "space": _space_record(space)}
-    n_groups = len(set().union(*(set(train.tables[m].groups) for m in mods)))  # = GroupBatches' group count
-    # Seeded here, after the data is open: extraction (or not) and the closed-form fit consume no random
-    # numbers of torch's, so ushash.train and ushash.sweep train the same model for the same seed.
-    pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    module = USHashModule(**module_kwargs(cfg, in_dims, provenance, n_train_groups=n_groups,
-                                          dim=space.dim if space is not None else None))
-    if space is not None:
-        module.initialise(space, prototypes)
-    dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
-    run_dir = Path(cfg.paths.checkpoints_dir) / str(cfg.run_name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    best = BestOnVal(run_dir / "best.ckpt", patience=(cfg.get("early_stop") or {}).get("patience"))
-    last_ckpt = ModelCheckpoint(dirpath=run_dir, save_top_k=0, save_last=True, enable_version_counter=False)
-    kind = cfg.logger.kind
-    logger = (TensorBoardLogger if kind == "tensorboard" else CSVLogger)(save_dir=str(run_dir), name="logs", version="")
-    trainer = pl.Trainer(**to_dict(cfg.trainer), callbacks=[best, last_ckpt], logger=logger, default_root_dir=str(run_dir))
-    last = run_dir / "last.ckpt"
-    resume = str(last) if cfg.resume and last.exists() else None
-    if resume:
-        _check_resumable(last, dict(module.hparams))
-        print(f"[train] resuming from {resume}")
-    trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
-    return {"run_dir": str(run_dir), "best": str(best.path if best.path.exists() else last), "last": str(last),
-            "val_score": best.best, "val_map@10": best.best_map, "best_epoch": best.best_epoch,
-            "space": provenance["space"]}
-
-
-def _space_record(space) -> dict | None:
-    if space is None:
-        return None
-    return {"align": space.resolved, "dim": int(space.dim), **{k: v for k, v in space.choice.items() if k != "candidates"}}
+log = logging.getLogger("ushash.train")
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig):
     out = run_train(cfg)
-    print(f"[train] best val score {out['val_score']:.4f} (paired mAP@10 {out['val_map@10']:.4f}) at epoch "
-          f"{out['best_epoch']}: {out['best']}")
+    log.info("best val score %.4f (paired mAP@10 %.4f) at epoch %s: %s", out["val_score"], out["val_map@10"],
+             out["best_epoch"], out["best"])
+    return out["val_score"]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,166 @@
+"""A generic manifest: bring your own image/text/audio data as one JSONL or CSV file.
+
+Columns (JSONL keys or a CSV/TSV header row; other columns are ignored):
+    image   path to an image file        } at least one of these three columns must exist;
+    text    the caption itself           } any of them may be missing or empty in a given record
+    audio   path to an audio file        }
+    labels  class names: a JSON list in JSONL (["cat", "animal"]); "cat|animal" in CSV
+    group   the pairing key; records sharing a group are each other's pairs (default: the id)
+    id      optional stable record id, unique in the file (default: the record's line number)
+    split   optional "train" / "val" / "test" ("validation", "valid" and "dev" mean "val")
+
+Each record yields one row per modality it has, all with the record's id, group and labels. Relative
+paths are taken from the manifest file's folder. When the same (group, source) occurs in several
+records of a split (an image listed once per caption, COCO style), it becomes one row, with the first
+record's id. Records with an empty split value, and all records when the manifest has no split column,
+are split by a hash of their group (`val_frac`, `test_frac`, `seed`), so a group never straddles
+splits; a group given explicit splits that disagree is an error. Paths are not checked here: a file
+that is missing or fails to decode is dropped (and counted) at extraction, like any bad row.
+
+Give an `id` column if the file will be edited: line-number ids move when lines are inserted, and
+ids key resumable feature extraction.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+from ushash import MODALITIES
+from ushash.data.datasets import SPLITS, check_fracs, hash_split, register, resolve_path
+from ushash.data.rows import Row
+
+SPLIT_ALIASES = {"validation": "val", "valid": "val", "dev": "val"}
+FILE_MODALITIES = ("image", "audio")
+FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv"}
+
+
+def read_records(path: Path) -> tuple[list[tuple[int, dict]], list[str]]:
+    """(line number, record) pairs and the column names of a JSONL or CSV/TSV manifest."""
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"manifest {path}: unknown format {path.suffix!r}; use one of {sorted(FORMATS)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"manifest {path} not found")
+    records: list[tuple[int, dict]] = []
+    if fmt == "jsonl":
+        columns: dict[str, None] = {}
+        with open(path, encoding="utf-8-sig") as f:
+            for ln, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"manifest {path}:{ln}: invalid JSON ({e.msg})") from e
+                if not isinstance(rec, dict):
+                    raise ValueError(f"manifest {path}:{ln}: expected a JSON object, got {type(rec).__name__}")
+                columns.update(dict.fromkeys(rec))
+                records.append((ln, rec))
+        return records, list(columns)
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",")
+        header = [c.strip() for c in (reader.fieldnames or [])]
+        reader.fieldnames = header
+        for rec in reader:
+            if all(v in (None, "") for k, v in rec.items() if k is not None):
+                continue
+            records.append((reader.line_num, {k: v for k, v in rec.items() if k is not None}))
+    return records, header
+
+
+def _text(value, path: Path, ln: int, col: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"manifest {path}:{ln}: column {col!r} must be a string, got {value!r:.80}")
+    return value.strip() or None
+
+
+def parse_labels(value, path: Path, ln: int) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items = value.split("|")
+    elif isinstance(value, (list, tuple)):
+        if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"manifest {path}:{ln}: labels must be strings, got {value!r:.80}")
+        items = [str(v) for v in value]
+    else:
+        raise ValueError(f"manifest {path}:{ln}: labels must be a list (JSONL) or 'a|b' (CSV), got {value!r:.80}")
+    return tuple(dict.fromkeys(s.strip() for s in items if s.strip()))
+
+
+def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", val_frac: float = 0.1,
+         test_frac: float = 0.1, seed: int = 0) -> list[Row]:
+    """Rows of one split of the manifest at `path` (absolute, or relative to the working directory)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    check_fracs(val_frac, test_frac)
+    path = Path(path)
+    records, columns = read_records(path)
+    if not any(m in columns for m in MODALITIES):
+        raise ValueError(
+            f"manifest {path}: no modality column; need at least one of {list(MODALITIES)}, found {columns}"
+        )
+    if split_col and split_col not in columns and split_col != "split":
+        raise ValueError(f"manifest {path}: split column {split_col!r} not found; columns are {columns}")
+    use_split_col = bool(split_col) and split_col in columns
+    base = path.absolute().parent
+
+    ids: dict[str, int] = {}
+    dups: list[str] = []
+    group_split: dict[str, tuple[str, int]] = {}
+    seen: set[tuple[str, str, str]] = set()
+    out: list[Row] = []
+    for ln, rec in records:
+        rid = _text(str(rec["id"]) if isinstance(rec.get("id"), int) else rec.get("id"), path, ln, "id")
+        rid = rid or str(ln)
+        if rid in ids:
+            dups.append(f"{rid!r} (lines {ids[rid]} and {ln})")
+        ids.setdefault(rid, ln)
+        group = _text(str(rec["group"]) if isinstance(rec.get("group"), int) else rec.get("group"), path, ln, "group")
+        group = group or rid
+        labels = parse_labels(rec.get("labels"), path, ln)
+
+        s = _text(rec.get(split_col), path, ln, split_col) if use_split_col else None
+        if s is None:
+            s = hash_split(group, seed, val_frac, test_frac)
+        else:
+            s = SPLIT_ALIASES.get(s.lower(), s.lower())
+            if s not in SPLITS:
+                raise ValueError(
+                    f"manifest {path}:{ln}: unknown split {rec.get(split_col)!r}; expected one of {SPLITS}"
+                )
+        prev = group_split.setdefault(group, (s, ln))
+        if prev[0] != s:
+            raise ValueError(
+                f"manifest {path}:{ln}: group {group!r} is in split {s!r} here but {prev[0]!r} on line {prev[1]}; "
+                "a group's pairs must share a split"
+            )
+        values = {m: _text(rec.get(m), path, ln, m) for m in MODALITIES}  # validated in every split
+        if s != split:
+            continue
+        for m, v in values.items():
+            if v is None:
+                continue
+            source = os.path.normpath(base / Path(v).expanduser()) if m in FILE_MODALITIES else v
+            key = (m, group, source)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(Row(m, rid, group, source, labels))
+    if dups:
+        raise ValueError(f"manifest {path}: {len(dups)} duplicate ids, e.g. {', '.join(dups[:5])}")
+    return out
+
+
+@register("manifest")
+def load(split: str, *, path: str | None = None, split_col: str | None = "split", val_frac: float = 0.1,
+         test_frac: float = 0.1, seed: int = 0) -> list[Row]:
+    """Recipe for `load_rows("manifest", split, path=...)`; a relative `path` is taken from the repo root."""
+    if path in (None, "", "???"):
+        raise ValueError("dataset 'manifest' needs a path: set data.path=/path/to/manifest.jsonl (or .csv)")
+    return rows(resolve_path(path), split, split_col=split_col, val_frac=val_frac, test_frac=test_frac, seed=seed)

@@ -1,0 +1,196 @@
+"""Cross-modal retrieval over one feature split: every direction the data has, codes or floats.
+
+A *method* maps (modality, features) to either packed binary codes (ranked by Hamming distance with a
+faiss binary index) or float embeddings (ranked by cosine). Both use the same tie rule: equal scores are
+ordered by ascending database row (the feature-store table order). Every result row names its protocol
+and its mAP denominator.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ushash.core import codes as codes_lib
+from ushash.core import metrics
+from ushash.data.store import FeatureSplit
+from ushash.core.index import HammingIndex, _l2_normalise, cosine_search
+
+LETTER = {"image": "I", "text": "T", "audio": "A"}
+DENOMINATOR_DOC = {"min": "Z=min(k, #relevant)", "found": "Z=#relevant in top k", "all": "Z=#relevant"}
+
+# A method returns ("codes", uint8 [N, bits/8]) or ("float", float32 [N, d]).
+Method = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
+
+
+def directions(modalities) -> list[tuple[str, str]]:
+    ms = list(modalities)
+    return [(a, b) for a in ms for b in ms if a != b]
+
+
+def direction_name(q: str, d: str) -> str:
+    return f"{LETTER[q]}→{LETTER[d]}"
+
+
+def _group_ids(split: FeatureSplit) -> dict[str, np.ndarray]:
+    """modality -> int64 group id per row (one vocabulary across the split's modalities)."""
+    return _joint_group_ids([split])[0]
+
+
+def _label_matrix(split: FeatureSplit) -> dict[str, np.ndarray] | None:
+    """modality -> multi-hot bool [N, L] over the split's label names; None when it has no labels."""
+    out = _joint_label_matrix([split])
+    return None if out is None else out[0]
+
+
+def _joint_group_ids(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]]:
+    names = set().union(*(set(t.groups) for s in splits for t in s.tables.values()))
+    vocab = {g: i for i, g in enumerate(sorted(names))}
+    return [{m: np.fromiter((vocab[g] for g in t.groups), np.int64, len(t)) for m, t in s.tables.items()}
+            for s in splits]
+
+
+def _joint_label_matrix(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]] | None:
+    names = sorted(set(l for s in splits for t in s.tables.values() for labs in t.labels for l in labs))
+    if not names:
+        return None
+    col = {n: i for i, n in enumerate(names)}
+    out = []
+    for s in splits:
+        per = {}
+        for m, t in s.tables.items():
+            mh = np.zeros((len(t), len(names)), dtype=bool)
+            for i, labs in enumerate(t.labels):
+                mh[i, [col[l] for l in labs]] = True
+            per[m] = mh
+        out.append(per)
+    return out
+
+
+def represent(split: FeatureSplit, method: Method) -> dict:
+    """modality -> method(modality, features) for every table of the split the method can encode."""
+    reps = {}
+    for m, t in split.tables.items():
+        try:
+            reps[m] = method(m, np.asarray(t.x))
+        except KeyError:
+            continue  # the method has no encoder for this modality
+    return reps
+
+
+def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1, 5, 10),
+             protocols=("paired", "label"), denominator: str = "min",
+             database: FeatureSplit | None = None) -> list[dict]:
+    """One row per (method, direction, protocol). The label protocol runs only if the split has labels.
+
+    Queries come from `split`; the database is `database` when given (the hashing protocol's query set
+    against its retrieval set), else `split` itself. A database smaller than k pads the ranking with
+    "no result" (-1), which is never relevant.
+    """
+    db_split = database if database is not None else split
+    both = [split, db_split]
+    (q_groups, d_groups) = _joint_group_ids(both) if database is not None else _joint_group_ids([split]) * 2
+    labels = _joint_label_matrix(both) if "label" in protocols else None
+    rows = []
+    for name, method in methods.items():
+        q_reps = represent(split, method)
+        d_reps = represent(db_split, method) if database is not None else q_reps
+        mods = [m for m in split.modalities if m in q_reps and m in d_reps]
+        for q, d in directions(mods):
+            kind, qx = q_reps[q]
+            _, dx = d_reps[d]
+            I, bits = rank(kind, qx, dx, k)
+            here = [p for p in protocols if p != "label" or labels is not None]
+            rel_args = {p: (q_groups[q], d_groups[d], p, labels[0][q] if p == "label" else None,
+                            labels[1][d] if p == "label" else None) for p in here}
+            tie = tie_aware(kind, qx, dx, rel_args, k=k, ks=ks, denominator=denominator)
+            for protocol in here:
+                rep = metrics.retrieval_report(
+                    I, q_groups[q], d_groups[d], protocol=protocol, k=k, ks=ks, denominator=denominator,
+                    q_labels=labels[0][q] if protocol == "label" else None,
+                    db_labels=labels[1][d] if protocol == "label" else None)
+                rows.append({"method": name, "kind": kind, "bits": bits, "direction": direction_name(q, d),
+                             "n_database": int(len(dx)), **rep, **tie.get(protocol, {})})
+    return rows
+
+
+def tie_aware(kind: str, qx: np.ndarray, dx: np.ndarray, rel_args: dict, k: int = 10, ks=(1, 5, 10),
+              denominator: str = "min") -> dict[str, dict]:
+    """protocol -> metrics.expected_report over every query (metrics.TIE_DOC): the Hamming distances (codes)
+    or cosines (floats) to every database item, one block of queries at a time. rel_args: protocol ->
+    the arguments of metrics.relevance_matrix for these queries. Empty for denominator "found"."""
+    if denominator not in ("min", "all") or not len(qx) or not len(dx):
+        return {}
+    n = len(dx)
+    depth = max(int(k), *ks)
+    sums: dict[str, dict] = {p: {} for p in rel_args}
+    if kind == "codes":
+        wq, wd = codes_lib.words(np.ascontiguousarray(qx)), codes_lib.words(np.ascontiguousarray(dx))
+        bits = int(qx.shape[1] * 8)
+    else:
+        qn, dn = _l2_normalise(np.asarray(qx, np.float32)), _l2_normalise(np.asarray(dx, np.float32))
+    step = max(1, (1 << 21) // n)
+    for s in range(0, len(qx), step):
+        sl = slice(s, s + step)
+        score = codes_lib.hamming_words(wq[sl], wd) if kind == "codes" else qn[sl] @ dn.T
+        for p, (qg, dg, proto, ql, dl) in rel_args.items():
+            rel = metrics.relevance_matrix(qg[sl], dg, proto, ql[sl] if ql is not None else None, dl)
+            blocks = (metrics.hamming_blocks(score, rel, bits) if kind == "codes"
+                      else metrics.tie_blocks(score, rel, depth, descending=True))
+            rep = metrics.expected_report(*blocks, rel.sum(axis=1), k=k, ks=ks, denominator=denominator)
+            for key, v in rep.items():
+                sums[p][key] = sums[p].get(key, 0.0) + v * len(rel)
+    return {p: {key: v / len(qx) for key, v in acc.items()} for p, acc in sums.items()}
+
+
+def rank(kind: str, qx: np.ndarray, dx: np.ndarray, k: int) -> tuple[np.ndarray, int | None]:
+    """Top-k database rows per query (ties by ascending index) and the code length (None for floats)."""
+    if kind == "codes":
+        return HammingIndex(dx).search(qx, k)[1], int(qx.shape[1] * 8)
+    return cosine_search(qx, dx, k)[1], None
+
+
+SELECTION_DOC = ("mean mAP@10 over every direction and over the protocols the split has (paired, and label "
+                 "when it has labels)")
+
+
+def selection_score(split: FeatureSplit, method: Method) -> float:
+    """What every choice on the validation split maximises (checkpoints, epochs, the shared space's settings):
+    see SELECTION_DOC. One number, so that all methods are chosen by the same rule."""
+    return selection(evaluate(split, {"m": method}, protocols=("paired", "label")))  # label only where there are labels
+
+
+def selection(rows: list[dict]) -> float:
+    """The selection score of one method's `evaluate` rows (SELECTION_DOC)."""
+    return float(np.mean([mean_map(rows, p) for p in sorted({r["protocol"] for r in rows})]))
+
+
+def mean_map(rows: list[dict], protocol: str = "paired", k: int = 10, key: str | None = None) -> float:
+    """Mean over directions of mAP@k (`key`: another row field, e.g. "tie_map@10")."""
+    vals = [r[key or f"map@{k}"] for r in rows if r["protocol"] == protocol]
+    return float(np.mean(vals)) if vals else 0.0
+
+
+def markdown_table(rows: list[dict], k: int = 10, title: str | None = None) -> str:
+    """A table per protocol: one line per method, mAP@k per direction, then R@1/R@10 averaged."""
+    out = []
+    if title:
+        out.append(f"### {title}\n")
+    for protocol in sorted({r["protocol"] for r in rows}, key=lambda p: p != "paired"):
+        prow = [r for r in rows if r["protocol"] == protocol]
+        dirs = list(dict.fromkeys(r["direction"] for r in prow))
+        den = prow[0]["denominator"]
+        out.append(f"Protocol: **{protocol}** relevance, mAP@{k} with {DENOMINATOR_DOC.get(den, den)}; "
+                   f"ties broken by ascending database index.\n")
+        out.append("| method | " + " | ".join(f"{d} mAP@{k}" for d in dirs) + " | mean mAP | mean R@1 | mean R@10 |")
+        out.append("|---|" + "---|" * (len(dirs) + 3))
+        for name in dict.fromkeys(r["method"] for r in prow):
+            mr = {r["direction"]: r for r in prow if r["method"] == name}
+            cells = [f"{mr[d][f'map@{k}']:.3f}" if d in mr else "–" for d in dirs]
+            vals = list(mr.values())
+            cells += [f"{np.mean([v[f'map@{k}'] for v in vals]):.3f}",
+                      f"{np.mean([v['R@1'] for v in vals]):.3f}", f"{np.mean([v['R@10'] for v in vals]):.3f}"]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)

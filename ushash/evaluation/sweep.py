@@ -1,0 +1,458 @@
+"""Baseline sweeps: methods x bits x seeds with Hydra multirun, on one dataset, one evaluation.
+
+    python -m ushash.sweep -m experiment=sweep_tuxpaint64          # the grid is in the experiment file
+    python -m ushash.sweep -m experiment=sweep_synthetic bits=16,32 seed=0,1,2 method=itq,lsh
+    python -m ushash.sweep experiment=sweep_tuxpaint64 sweep.aggregate_only=true   # re-aggregate, run nothing
+
+Every run (one method, one code length, one seed) is `run_one(cfg)`: it opens the feature store (extracting it
+if needed, or writing the synthetic one), fits a no-training method on the training split or trains a method
+with the one Lightning loop (checkpoint chosen on the validation split), and evaluates on the test split with
+`ushash.evaluation.retrieval` / `ushash.eval`. It writes `experiments/<name>/runs/<method>-<bits>b-s<seed>/result.json`;
+a run whose result exists with the same settings is skipped, so an interrupted sweep resumes (a trained run
+cut mid-training resumes from its last.ckpt). At the end of a multirun (a Hydra callback) or after a single
+run, `aggregate(exp_dir)` reads every result and writes `results.json`, `results.md` and the plots; it runs
+on its own too, so a finished sweep is re-aggregated without re-running anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ushash.hashing import methods
+from ushash.core import metrics
+from ushash.evaluation import retrieval
+from ushash.config import CONFIG_DIR, to_dict
+from ushash.evaluation.evaluate import CURVES_DOC, ranking_curves
+from ushash.data.store import FeatureSplit, open_split, store_path, write_json
+from ushash.hashing.methods.base import NotApplicable
+
+SPLITS = ("train", "val", "test")
+DEFAULTS = {"name": None, "aggregate_only": False, "synthetic": None, "threads": None,
+            "k": 10, "denominator": "min", "protocols": ["paired", "label"]}
+PROTOCOL_DOC = {
+    "paired": "relevant = the query's own pairs (same group)",
+    "label": "relevant = shares at least one class label",
+}
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+def sweep_settings(cfg: DictConfig) -> dict:
+    s = dict(DEFAULTS)
+    s.update(to_dict(cfg.get("sweep")) or {})
+    if not s["name"]:
+        s["name"] = f"{cfg.data.name}-{cfg.encoder.name}"
+    return s
+
+
+def exp_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.paths.experiments_dir) / str(sweep_settings(cfg)["name"])
+
+
+def run_key(method: str, bits: int, seed: int) -> str:
+    return f"{method}-{int(bits)}b-s{int(seed)}"
+
+
+def run_settings(cfg: DictConfig) -> dict:
+    """What a run's result depends on (its digest); a trained run also depends on the network and trainer."""
+    spec = methods.get(cfg.method.name)
+    s = sweep_settings(cfg)
+    out = {"method": {"name": spec.name, "args": to_dict(cfg.method.get("args"))}, "bits": int(cfg.bits),
+           "seed": int(cfg.seed), "data": to_dict(cfg.data), "encoder": to_dict(cfg.encoder),
+           "synthetic": s["synthetic"], "eval": {k: s[k] for k in ("k", "denominator", "protocols")}}
+    if s["synthetic"]:
+        out.pop("data"), out.pop("encoder")
+    if spec.kind == "trained":
+        out["model"] = to_dict(cfg.model)
+        out["max_epochs"] = int(cfg.trainer.max_epochs)
+    return out
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+def open_splits(cfg: DictConfig) -> dict[str, FeatureSplit]:
+    """train/val/test feature stores: the synthetic ones (written once per parameter set) or run_extract's."""
+    syn = sweep_settings(cfg)["synthetic"]
+    if syn:
+        from ushash.data import synthetic
+        syn = dict(syn)
+        name = f"synthetic-{digest(syn)[:8]}"
+        root = Path(cfg.paths.features_dir)
+        paths = {sp: store_path(root, name, sp, synthetic.ENCODER["name"], synthetic.ENCODER["fingerprint"]) for sp in SPLITS}
+        if all((p / "meta.json").exists() for p in paths.values()):
+            return {sp: open_split(p) for sp, p in paths.items()}
+        sizes = {sp: int(syn.pop(f"n_{sp}")) for sp in SPLITS}
+        return synthetic.write_synthetic(root, dataset=name, sizes=sizes, **syn)
+    from ushash.data.extract import run_extract
+    return run_extract(cfg, splits=list(SPLITS))
+
+
+# ---------------------------------------------------------------------------------------------- one run
+
+def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> dict:
+    """Fit or train one method at one code length and seed, evaluate it on the test split, write result.json.
+    Returns the result (read back from disk when the run was already done with the same settings)."""
+    s = sweep_settings(cfg)
+    if s["threads"]:
+        import torch
+        torch.set_num_threads(int(s["threads"]))
+    spec = methods.get(cfg.method.name)
+    key = run_key(spec.name, cfg.bits, cfg.seed)
+    run_dir = exp_dir(cfg) / "runs" / key
+    settings = run_settings(cfg)
+    dg = digest(settings)
+    result_file = run_dir / "result.json"
+    if result_file.exists():
+        done = json.loads(result_file.read_text())
+        if done.get("digest") == dg:
+            print(f"[sweep] {key}: done already, skipped ({result_file})")
+            return done
+        print(f"[sweep] {key}: settings changed since the stored result; running it again")
+        shutil.rmtree(run_dir)
+    stale = run_dir / "settings.json"
+    if stale.exists() and digest(json.loads(stale.read_text())) != dg:
+        print(f"[sweep] {key}: an unfinished run with other settings is in {run_dir}; starting it over")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "settings.json", json.loads(json.dumps(settings, default=str)))
+    t0 = time.perf_counter()
+    splits = splits or open_splits(cfg)
+    train, test = splits["train"], splits["test"]
+    extra = {}
+    if spec.kind == "fitted":
+        model = methods.build(spec.name, bits=int(cfg.bits), seed=int(cfg.seed), **settings["method"]["args"])
+        try:
+            model.fit(train, splits["val"])  # fitted on train; val only chooses the space's "auto" settings
+        except NotApplicable as e:  # recorded, so the sweep goes on and the tables say why the cell is empty
+            result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
+                      "digest": dg, "status": "not_applicable", "reason": str(e)}
+            write_json(result_file, result)
+            print(f"[sweep] {key}: not applicable: {e}")
+            return result
+        entries = {spec.name: (spec.title, model)}
+        extra["space"] = model.describe()
+        extra["space_choice"] = {k: v for k, v in model.space.choice.items() if k != "candidates"}
+        if getattr(model.space, "shared_axes", None) is not None:
+            extra["shared_axes"] = int(model.space.shared_axes)
+    else:
+        from ushash.hashing.module import load_checkpoint
+        from ushash.hashing.training import run_train
+        tcfg = cfg.copy()
+        with open_dict(tcfg):
+            tcfg.paths.checkpoints_dir = str(run_dir.parent)
+            tcfg.run_name = key
+        out = run_train(tcfg, splits={"train": train, "val": splits["val"]})
+        module = load_checkpoint(out["best"])
+        entries = {spec.name: (spec.title, module.code_method())}
+        if spec.name == "ushash":  # its own continuous upper bound: the head's embedding z
+            entries["ushash_float"] = (f"US-HASH float z ({module.hparams.dim}-d, cosine)", module.float_method())
+        extra.update({"val_map@10": out["val_map@10"], "val_score": out["val_score"], "best_epoch": out["best_epoch"],
+                      "checkpoint": Path(out["best"]).name})
+        if out["space"]:
+            extra["space_choice"] = out["space"]
+    rows, curves, outputs = [], [], {}
+    for name, (title, fn) in entries.items():
+        reps = retrieval.represent(test, fn)
+        for r in retrieval.evaluate(test, {name: lambda m, x, reps=reps: reps[m]}, k=int(s["k"]),
+                                    protocols=tuple(s["protocols"]), denominator=str(s["denominator"])):
+            rows.append(r)
+        for c in ranking_curves(test, reps, protocols=tuple(s["protocols"])):
+            curves.append({"method": name, **c})
+        outputs[name] = {"title": title, "kind": next(iter(reps.values()))[0]}
+    result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
+              "digest": dg, "entries": outputs, "dataset": test.meta["dataset"], "split": "test",
+              "encoder": {k: test.meta["encoder"].get(k) for k in ("name", "fingerprint")},
+              "fitted_on": train.meta["split"], "n_rows": {m: len(t) for m, t in test.tables.items()},
+              "wall_s": round(time.perf_counter() - t0, 2), **extra, "rows": rows, "curves": curves}
+    write_json(result_file, result)
+    maps = {n: retrieval.mean_map([r for r in rows if r["method"] == n], "paired") for n in outputs}
+    print(f"[sweep] {key}: {result['wall_s']:.1f}s, mean paired mAP@10 " + ", ".join(f"{n} {v:.3f}" for n, v in maps.items()))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+
+ROW_METRICS = ("tie_map@10", "map@10", "tie_R@1", "tie_R@10", "tie_P@10")   # from retrieval.evaluate rows
+METRICS = (*ROW_METRICS, "p_h2")
+METRIC_NAMES = {"tie_map@10": "mAP@10", "map@10": "mAP@10 (tie-broken)", "tie_R@1": "R@1", "tie_R@10": "R@10",
+                "tie_P@10": "P@10", "p_h2": "P@H≤2"}
+
+
+def _entry_order(name: str) -> tuple:
+    order = ["ushash", "ushash_float", "pairwise", "csq", "orthohash", "itq", "pca_rotation", "pca_sign", "lsh", "float"]
+    return (order.index(name) if name in order else len(order), name)
+
+
+def load_results(exp: Path) -> list[dict]:
+    out = []
+    for f in sorted((Path(exp) / "runs").glob("*/result.json")):
+        try:
+            out.append(json.loads(f.read_text()))
+        except json.JSONDecodeError:
+            print(f"[sweep] {f} is unreadable (interrupted write?); left out")
+    return out
+
+
+def _per_seed(results: list[dict]) -> dict:
+    """(entry, bits) -> seed -> {(protocol, direction, metric): value}; direction "mean" = mean over directions."""
+    table: dict = {}
+    for res in results:
+        for name in res["entries"]:
+            vals: dict = {}
+            for r in res["rows"]:
+                if r["method"] != name:
+                    continue
+                for m in ROW_METRICS:
+                    if m in r:
+                        vals[(r["protocol"], r["direction"], m)] = r[m]
+            for c in res["curves"]:
+                if c["method"] != name:
+                    continue
+                if "p_h2" in c:
+                    vals[(c["protocol"], c["direction"], "p_h2")] = c["p_h2"]
+            for p, m in {(p, m) for (p, _, m) in vals}:
+                dirs = [v for (pp, d, mm), v in vals.items() if pp == p and mm == m]
+                vals[(p, "mean", m)] = float(np.mean(dirs))
+            table.setdefault((name, res["bits"]), {})[res["seed"]] = vals
+    return table
+
+
+def _mean_curves(results: list[dict], name: str, bits: int, protocol: str) -> dict:
+    cs = [c for res in results if res["bits"] == bits for c in res["curves"]
+          if c["method"] == name and c["protocol"] == protocol]
+    if not cs:
+        return {}
+    out = {}
+    # K values every direction has (a small database, e.g. 10 test sounds, caps K): a mean over a changing set
+    # of directions would zig-zag
+    ks = sorted(set.intersection(*(set(c["p_at_k"]) for c in cs)), key=int)
+    out["p_at_k"] = {k: round(float(np.mean([c["p_at_k"][k] for c in cs])), 5) for k in ks}
+    pr = [c["pr"] for c in cs if "pr" in c]
+    if pr:
+        out["pr"] = {k: [round(float(v), 4) for v in np.mean([p[k] for p in pr], axis=0)]
+                     for k in ("precision", "recall", "retrieved")}
+    return out
+
+
+def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None = None) -> dict:
+    """Read experiments/<name>/runs/*/result.json; write results.json, results.md and the plots."""
+    exp = Path(exp)
+    results = load_results(exp)
+    not_applicable = [{"key": r["key"], "reason": r["reason"]} for r in results if r.get("status") == "not_applicable"]
+    results = [r for r in results if r.get("status") != "not_applicable"]
+    if not results:
+        raise FileNotFoundError(f"no run results under {exp / 'runs'}; run the sweep first")
+    prev = exp / "results.json"
+    if prev.exists() and (command is None or wall_s is None):
+        old = json.loads(prev.read_text())
+        command = command or old.get("command")
+        wall_s = wall_s if wall_s is not None else old.get("sweep_wall_s")
+    per_seed = _per_seed(results)
+    info = {}
+    for res in results:
+        for name, e in res["entries"].items():
+            info[name] = {"title": e["title"], "output": e["kind"], "method": res["method"], "kind": res["kind"]}
+    summary: dict = {}
+    for (name, bits), seeds in sorted(per_seed.items(), key=lambda kv: (_entry_order(kv[0][0]), kv[0][1])):
+        keys = sorted(set().union(*(set(v) for v in seeds.values())))
+        for (protocol, direction, metric) in keys:
+            vals = [seeds[s][(protocol, direction, metric)] for s in sorted(seeds) if (protocol, direction, metric) in seeds[s]]
+            cell = [round(float(np.mean(vals)), 5), round(float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0, 5), len(vals)]
+            summary.setdefault(name, {}).setdefault(str(bits), {}).setdefault(protocol, {}).setdefault(metric, {})[direction] = cell
+    curves = {}
+    protocols = sorted({r["protocol"] for res in results for r in res["rows"]}, key=lambda p: p != "paired")
+    for (name, bits) in per_seed:
+        for p in protocols:
+            c = _mean_curves(results, name, bits, p)
+            if c:
+                curves.setdefault(name, {}).setdefault(str(bits), {})[p] = c
+    first = results[0]
+    den = next((r["denominator"] for r in first["rows"]), "min")
+    out = {
+        "experiment": exp.name, "dataset": first["dataset"], "split": "test", "encoder": first["encoder"],
+        "fitted_on": "train", "n_rows_test": first["n_rows"], "command": command, "sweep_wall_s": wall_s,
+        "runs_wall_s": round(sum(r["wall_s"] for r in results), 1), "n_runs": len(results),
+        "protocols": {p: f"{PROTOCOL_DOC.get(p, p)}; mAP@10 with {retrieval.DENOMINATOR_DOC.get(den, den)}; "
+                         f"queries without a relevant item score 0" for p in protocols},
+        "queries": {f"{r['direction']} {r['protocol']}": [r["n_queries"], r["n_no_relevant"], r["n_database"]]
+                    for r in first["rows"] if r["method"] == first["method"]},
+        "tie_rule": "ascending database index", "tie_doc": metrics.TIE_DOC, "curves_doc": CURVES_DOC,
+        "std": "sample standard deviation over seeds (ddof=1); 0 with one seed",
+        "summary_format": "summary[method][bits][protocol][metric][direction] = [mean, std, n_seeds]; direction "
+                          "'mean' is the mean over directions, taken per seed first",
+        "methods": {n: info[n] for n in sorted(info, key=_entry_order)},
+        "runs": [{**{k: r.get(k) for k in ("key", "method", "bits", "seed", "wall_s", "digest", "val_map@10", "space",
+                                             "shared_axes") if r.get(k) is not None},
+                  "mean_map@10": {n: {p: round(retrieval.mean_map([x for x in r["rows"] if x["method"] == n], p), 5)
+                                      for p in protocols} for n in r["entries"]}} for r in results],
+        "not_applicable": not_applicable, "summary": summary, "curves": curves,
+    }
+    _write_compact(exp / "results.json", out)
+    md = markdown(out)
+    tmp = exp / ".results.md.tmp"
+    tmp.write_text(md)
+    tmp.replace(exp / "results.md")
+    from ushash.evaluation import plots
+    pngs = plots.plot_all(out, exp)
+    print(f"[sweep] aggregated {len(results)} runs -> {exp / 'results.json'}, results.md, {len(pngs)} plots")
+    return out
+
+
+def _write_compact(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def cells(agg: dict):
+    """Flatten the nested summary: yields dicts {method, bits, protocol, metric, direction, mean, std, n}."""
+    for method, by_bits in agg["summary"].items():
+        for bits, by_p in by_bits.items():
+            for protocol, by_m in by_p.items():
+                for metric, by_d in by_m.items():
+                    for direction, (mean, std, n) in by_d.items():
+                        yield {"method": method, "bits": int(bits), "protocol": protocol, "metric": metric,
+                               "direction": direction, "mean": mean, "std": std, "n": n}
+
+
+SUMMARY_COLUMNS = (("paired", "tie_map@10"), ("label", "tie_map@10"), ("paired", "map@10"), ("paired", "tie_R@1"),
+                   ("paired", "tie_R@10"), ("label", "tie_P@10"), ("label", "p_h2"))
+
+
+def summary_table(agg: dict, flat: list | None = None) -> list[str]:
+    """One line per method and code length: the mean over directions of the headline metrics."""
+    flat = list(cells(agg)) if flat is None else flat
+    have = {(r["protocol"], r["metric"]) for r in flat}
+    cols = [c for c in SUMMARY_COLUMNS if c in have]
+    idx = {(r["method"], r["bits"], r["protocol"], r["metric"]): r for r in flat if r["direction"] == "mean"}
+    lines = ["## Summary (mean over directions)", "",
+             "| method | bits | " + " | ".join(f"{METRIC_NAMES[m]} {p}" for p, m in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for name, meta in agg["methods"].items():
+        bits_list = sorted({r["bits"] for r in flat if r["method"] == name})
+        if meta["output"] == "float" and meta["kind"] == "fitted":
+            bits_list = bits_list[:1]
+        for bits in bits_list:
+            shown = str(bits) if meta["output"] == "codes" else ("float" if meta["kind"] == "fitted" else f"float ({bits}-bit run)")
+            vals = [idx.get((name, bits, p, m)) for p, m in cols]
+            lines.append(f"| {meta['title']} | {shown} | " + " | ".join(
+                _fmt(v["mean"], v["std"], v["n"]) if v else "–" for v in vals) + " |")
+    return lines + [""]
+
+
+def _fmt(mean: float, std: float, n: int) -> str:
+    return f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}"
+
+
+def markdown(agg: dict, metrics=METRICS) -> str:
+    enc = agg["encoder"]
+    seeds = sorted({r["seed"] for r in agg["runs"]})
+    lines = [f"# Sweep `{agg['experiment']}`: {agg['dataset']}, test split, encoder {enc['name']} ({enc['fingerprint']})", ""]
+    if agg.get("command"):
+        lines.append(f"Command: `{agg['command']}`")
+    wall = agg.get("sweep_wall_s")
+    lines.append(f"Runs: {agg['n_runs']} (seeds {seeds}); compute time of the runs {agg['runs_wall_s']:.0f} s"
+                 + (f"; wall time of the sweep command {wall:.0f} s" if wall else "") + ".")
+    lines.append("No-training methods are fitted on the training split only (the shared space's settings chosen on "
+                 "the validation split); trained ones use the checkpoint chosen on the validation split. Cells: mean ± "
+                 + agg["std"] + ". mAP@10, R@K and P@K are " + agg.get("tie_doc", "tie-broken") + "; the tie-broken "
+                 "column orders ties by " + agg["tie_rule"] + ".")
+    lines.append("")
+    for p, doc in agg["protocols"].items():
+        lines.append(f"- Protocol **{p}**: {doc}.")
+    lines.append(f"- {agg['curves_doc']}")
+    if agg.get("not_applicable"):
+        reasons = sorted({r["reason"] for r in agg["not_applicable"]})
+        lines.append(f"- Not applicable ({len(agg['not_applicable'])} runs, left out of the tables): "
+                     + ", ".join(r["key"] for r in agg["not_applicable"]) + ". Why: " + " / ".join(reasons))
+    if agg.get("queries"):
+        lines.append("- Queries per direction (queries / with no relevant item, scoring 0 / database size): " + "; ".join(
+            f"{k} {q}/{z}/{n}" for k, (q, z, n) in agg["queries"].items()) + ".")
+    lines.append("")
+    names = list(agg["methods"])
+    flat = list(cells(agg))
+    lines += summary_table(agg, flat)
+    for metric in metrics:
+        for p in agg["protocols"]:
+            rows = [r for r in flat if r["metric"] == metric and r["protocol"] == p]
+            if not rows:
+                continue
+            dirs = [d for d in dict.fromkeys(r["direction"] for r in rows) if d != "mean"] + ["mean"]
+            lines.append(f"## {METRIC_NAMES[metric]}, protocol {p}")
+            lines.append("")
+            lines.append("| method | bits | " + " | ".join(dirs) + " |")
+            lines.append("|---|---|" + "---|" * len(dirs))
+            for name in names:
+                meta = agg["methods"][name]
+                bits_list = sorted({r["bits"] for r in rows if r["method"] == name})
+                if meta["output"] == "float" and meta["kind"] == "fitted":
+                    bits_list = bits_list[:1]  # no bits: the same float ranking at every swept length
+                for bits in bits_list:
+                    cell = {r["direction"]: r for r in rows if r["method"] == name and r["bits"] == bits}
+                    if meta["output"] == "codes":
+                        shown = str(bits)
+                    elif meta["kind"] == "fitted":
+                        shown = "float"
+                    else:
+                        shown = f"float ({bits}-bit run)"
+                    lines.append(f"| {meta['title']} | {shown} | " + " | ".join(
+                        _fmt(cell[d]["mean"], cell[d]["std"], cell[d]["n"]) if d in cell else "–" for d in dirs) + " |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- Hydra
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover
+    Callback = object
+
+
+class AggregateCallback(Callback):
+    """Hydra callback: aggregate a multirun sweep when its last job ends (configs/experiment/sweep_*.yaml)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        wall = time.perf_counter() - getattr(self, "_t0", time.perf_counter())
+        aggregate(exp_dir(config), command=command_line(), wall_s=round(wall, 1))
+
+
+def command_line() -> str:
+    return " ".join(["python -m ushash.sweep", *sys.argv[1:]])
+
+
+def primary_metric(result: dict) -> float | None:
+    """A run's mean tie-aware paired mAP@10 of its own method (what a Hydra sweeper optimises)."""
+    rows = [r for r in result.get("rows", []) if r["method"] == result.get("method")]
+    return retrieval.mean_map(rows, "paired", key="tie_map@10") if rows else None
+
+
+def run_sweep(cfg: DictConfig) -> dict | None:
+    s = sweep_settings(cfg)
+    if s["aggregate_only"]:
+        return aggregate(exp_dir(cfg))
+    result = run_one(cfg)
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    try:
+        multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:  # called outside Hydra (tests)
+        multirun = False
+    if not multirun:
+        aggregate(exp_dir(cfg))
+    return result

@@ -1,0 +1,82 @@
+"""US-HASH itself: cross-modal InfoNCE on relaxed codes and on the continuous embeddings, similarity
+distillation from the closed-form shared space it starts from, with quantization, bit balance, decorrelation
+and a near-orthogonal-prototypes regulariser (ushash/heads.py, ushash/losses.py, ushash/module.py).
+Its loss weights are `model.loss.*` (configs/model/ushash.yaml), hyper-parameters `w_*` of the module.
+
+`closed_form_start` makes the initialisation: the shared space chosen on val (`choose_space`, the one the
+no-training baselines use) and the ITQ rotation of it (the registry's ITQ, so US-HASH starts from the codes
+the ITQ baseline makes, up to ITQ's centring, which sign(z . P^T) has no bias for)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ushash.hashing import losses
+from ushash.hashing.methods import MethodSpec, register
+
+
+def cross_modal_pairs(h: dict, present: dict):
+    """(a, b, both) for every pair of modalities with at least two rows present in both."""
+    for a, b in itertools.combinations(h, 2):
+        both = present[a] & present[b]
+        if both.sum() >= 2:
+            yield a, b, both
+
+
+def stacked(h: dict, present: dict) -> torch.Tensor:
+    return torch.cat([h[m][present[m]] for m in h])
+
+
+def objective(module, h, z, g, present, args, teacher=None):
+    hp = module.hparams
+    ref = next(iter(h.values()))
+    l_con = l_float = l_distill = ref.new_zeros(())
+    n_pairs = 0
+    t_code, t_float = module.code_temperature(), module.float_temperature()
+    for a, b, both in cross_modal_pairs(h, present):
+        ga, gb = g[a][both], g[b][both]
+        l_con = l_con + losses.contrastive(h[a][both], h[b][both], ga, gb, t_code, similarity="cosine")
+        # the same objective on the continuous embeddings keeps z well-shaped (and is the float baseline)
+        l_float = l_float + losses.contrastive(z[a][both], z[b][both], ga, gb, t_float, similarity="cosine")
+        if teacher is not None and teacher.get(a) is not None and teacher.get(b) is not None:
+            l_distill = l_distill + losses.similarity_distillation(h[a][both], h[b][both], teacher[a][both],
+                                                                   teacher[b][both])
+        n_pairs += 1
+    n_pairs = max(n_pairs, 1)
+    hs = stacked(h, present)
+    parts = {
+        "contrastive": l_con / n_pairs, "float": l_float / n_pairs, "distill": l_distill / n_pairs,
+        "quant": losses.quantization(hs), "balance": losses.balance(hs), "decor": losses.decorrelation(hs),
+        "proto": losses.prototype(module.model.prototypes),
+    }
+    weights = {"contrastive": hp.w_contrastive, "float": hp.w_float, "distill": hp.w_distill, "quant": hp.w_quant,
+               "balance": hp.w_balance, "decor": hp.w_decor, "proto": hp.w_proto}
+    return parts, weights
+
+
+def closed_form_start(train, val, bits: int, seed: int, space_settings: dict):
+    """(the shared space chosen on val, ITQ prototypes [bits, space.dim]) for `USHashModule.initialise`.
+    A space narrower than `bits` (tiny features) gets ITQ's rotation for its width and seeded random unit
+    prototypes (LSH bits) for the rest."""
+    import numpy as np
+
+    from ushash.hashing import methods
+    from ushash.hashing.methods.base import NotApplicable
+    try:
+        itq = methods.build("itq", bits=bits, seed=seed, **space_settings).fit(train, val)
+        return itq.space, itq.rotation()
+    except NotApplicable:
+        pass
+    same = {**space_settings, "common_dim": max(int(space_settings.get("common_dim", 128)), bits)}  # ITQ's space
+    space = methods.build("float", bits=bits, seed=seed, **same).fit(train, val).space
+    width = space.dim - space.dim % 8
+    protos = (methods.build("itq", bits=width, seed=seed, **same).fit(train, val).rotation() if width
+              else np.zeros((0, space.dim), np.float32))
+    extra = np.random.default_rng(seed).normal(size=(bits - len(protos), space.dim)).astype(np.float32)
+    return space, np.concatenate([protos, extra / np.linalg.norm(extra, axis=1, keepdims=True)])
+
+
+register(MethodSpec(name="ushash", title="US-HASH", kind="trained", objective=objective, aliases=("us-hash", "us_hash"),
+                    reference="this project (docs/design.md)"))

@@ -1,0 +1,227 @@
+"""The LightningModule that trains US-HASH heads on cached features. Arguments are primitives only, so
+checkpoints rebuild with no config tree and load with `torch.load(weights_only=True)`.
+
+The recipe (docs/baselines.md has the measurements behind each choice):
+- init="gcca": the linear head of each modality starts as the closed-form map into the shared space
+  (ushash/methods/space.py, its settings chosen on val) and the prototypes as the ITQ rotation of that space
+  (`initialise`), so training starts from the codes ITQ makes and fine-tunes them; the selection on val keeps
+  the initial weights when no epoch beats them. init="random": a randomly initialised MLP (layers >= 1).
+- the bit logits l = z . P^T (unit rows, |l| <= 1) are relaxed as tanh(beta * sqrt(dim) * l): a unit z spread
+  over `dim` axes has |l| ~ 1/sqrt(dim), so the gain makes the relaxation mean the same at every width;
+- contrastive terms compare relaxed codes by cosine (1 - 2 d_H / bits for exact codes) with a learned logit
+  scale (CLIP's), temperature="learned", or a fixed temperature;
+- distillation: the relaxed codes' similarities are pulled towards the cosines of the closed-form space
+  (w_distill), which keeps the fine-tuned codes from over-fitting the training pairs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ushash.hashing import losses
+from ushash.hashing.heads import USHash
+
+INITS = ("gcca", "random")
+MAX_LOGIT_SCALE = 100.0  # CLIP's clamp on exp(logit_scale)
+
+
+class USHashModule(pl.LightningModule):
+    def __init__(self, in_dims: dict, bits: int = 64, dim: int = 128, hidden: int = 512, layers: int = 1,
+                 dropout: float = 0.1, lr: float = 1e-3, weight_decay: float = 1e-4, temperature: float = 0.5,
+                 learn_temperature: bool = True,
+                 relax: str = "tanh", beta_start: float = 1.0, beta_end: float = 16.0, init: str = "gcca",
+                 head_lr: float | None = None, w_contrastive: float = 1.0, w_float: float = 0.5, w_quant: float = 0.1,
+                 w_balance: float = 0.1, w_decor: float = 0.01, w_proto: float = 0.01, w_distill: float = 10.0,
+                 max_epochs: int = 30, provenance: dict | None = None, method: str = "ushash",
+                 method_args: dict | None = None, n_train_groups: int = 0):
+        """provenance: plain dict describing what the head was trained on (dataset, encoder name, config and
+        fingerprint, feature store paths, the shared space); stored in the checkpoint so it describes itself.
+
+        init: "gcca" (closed-form start, needs layers=1 and `initialise` before training) or "random".
+        head_lr: the heads' learning rate; None: lr / 10 with init="gcca" (they start at the closed-form fit),
+        lr with init="random". temperature: the contrastive temperature, learned from that value when
+        learn_temperature (a CLIP-style logit scale) or fixed.
+
+        method: the registered trained method (ushash/methods/) whose objective trains the network: "ushash"
+        (the w_* weights above) or a baseline ("pairwise", "csq", "orthohash"), whose own hyper-parameters are
+        the plain dict method_args. Every method trains the same network (per-modality heads + a linear hash
+        layer, ushash.hashing.heads.USHash) from the same initialisation, so every checkpoint loads and encodes the
+        same way.
+        n_train_groups: number of training groups (centre/proxy tables of the CSQ- and OrthoHash-style methods)."""
+        super().__init__()
+        from ushash.hashing import methods
+        spec = methods.get(method)
+        if spec.kind != "trained":
+            raise ValueError(f"method {method!r} is a no-training baseline; it is fitted, not trained "
+                             f"(python -m ushash.sweep method={spec.name})")
+        if init not in INITS:
+            raise ValueError(f"model.init={init!r}: expected one of {INITS}")
+        if init == "gcca" and int(layers) != 1:
+            raise ValueError(f"model.init=gcca starts a linear head from the closed-form space; model.layers={layers} "
+                             "asks for an MLP: set model.layers=1, or model.init=random for an MLP head")
+        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0):
+            raise ValueError(f"model.temperature={temperature!r}: expected a positive number")
+        method, method_args = spec.name, dict(method_args or {})  # canonical name; plain dict in the checkpoint
+        self.save_hyperparameters()
+        self._objective = spec.objective
+        self.model = USHash(in_dims, bits=bits, dim=dim, hidden=hidden, layers=layers, dropout=dropout)
+        # contrastive scales exp(logit_scale) = 1 / temperature, learned as CLIP's when learn_temperature; they are
+        # training state only, not part of the export
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / temperature)), requires_grad=bool(learn_temperature))
+        self.float_logit_scale = nn.Parameter(torch.tensor(math.log(1 / temperature)),
+                                              requires_grad=bool(learn_temperature))
+        # the closed-form space, frozen: the distillation teacher (filled by `initialise`)
+        self.teacher = nn.ModuleDict({m: nn.Linear(d, dim) for m, d in self.model.in_dims.items()} if init == "gcca" else {})
+        self.teacher.requires_grad_(False)
+        self.shared_space = None  # the fitted SharedSpace when initialised in this process (CSQ pseudo-classes use it)
+
+    # ------------------------------------------------------------------ closed-form start
+    @torch.no_grad()
+    def initialise(self, space, prototypes: np.ndarray) -> None:
+        """Heads := the shared space's linear maps (x -> (x - mean) proj - post_mean, then L2-normalised, exactly
+        `space.transform`), prototypes := `prototypes` [bits, dim] (an ITQ rotation of that space).
+
+        Each map is scaled so that its weights have the RMS of a default nn.Linear of that width: z is
+        normalised, so the scale changes nothing in z, but Adam's steps are in absolute units and a whitening
+        map of wide, large-valued features (EfficientNet's) has tiny weights that one step would overturn."""
+        if self.hparams.init != "gcca":
+            raise ValueError("initialise() is the init=gcca start; this module was built with init=random")
+        if space.dim != self.hparams.dim:
+            raise ValueError(f"the shared space is {space.dim}-d but the head's dim is {self.hparams.dim}")
+        for m in self.model.heads:
+            mean, proj = space.maps[m]
+            w = np.asarray(proj, np.float64).T
+            b = -(np.asarray(mean, np.float64) @ proj) - space.post_mean[m]
+            c = 1.0 / (np.sqrt((w ** 2).mean()) * np.sqrt(w.shape[1]))
+            w, b = torch.as_tensor(w * c, dtype=torch.float32), torch.as_tensor(b * c, dtype=torch.float32)
+            for lin in (self.model.heads[m][0], self.teacher[m]):
+                lin.weight.copy_(w)
+                lin.bias.copy_(b)
+        p = torch.as_tensor(np.asarray(prototypes), dtype=torch.float32)
+        if tuple(p.shape) != tuple(self.model.prototypes.shape):
+            raise ValueError(f"prototypes {tuple(p.shape)}, expected {tuple(self.model.prototypes.shape)}")
+        self.model.prototypes.copy_(p)
+        self.shared_space = space
+
+    def teacher_embed(self, modality: str, x: torch.Tensor) -> torch.Tensor | None:
+        if modality not in self.teacher:
+            return None
+        return F.normalize(self.teacher[modality](x), dim=-1)
+
+    # ------------------------------------------------------------------ relaxation schedule
+    def beta(self) -> float:
+        """tanh(beta * l): beta rises geometrically from beta_start to beta_end over training."""
+        hp = self.hparams
+        total = max(1, hp.max_epochs * max(1, self._steps_per_epoch()))
+        t = min(1.0, self.global_step / total)
+        return float(hp.beta_start * math.exp(t * math.log(hp.beta_end / hp.beta_start)))
+
+    def relaxed(self, logits: torch.Tensor, beta: float) -> torch.Tensor:
+        return losses.relax(logits * math.sqrt(self.hparams.dim), beta, self.hparams.relax)
+
+    def code_temperature(self) -> torch.Tensor:
+        """Temperature of the contrastive term on relaxed codes (cosine similarity)."""
+        return 1.0 / self.logit_scale.exp().clamp(max=MAX_LOGIT_SCALE)
+
+    def float_temperature(self) -> torch.Tensor:
+        return 1.0 / self.float_logit_scale.exp().clamp(max=MAX_LOGIT_SCALE)
+
+    def _steps_per_epoch(self) -> int:
+        try:
+            return int(self.trainer.num_training_batches)
+        except Exception:
+            return 1
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: dict, batch_idx: int):
+        hp, beta = self.hparams, self.beta()
+        h, z, g, present, teacher = {}, {}, {}, {}, {}
+        for m, (x, gid, pres) in batch.items():
+            z[m], lg = self.model(m, x)
+            h[m] = self.relaxed(lg, beta)
+            g[m], present[m] = gid, pres
+            teacher[m] = self.teacher_embed(m, x)
+        parts, weights = self._objective(self, h, z, g, present, hp.method_args,
+                                         teacher=teacher if self.teacher else None)
+        loss = sum(weights[k] * v for k, v in parts.items())
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss at step {self.global_step}: "
+                                     f"{ {k: float(v) for k, v in parts.items()} }")
+        bsz = len(next(iter(batch.values()))[0])
+        self.log_dict({f"train/{k}": v for k, v in parts.items()}, batch_size=bsz)
+        self.log("train/loss", loss, prog_bar=True, batch_size=bsz)
+        self.log("train/beta", beta, batch_size=bsz)
+        return loss
+
+    # ------------------------------------------------------------------ validation on whole tables
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def val_scores(self) -> tuple[float, list[dict]]:
+        """(the selection score on the val split, retrieval.SELECTION_DOC; the per-direction rows)."""
+        from ushash.evaluation import retrieval
+        split = self.trainer.datamodule.val_split
+        rows = retrieval.evaluate(split, {"codes": self.code_method()}, protocols=("paired", "label"))
+        return retrieval.selection(rows), rows
+
+    def on_validation_epoch_end(self):
+        from ushash.evaluation import retrieval
+        score, rows = self.val_scores()
+        self.log("val/score", score, prog_bar=True)
+        self.log("val/map@10", retrieval.mean_map(rows, "paired"), prog_bar=True)
+        for r in rows:
+            self.log(f"val/map@10/{r['protocol']}/{r['direction']}", r["map@10"])
+
+    def code_method(self):
+        def method(modality: str, x: np.ndarray):
+            if modality not in self.model.heads:
+                raise KeyError(modality)
+            packed, _ = self.model.encode(modality, x)
+            return "codes", packed
+        return method
+
+    def float_method(self):
+        def method(modality: str, x: np.ndarray):
+            if modality not in self.model.heads:
+                raise KeyError(modality)
+            _, z = self.model.encode(modality, x)
+            return "float", z
+        return method
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        head_lr = hp.head_lr if hp.head_lr is not None else (hp.lr / 10 if hp.init == "gcca" else hp.lr)
+        groups = [{"params": list(self.model.heads.parameters()), "lr": float(head_lr)},
+                  {"params": [self.model.prototypes]},
+                  {"params": [self.logit_scale, self.float_logit_scale], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=hp.lr, weight_decay=hp.weight_decay)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, hp.max_epochs))
+        return {"optimizer": opt, "lr_scheduler": sched}
+
+
+def load_checkpoint(path, map_location="cpu") -> USHashModule:
+    """Rebuild a trained module from its checkpoint alone (weights_only: no pickle of code objects)."""
+    from pathlib import Path
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; runs write checkpoints/<run>/last.ckpt")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable ushash checkpoint ({type(e).__name__}: {e})") from e
+    hp = ckpt.get("hyper_parameters")
+    if not hp or "in_dims" not in hp or "state_dict" not in ckpt:
+        raise ValueError(f"{path} is not a US-HASH checkpoint (no in_dims hyper-parameters or state_dict)")
+    mod = USHashModule(**hp)
+    missing, unexpected = mod.load_state_dict(ckpt["state_dict"], strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match this ushash version's model "
+                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    mod.eval()
+    return mod

@@ -1,0 +1,312 @@
+"""Serving-side loader of exported hash heads (`python -m ushash.export` writes them; docs/export.md).
+
+    head = load_export("exports/tuxpaint-offline-64b", expect_bits=64, expect_encoder=("offline", "463bf8..."))
+    codes = head.codes("image", feats)        # packed uint8 [N, bits/8], bit-identical to ushash.eval's
+    z = head.embed("text", feats)             # float32 [N, dim], the shared space
+    rec = head.payload.encode("image", z)     # the cache entry's payload (ushash.serving.payload)
+
+An export is a directory with `manifest.json` and `weights.safetensors`, nothing else and no pickle.
+This module imports only numpy, torch (functional ops), safetensors, json and the standard library
+(plus ushash.serving.payload, which is numpy only): no Hydra, no Lightning, no training code. The forward pass is
+re-implemented from the manifest's layer list with the same torch functional calls nn.Linear /
+nn.LayerNorm / nn.GELU make, so codes are bit-identical to `USHash.encode` on the same device.
+
+Refusals (all `ExportError`, a ValueError; the class and the message say which):
+    CorruptExport       missing or unparsable manifest / weights, missing fields, wrong tensor shapes
+    TruncatedExport     a file shorter (or longer) than the manifest records (a CorruptExport)
+    TamperedExport      a sha256 that does not match: a file, or the manifest's own canonical hash
+    IncompatibleExport  format name / version this loader does not read, or bits / encoder that differ
+                        from what the caller expects
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from ushash.serving.payload import PayloadCodec, PayloadError
+
+FORMAT = "ushash-export"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+ALLOWED_SUFFIXES = (".json", ".safetensors")  # no pickle anywhere in an export
+_OPS = ("linear", "layer_norm", "gelu")
+_BATCH = 8192  # USHash.encode's batch size: same batches, same kernels, same bits
+
+
+class ExportError(ValueError):
+    """An export that cannot be served. Subclasses say why."""
+
+
+class CorruptExport(ExportError):
+    pass
+
+
+class TruncatedExport(CorruptExport):
+    pass
+
+
+class TamperedExport(ExportError):
+    pass
+
+
+class IncompatibleExport(ExportError):
+    pass
+
+
+class EncoderId(NamedTuple):
+    name: str
+    fingerprint: str
+
+
+# ---------------------------------------------------------------------------------------------- hashing
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON without its own `manifest_sha256` field."""
+    return sha256_bytes(canonical_json({k: v for k, v in manifest.items() if k != "manifest_sha256"}))
+
+
+def revision_id(weights_sha256: str, manifest: dict) -> str:
+    """16 hex digits from the weights file's sha256 and everything that gives the weights a meaning
+    (format version, bits, dim, modalities, layer list, payload settings, encoder). Same weights and
+    settings -> same revision; any change to a code or a payload byte -> a new one."""
+    basis = {k: manifest.get(k) for k in ("format", "format_version", "bits", "dim", "modalities", "head",
+                                          "prototypes", "payload")}
+    enc = manifest.get("encoder") or {}
+    basis["encoder"] = {"name": enc.get("name"), "fingerprint": enc.get("fingerprint")}
+    return sha256_bytes(weights_sha256.encode() + b"\0" + canonical_json(basis))[:16]
+
+
+# ---------------------------------------------------------------------------------------------- head
+
+class ExportedHead:
+    """A loaded export: per-modality projection heads + prototypes, and the payload codec."""
+
+    def __init__(self, manifest: dict, tensors: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
+        self.manifest = manifest
+        self.bits = int(manifest["bits"])
+        self.dim = int(manifest["dim"])
+        self.in_dims = {m: int(v["in_dim"]) for m, v in manifest["modalities"].items()}
+        self.revision = str(manifest["revision"])
+        enc = manifest["encoder"]
+        self.encoder = EncoderId(str(enc["name"]), str(enc["fingerprint"]))
+        self.device = torch.device(device)
+        self._layers = {m: [dict(op) for op in manifest["head"]["layers"][m]] for m in self.in_dims}
+        self._t = {k: v.to(self.device) for k, v in tensors.items()}
+        self._protos_n = F.normalize(self._t[manifest["prototypes"]["tensor"]], dim=-1)
+        np_tensors = {k: v.cpu().numpy() for k, v in tensors.items() if k.startswith("payload.")}
+        try:
+            self.payload = PayloadCodec.from_settings(manifest["payload"], np_tensors)
+        except (PayloadError, KeyError, TypeError) as e:
+            raise CorruptExport(f"corrupt export: payload settings unreadable ({e})") from e
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return tuple(self.in_dims)
+
+    def __repr__(self) -> str:
+        return (f"ExportedHead(revision={self.revision}, bits={self.bits}, dim={self.dim}, "
+                f"modalities={self.modalities}, encoder={self.encoder.name}-{self.encoder.fingerprint}, "
+                f"payload={self.payload!r})")
+
+    def _check(self, modality: str, features) -> torch.Tensor:
+        if modality not in self.in_dims:
+            raise ValueError(f"no head for modality {modality!r}; this export has {self.modalities}")
+        x = np.asarray(features)
+        if x.ndim == 1:
+            x = x[None]
+        d = self.in_dims[modality]
+        if x.ndim != 2 or x.shape[1] != d:
+            raise ValueError(f"{modality} features: expected [B, {d}] from encoder {self.encoder.name}, "
+                             f"got {list(x.shape)}")
+        return x
+
+    def _forward(self, modality: str, xb: torch.Tensor) -> torch.Tensor:
+        h = xb
+        t = self._t
+        for op in self._layers[modality]:
+            kind = op["op"]
+            if kind == "linear":
+                h = F.linear(h, t[op["weight"]], t[op["bias"]] if op.get("bias") else None)
+            elif kind == "layer_norm":
+                h = F.layer_norm(h, tuple(op["normalized_shape"]), t[op["weight"]] if op.get("weight") else None,
+                                 t[op["bias"]] if op.get("bias") else None, float(op["eps"]))
+            else:  # gelu
+                h = F.gelu(h, approximate=op.get("approximate", "none"))
+        return F.normalize(h, dim=-1)
+
+    @torch.inference_mode()
+    def encode(self, modality: str, features) -> tuple[np.ndarray, np.ndarray]:
+        """(packed codes uint8 [N, bits/8], z float32 [N, dim]) for raw encoder features [N, in_dim]."""
+        x = self._check(modality, features)
+        packed, zs = [], []
+        for i in range(0, len(x), _BATCH):
+            chunk = np.asarray(x[i:i + _BATCH], dtype=np.float32)
+            if not chunk.flags.writeable:  # a read-only memmap of the feature store: torch wants to own it
+                chunk = chunk.copy()
+            xb = torch.as_tensor(chunk, device=self.device)
+            z = self._forward(modality, xb)
+            lg = z @ self._protos_n.T
+            packed.append(np.packbits((lg > 0).cpu().numpy(), axis=1, bitorder="little"))
+            zs.append(z.float().cpu().numpy())
+        if not packed:
+            return np.zeros((0, self.bits // 8), np.uint8), np.zeros((0, self.dim), np.float32)
+        return np.concatenate(packed), np.concatenate(zs)
+
+    def embed(self, modality: str, features) -> np.ndarray:
+        """Shared-space z, float32 [N, dim], L2-normalised: what the payload holds."""
+        return self.encode(modality, features)[1]
+
+    def codes(self, modality: str, features) -> np.ndarray:
+        """Packed codes uint8 [N, bits/8] (bit i = bit i%8 of byte i//8, LSB first, as ushash.core.codes)."""
+        return self.encode(modality, features)[0]
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+def _encoder_expectation(expect) -> tuple[str | None, str | None]:
+    if expect is None:
+        return None, None
+    if isinstance(expect, str):
+        return expect, None
+    if isinstance(expect, dict):
+        return expect.get("name"), expect.get("fingerprint")
+    if isinstance(expect, (tuple, list)) and len(expect) == 2:
+        return expect[0], expect[1]
+    if hasattr(expect, "name") and hasattr(expect, "fingerprint"):  # an EncoderId or a built Encoder
+        return expect.name, expect.fingerprint
+    raise TypeError(f"expect_encoder must be a name, (name, fingerprint), a dict or an encoder; got {expect!r}")
+
+
+def _require(manifest: dict, keys) -> None:
+    missing = [k for k in keys if k not in manifest]
+    if missing:
+        raise CorruptExport(f"corrupt export: manifest.json lacks {missing}")
+
+
+def read_manifest(path: str | Path) -> dict:
+    """Parse and integrity-check manifest.json (format, version, its own sha256); no weights read."""
+    path = Path(path)
+    mf = path / MANIFEST
+    if not path.is_dir():
+        raise CorruptExport(f"corrupt export: {path} is not a directory (an export is a folder with {MANIFEST})")
+    if not mf.exists():
+        raise CorruptExport(f"corrupt export: {path} has no {MANIFEST}")
+    try:
+        manifest = json.loads(mf.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptExport(f"corrupt export: {mf} is not valid JSON ({e}); truncated or damaged") from e
+    if not isinstance(manifest, dict):
+        raise CorruptExport(f"corrupt export: {mf} is not a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise IncompatibleExport(f"incompatible export: format {manifest.get('format')!r}, this loader reads {FORMAT!r}")
+    if manifest.get("format_version") not in SUPPORTED_VERSIONS:
+        raise IncompatibleExport(f"incompatible export: format version {manifest.get('format_version')!r}, this "
+                                 f"loader reads versions {SUPPORTED_VERSIONS}; re-export with a matching ushash")
+    _require(manifest, ("manifest_sha256", "files", "bits", "dim", "modalities", "head", "prototypes", "encoder",
+                        "payload", "revision", "tensors"))
+    if manifest_digest(manifest) != manifest["manifest_sha256"]:
+        raise TamperedExport(f"tampered export: {mf} does not match its manifest_sha256 (edited after export)")
+    return manifest
+
+
+def load_export(path: str | Path, expect_bits: int | None = None, expect_encoder=None,
+                device: str | torch.device = "cpu") -> ExportedHead:
+    """Load and verify an export directory. expect_bits: refuse another code length. expect_encoder: a
+    name, (name, fingerprint), {"name", "fingerprint"} or an encoder object: refuse features of another
+    encoder (the codes would be meaningless). Raises an `ExportError` subclass naming the problem."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    if not isinstance(files, dict) or WEIGHTS not in files:
+        raise CorruptExport(f"corrupt export: manifest lists no {WEIGHTS}")
+    blobs = {}
+    for name, info in files.items():
+        if Path(name).name != name or not name.endswith(ALLOWED_SUFFIXES):
+            raise CorruptExport(f"corrupt export: manifest lists {name!r}; exports hold only "
+                                f"{ALLOWED_SUFFIXES} files in one folder (no pickle)")
+        f = path / name
+        if not f.exists():
+            raise CorruptExport(f"corrupt export: {name} is missing from {path}")
+        data = f.read_bytes()
+        if len(data) != int(info["bytes"]):
+            raise TruncatedExport(f"truncated export: {name} has {len(data)} bytes, the manifest records "
+                                  f"{info['bytes']}")
+        if sha256_bytes(data) != info["sha256"]:
+            raise TamperedExport(f"tampered export: sha256 of {name} does not match the manifest (checksum mismatch)")
+        blobs[name] = data
+    if revision_id(files[WEIGHTS]["sha256"], manifest) != manifest["revision"]:
+        raise TamperedExport("tampered export: the revision id does not derive from the weights and settings")
+    # compatibility with what the caller expects
+    if expect_bits is not None and int(manifest["bits"]) != int(expect_bits):
+        raise IncompatibleExport(f"incompatible export: {manifest['bits']}-bit codes, expected {expect_bits} bits")
+    want_name, want_fp = _encoder_expectation(expect_encoder)
+    enc = manifest["encoder"]
+    if want_name is not None and enc.get("name") != want_name:
+        raise IncompatibleExport(f"incompatible export: trained on encoder {enc.get('name')!r}, expected {want_name!r}")
+    if want_fp is not None and enc.get("fingerprint") != want_fp:
+        raise IncompatibleExport(f"incompatible export: encoder {enc.get('name')} weights fingerprint "
+                                 f"{enc.get('fingerprint')!r}, expected {want_fp!r} (different encoder weights)")
+    # tensors
+    from safetensors.torch import load as st_load
+    try:
+        tensors = st_load(blobs[WEIGHTS])
+    except Exception as e:
+        raise CorruptExport(f"corrupt export: {WEIGHTS} is not a readable safetensors file ({e})") from e
+    want = manifest["tensors"]
+    if set(tensors) != set(want):
+        raise CorruptExport(f"corrupt export: tensors {sorted(set(tensors) ^ set(want))[:6]} differ between "
+                            f"{WEIGHTS} and the manifest")
+    for k, t in tensors.items():
+        if list(t.shape) != list(want[k]["shape"]) or str(t.dtype).replace("torch.", "") != want[k]["dtype"]:
+            raise CorruptExport(f"corrupt export: tensor {k} is {str(t.dtype)} {list(t.shape)}, the manifest says "
+                                f"{want[k]['dtype']} {want[k]['shape']}")
+    _check_layers(manifest, tensors)
+    return ExportedHead(manifest, tensors, device=device)
+
+
+def _check_layers(manifest: dict, tensors: dict) -> None:
+    head, mods = manifest["head"], manifest["modalities"]
+    layers = head.get("layers") if isinstance(head, dict) else None
+    if not isinstance(layers, dict) or set(layers) != set(mods):
+        raise CorruptExport("corrupt export: head.layers must list the layers of every modality")
+    for m, ops in layers.items():
+        d = int(mods[m]["in_dim"])
+        for op in ops:
+            kind = op.get("op")
+            if kind not in _OPS:
+                raise IncompatibleExport(f"incompatible export: {m} head uses op {kind!r}; this loader knows {_OPS}")
+            for key in ("weight", "bias"):
+                if op.get(key) and op[key] not in tensors:
+                    raise CorruptExport(f"corrupt export: {m} {kind} refers to missing tensor {op[key]}")
+            if kind == "linear":
+                w = tensors[op["weight"]]
+                if w.ndim != 2 or w.shape[1] != d:
+                    raise CorruptExport(f"corrupt export: {m} linear {op['weight']} is {list(w.shape)}, input is {d}-d")
+                d = w.shape[0]
+        if d != int(manifest["dim"]):
+            raise CorruptExport(f"corrupt export: {m} head ends at {d}-d, manifest dim is {manifest['dim']}")
+    p = tensors.get(manifest["prototypes"].get("tensor", ""))
+    if p is None or list(p.shape) != [int(manifest["bits"]), int(manifest["dim"])]:
+        raise CorruptExport(f"corrupt export: prototypes must be [bits, dim] = [{manifest['bits']}, {manifest['dim']}]")
+
+
+__all__ = ["CorruptExport", "EncoderId", "ExportError", "ExportedHead", "FORMAT", "FORMAT_VERSION",
+           "IncompatibleExport", "TamperedExport", "TruncatedExport", "load_export", "read_manifest",
+           "revision_id"]

@@ -1,0 +1,174 @@
+"""Requests: raw media, encoder features or codes -> a `Query` (modality, packed code, shared-space z).
+
+    enc = QueryEncoder(head)                  # head: an ExportedHead (or anything with encode/bits/...)
+    q = enc("text", "a red fox")              # raw input through the export's frozen encoder
+    q = enc("image", png_bytes)               # encoded file bytes, or a PIL image
+    q = enc("audio", wav_bytes)               # encoded file bytes, or a mono float32 wave at enc rate
+    q = enc("image", features=f)              # precomputed encoder features [in_dim]
+
+Raw inputs need the frozen encoder the head was trained on. It is built on first use from the export's
+manifest (encoder name + config) and must reproduce the manifest's weights fingerprint, or a
+`RequestError` says so; or pass `encoder=` yourself. Bad input raises `RequestError` (a ValueError)
+with a message meant for the client: unknown modality, undecodable media, wrong feature shape.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ushash.data import media
+
+MODALITIES = ("image", "text", "audio")
+
+
+class RequestError(ValueError):
+    """The request cannot be turned into a code: the message says why (for a 4xx)."""
+
+
+@dataclass
+class Query:
+    modality: str
+    code: bytes                 # packed code, bits / 8 bytes (ushash.core.codes bit order)
+    z: np.ndarray | None        # float32 [dim], unit L2 norm, shared-space embedding (payload check)
+
+
+def _sniff_suffix(data: bytes, modality: str) -> str:
+    head = data[:512].lstrip().lower()
+    if modality == "image" and (head.startswith(b"<?xml") or head.startswith(b"<svg") or b"<svg" in head):
+        return ".svg"
+    return ".bin"
+
+
+def _decode_bytes(modality: str, data: bytes, sample_rate: int | None, seconds: float | None):
+    """Encoded file bytes -> the raw value the encoder preprocesses, through ushash.data.media's decoders."""
+    if not data:
+        raise RequestError(f"empty {modality} input (0 bytes)")
+    fd, path = tempfile.mkstemp(suffix=_sniff_suffix(data, modality), prefix="ushash-req-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            if modality == "image":
+                return media.load_image(path)
+            return media.load_audio(path, sample_rate, seconds)
+        except media.MediaError as e:
+            # media names the (temporary) path; the client only needs the reason
+            reason = str(e).split(": ", 1)[-1]
+            raise RequestError(f"undecodable {modality}: {reason}") from None
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _unit(z) -> np.ndarray:
+    """float32 copy with unit L2 norm (heads already normalise z; this guards rounding and stand-ins)."""
+    z = np.asarray(z, np.float32).reshape(-1)
+    return np.ascontiguousarray(z / max(float(np.sqrt(z @ z)), 1e-30))
+
+
+class QueryEncoder:
+    def __init__(self, head, encoder=None):
+        self.head = head
+        self._encoder = encoder
+        self._lock = threading.Lock()
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return tuple(self.head.modalities)
+
+    def check_modality(self, modality) -> str:
+        if not isinstance(modality, str) or modality not in self.modalities:
+            known = ", ".join(self.modalities)
+            raise RequestError(f"modality {modality!r} is not served; this cache's head encodes: {known}")
+        return modality
+
+    # ------------------------------------------------------------------ encoder
+    def encoder(self):
+        with self._lock:
+            if self._encoder is None:
+                self._encoder = self._build_encoder()
+            return self._encoder
+
+    def _build_encoder(self):
+        from ushash.encoders import build_encoder
+
+        man = getattr(self.head, "manifest", None) or {}
+        enc = man.get("encoder") or {}
+        name = enc.get("name") or getattr(getattr(self.head, "encoder", None), "name", None)
+        cfg = dict(enc.get("config") or {})
+        if not name or name == "synthetic":
+            raise RequestError(f"this head was trained on {name or 'unknown'!s} features: send precomputed "
+                               f"features, not raw media")
+        cfg["name"] = name
+        cfg.setdefault("device", "cpu")
+        try:
+            encoder = build_encoder(cfg)
+        except Exception as e:  # missing weights package, unknown args ...
+            raise RequestError(f"cannot build the {name!r} encoder for raw inputs ({type(e).__name__}: {e}); "
+                               f"send precomputed features instead") from e
+        want = enc.get("fingerprint") or getattr(getattr(self.head, "encoder", None), "fingerprint", None)
+        if want and encoder.fingerprint != want:
+            raise RequestError(f"the {name!r} encoder built here has fingerprint {encoder.fingerprint}, the export "
+                               f"was trained on {want}: raw inputs would give meaningless codes")
+        return encoder
+
+    def features(self, modality: str, data) -> np.ndarray:
+        """Raw input -> encoder features float32 [in_dim]."""
+        enc = self.encoder()
+        if modality not in enc.modalities:
+            raise RequestError(f"the encoder has no {modality} tower")
+        if modality == "text":
+            if isinstance(data, bytes):
+                try:
+                    data = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise RequestError(f"text is not valid UTF-8 ({e})") from None
+            try:
+                raw = media.load_text(data)
+            except media.MediaError as e:
+                raise RequestError(f"bad text: {e}") from None
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            raw = _decode_bytes(modality, bytes(data), enc.sample_rate, enc.audio_seconds)
+        elif modality == "image":
+            from PIL import Image
+            if not isinstance(data, Image.Image):
+                raise RequestError(f"image input must be encoded file bytes or a PIL image; got {type(data).__name__}")
+            raw = data.convert("RGB")
+        else:
+            raw = np.asarray(data, dtype=np.float32)
+            if raw.ndim != 1 or not np.isfinite(raw).all() or raw.size == 0:
+                raise RequestError("audio input must be encoded file bytes or a finite mono float wave [samples]")
+        x = enc.preprocess(modality, raw)
+        return enc.encode(modality, enc.collate(modality, [x])).float().cpu().numpy()[0]
+
+    # ------------------------------------------------------------------ query
+    def __call__(self, modality: str, data=None, features=None) -> Query:
+        modality = self.check_modality(modality)
+        if (data is None) == (features is None):
+            raise RequestError("give exactly one of: the raw input, or precomputed encoder features")
+        if features is None:
+            features = self.features(modality, data)
+        return self.from_features(modality, features)
+
+    def from_features(self, modality: str, features) -> Query:
+        f = np.asarray(features)
+        want = getattr(self.head, "in_dims", {}).get(modality)
+        if f.ndim != 1 or (want is not None and f.shape[0] != want):
+            raise RequestError(f"{modality} features must be a vector of {want or 'in_dim'} floats; got shape {f.shape}")
+        if not (np.issubdtype(f.dtype, np.floating) or np.issubdtype(f.dtype, np.integer)) or not np.isfinite(f).all():
+            raise RequestError(f"{modality} features must be finite numbers")
+        codes, z = self.head.encode(modality, f[None].astype(np.float32))
+        return Query(modality, codes[0].tobytes(), _unit(z[0]))
+
+    def batch(self, modality: str, features) -> list[Query]:
+        """Many precomputed feature rows at once (one forward pass)."""
+        modality = self.check_modality(modality)
+        codes, z = self.head.encode(modality, np.asarray(features, dtype=np.float32))
+        return [Query(modality, c.tobytes(), _unit(zz)) for c, zz in zip(codes, z)]

@@ -1,0 +1,189 @@
+"""python -m ushash.export ckpt=checkpoints/<run>/best.ckpt out=exports/<name>
+
+Writes a self-contained, pickle-free export of a trained US-HASH head for the serving cache (format in
+docs/export.md): `weights.safetensors` (the projection heads, the prototypes and any payload channel
+scales) and `manifest.json` (format version, ushash version, bits, dims, modalities, the encoder's name
+and weights fingerprint, the layer list, payload settings, a revision id and sha256 checksums).
+`ushash.serving.artifact.load_export` reads it with no Hydra, Lightning or training code.
+
+Payload formats come from `payload` (configs/payload/*.yaml; e.g. `payload=int4_sparse`, or
+`payload.image.kind=fp16`). Formats with channel scales are calibrated on the checkpoint's training split
+(`calibration.split`), so those need the feature store; the defaults do not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+import ushash
+from ushash.serving import artifact
+from ushash.config import CONFIG_DIR, to_dict
+from ushash.hashing.heads import USHash
+from ushash.serving.payload import PayloadCodec
+
+
+def layer_list(model: USHash) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The inference-time layers of every head as manifest entries, and the tensors they name.
+
+    Dropout is the identity at inference and is left out; any other module type is refused, so an
+    export never silently differs from the model it came from."""
+    layers, tensors = {}, {}
+    for m, seq in model.heads.items():
+        ops = []
+        for i, mod in enumerate(seq):
+            pre = f"heads.{m}.{i}"
+            if isinstance(mod, nn.Linear):
+                tensors[f"{pre}.weight"] = mod.weight
+                op = {"op": "linear", "weight": f"{pre}.weight", "bias": None,
+                      "in_features": mod.in_features, "out_features": mod.out_features}
+                if mod.bias is not None:
+                    tensors[f"{pre}.bias"] = mod.bias
+                    op["bias"] = f"{pre}.bias"
+            elif isinstance(mod, nn.LayerNorm):
+                op = {"op": "layer_norm", "normalized_shape": list(mod.normalized_shape), "eps": float(mod.eps),
+                      "weight": None, "bias": None}
+                if mod.weight is not None:
+                    tensors[f"{pre}.weight"] = mod.weight
+                    op["weight"] = f"{pre}.weight"
+                if mod.bias is not None:
+                    tensors[f"{pre}.bias"] = mod.bias
+                    op["bias"] = f"{pre}.bias"
+            elif isinstance(mod, nn.GELU):
+                op = {"op": "gelu", "approximate": mod.approximate}
+            elif isinstance(mod, nn.Dropout):
+                continue
+            else:
+                raise TypeError(f"cannot export {m} head layer {i} ({type(mod).__name__}); "
+                                f"the serving loader knows Linear, LayerNorm, GELU (and skips Dropout)")
+            ops.append(op)
+        layers[m] = ops
+    tensors["prototypes"] = model.prototypes
+    return layers, {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
+
+
+def build_manifest(model: USHash, encoder: dict, payload: PayloadCodec, tensors: dict[str, torch.Tensor],
+                   layers: dict, source: dict | None = None) -> dict:
+    """The manifest without `files`, `revision` and `manifest_sha256` (write_export adds them)."""
+    if not encoder or not encoder.get("name") or not encoder.get("fingerprint"):
+        raise ValueError("the export needs the encoder's name and weights fingerprint; the checkpoint's "
+                         "provenance has none (train with ushash.train, or pass encoder={name, fingerprint})")
+    if payload.dim != model.dim:
+        raise ValueError(f"payload formats are {payload.dim}-d but the head's shared space is {model.dim}-d")
+    missing = [m for m in model.modalities if m not in payload.modalities]
+    if missing:
+        raise ValueError(f"no payload format for modalities {missing}")
+    first = next(iter(model.heads.values()))
+    hidden = next((op.out_features for op in first if isinstance(op, nn.Linear)), None)
+    return {
+        "format": artifact.FORMAT,
+        "format_version": artifact.FORMAT_VERSION,
+        "ushash_version": ushash.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "bits": int(model.bits),
+        "dim": int(model.dim),
+        "modalities": {m: {"in_dim": int(d)} for m, d in model.in_dims.items()},
+        "encoder": {"name": str(encoder["name"]), "fingerprint": str(encoder["fingerprint"]),
+                    "config": encoder.get("config") or {}},
+        "head": {"hidden": hidden, "n_linear": sum(isinstance(op, nn.Linear) for op in first),
+                 "output": "l2_normalize", "layers": layers},
+        "prototypes": {"tensor": "prototypes", "shape": [int(model.bits), int(model.dim)],
+                       "logits": "z @ l2_normalize(prototypes).T", "code": "bit i = logit_i > 0",
+                       "bit_order": "bit i is bit i % 8 (LSB first) of byte i // 8"},
+        "payload": {**payload.settings(), "embedding": "z (shared space, L2-normalised)",
+                    "int4": "symmetric, q = clip(round(x / s), -7, 7) stored as q + 8, two nibbles a byte, "
+                            "even position low"},
+        "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+                    for k, v in sorted(tensors.items())},
+        "source": dict(source or {}),
+    }
+
+
+def write_export(model: USHash, out: str | Path, encoder: dict, payload: PayloadCodec | None = None,
+                 source: dict | None = None, overwrite: bool = False) -> Path:
+    """Write model + payload settings to the export directory `out` (atomically: a sibling temp folder
+    renamed into place). Returns the path. Refuses to replace an existing export unless overwrite."""
+    from safetensors.torch import save as st_save
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=true to replace it")
+    payload = payload or PayloadCodec.default(model.dim, model.modalities)
+    layers, tensors = layer_list(model)
+    for k, v in payload.tensors().items():
+        tensors[k] = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+    manifest = build_manifest(model, encoder, payload, tensors, layers, source)
+    # one metadata key: safetensors writes its metadata map in hash order, and the bytes must not vary
+    blob = st_save(dict(sorted(tensors.items())), metadata={"format": f"{artifact.FORMAT}/{artifact.FORMAT_VERSION}"})
+    wsha = artifact.sha256_bytes(blob)
+    manifest["files"] = {artifact.WEIGHTS: {"sha256": wsha, "bytes": len(blob)}}
+    manifest["revision"] = artifact.revision_id(wsha, manifest)
+    manifest["manifest_sha256"] = artifact.manifest_digest(manifest)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.with_name(f".{out.name}.partial{os.getpid()}")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir()
+    for name, data in ((artifact.WEIGHTS, blob), (artifact.MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())):
+        with open(work / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(work, out)
+    return out
+
+
+def _calibration_samples(module, cfg: DictConfig, codec: PayloadCodec) -> dict:
+    """z of the checkpoint's training split, for formats with channel scales (only when needed)."""
+    need = [m for m, f in codec.formats.items() if f.uses_channel_scales]
+    if not need:
+        return {}
+    from ushash.data.store import open_split, store_path
+    prov = module.hparams.provenance or {}
+    enc = prov.get("encoder") or {}
+    features_dir = cfg.features_dir or prov.get("features_dir")
+    if not features_dir or not prov.get("dataset"):
+        raise ValueError(f"payload formats of {need} use channel scales, calibrated on the training split, but "
+                         f"the checkpoint does not say where its features are; set features_dir=...")
+    split = open_split(store_path(features_dir, prov["dataset"], cfg.calibration.split, enc["name"], enc["fingerprint"]))
+    out = {}
+    for m in need:
+        x = np.asarray(split.tables[m].x[: int(cfg.calibration.max_rows)])
+        out[m] = module.model.encode(m, x)[1]
+    return out
+
+
+def run_export(cfg: DictConfig, module=None) -> dict:
+    """Export the checkpoint `cfg.ckpt`; returns {"out", "revision", "manifest"}."""
+    from ushash.hashing.module import load_checkpoint
+
+    module = module or load_checkpoint(cfg.ckpt)
+    model = module.model.eval()
+    prov = dict(module.hparams.provenance or {})
+    codec = PayloadCodec.from_config(model.dim, model.modalities, to_dict(cfg.payload) if cfg.get("payload") else None)
+    samples = _calibration_samples(module, cfg, codec)
+    for m, z in samples.items():
+        codec[m].fit(z, percentile=float(cfg.calibration.percentile))
+    run = prov.get("run_name") or Path(str(cfg.ckpt)).parent.name
+    out = Path(cfg.out) if cfg.out else Path(cfg.paths.root) / "exports" / run
+    if not out.is_absolute():
+        out = Path(cfg.paths.root) / out  # relative paths hang off the repository, like the rest of ushash
+    # provenance without machine paths: the export travels to other machines
+    source = {"dataset": prov.get("dataset"), "run_name": run, "checkpoint": Path(str(cfg.ckpt)).name,
+              "seed": prov.get("seed"), "calibration_split": cfg.calibration.split if samples else None}
+    write_export(model, out, prov.get("encoder") or {}, codec, source=source, overwrite=bool(cfg.overwrite))
+    head = artifact.load_export(out)  # read back through the serving loader before declaring success
+    print(f"[export] {out}: revision {head.revision}, {head.bits} bits, modalities {head.modalities}, "
+          f"encoder {head.encoder.name}-{head.encoder.fingerprint}, payload {head.payload!r}")
+    return {"out": str(out), "revision": head.revision, "manifest": head.manifest}
