@@ -63,15 +63,15 @@ def test_registry_has_every_method_and_a_config_for_each():
 
 def test_align_none_refuses_unaligned_dims(unaligned):
     with pytest.raises(ValueError, match="different dims"):
-        methods.build("itq", 32, align="none").fit(unaligned["train"])
+        methods.build("itq", 32, align="none").fit(unaligned["train"], unaligned["val"])
 
 
 def test_unaligned_raw_spaces_are_at_chance_and_gcca_aligns_them(tmp_path):
     # equal dims but unrelated maps: fitting "jointly" on raw features runs, and is at chance
     sp = synthetic.write_synthetic(tmp_path, sizes={"train": 1000, "val": 50, "test": 300}, n_classes=10,
                                    dims={"image": 40, "text": 40}, noise=0.5)
-    raw = label_map(sp["test"], methods.build("itq", 32, align="none").fit(sp["train"]))
-    aligned = label_map(sp["test"], methods.build("itq", 32, align="gcca").fit(sp["train"]))
+    raw = label_map(sp["test"], methods.build("itq", 32, align="none").fit(sp["train"], sp["val"]))
+    aligned = label_map(sp["test"], methods.build("itq", 32, align="gcca").fit(sp["train"], sp["val"]))
     labels = np.array([l[0] for l in sp["test"].tables["text"].labels])
     chance = float(np.mean([np.mean(labels == c) for c in labels]))  # share of the database with the query's class
     assert raw < chance + 0.08, (raw, chance)
@@ -107,8 +107,8 @@ def test_itq_beats_lsh(space_name, request):
     Measured: joint ITQ 0.594 / LSH 0.39-0.43; unaligned ITQ 0.793 / LSH 0.51-0.58."""
     sp = request.getfixturevalue(space_name)
     align = "none" if space_name == "joint" else "gcca"
-    itq = label_map(sp["test"], methods.build("itq", 32, seed=0, align=align).fit(sp["train"]))
-    lsh = [label_map(sp["test"], methods.build("lsh", 32, seed=s, align=align).fit(sp["train"])) for s in range(3)]
+    itq = label_map(sp["test"], methods.build("itq", 32, seed=0, align=align).fit(sp["train"], sp["val"]))
+    lsh = [label_map(sp["test"], methods.build("lsh", 32, seed=s, align=align).fit(sp["train"], sp["val"])) for s in range(3)]
     assert itq > max(lsh) + 0.1, (itq, lsh)
 
 
@@ -116,7 +116,7 @@ def test_itq_beats_lsh(space_name, request):
 def test_fitted_codes_are_bit_balanced(name, unaligned):
     """Every bit is on for 50% +- 12% of the test codes (all modalities stacked; 1,200 codes). Measured worst
     bit at 32 bits: LSH 0.073, PCA-sign 0.048, ITQ 0.035, PCA + rotation 0.063 off 0.5."""
-    m = methods.build(name, 32, seed=1).fit(unaligned["train"])
+    m = methods.build(name, 32, seed=1).fit(unaligned["train"], unaligned["val"])
     test = unaligned["test"]
     packed = np.concatenate([m.encode(mod, test.tables[mod].x)[1] for mod in test.modalities])
     bal = codes.bit_balance(packed, 32)
@@ -126,10 +126,10 @@ def test_fitted_codes_are_bit_balanced(name, unaligned):
 def test_fitted_methods_are_seeded_and_deterministic(unaligned):
     tr, x = unaligned["train"], np.asarray(unaligned["test"].tables["image"].x)
     for name in FITTED_CODES:
-        a = methods.build(name, 32, seed=3).fit(tr).encode("image", x)[1]
-        b = methods.build(name, 32, seed=3).fit(tr).encode("image", x)[1]
+        a = methods.build(name, 32, seed=3).fit(tr, unaligned["val"]).encode("image", x)[1]
+        b = methods.build(name, 32, seed=3).fit(tr, unaligned["val"]).encode("image", x)[1]
         np.testing.assert_array_equal(a, b)
-    lsh = [methods.build("lsh", 32, seed=s).fit(tr).encode("image", x)[1] for s in (3, 4)]
+    lsh = [methods.build("lsh", 32, seed=s).fit(tr, unaligned["val"]).encode("image", x)[1] for s in (3, 4)]
     assert (lsh[0] != lsh[1]).any()  # the seed draws the hyperplanes
 
 
@@ -140,12 +140,12 @@ def test_fit_is_refused_on_val_or_test(unaligned):
 
 
 def test_float_upper_bound_and_bits_beyond_the_space(unaligned):
-    f = methods.build("float", 32).fit(unaligned["train"])
+    f = methods.build("float", 32).fit(unaligned["train"], unaligned["val"])
     kind, y = f.encode("text", unaligned["test"].tables["text"].x)
     assert kind == "float" and np.allclose(np.linalg.norm(y, axis=1), 1, atol=1e-5)
-    assert label_map(unaligned["test"], f) > label_map(unaligned["test"], methods.build("itq", 32).fit(unaligned["train"]))
+    assert label_map(unaligned["test"], f) > label_map(unaligned["test"], methods.build("itq", 32).fit(unaligned["train"], unaligned["val"]))
     with pytest.raises(ValueError, match="bits=256 > shared space dim"):
-        methods.build("pca_sign", 256, common_dim=64, max_rank=64).fit(unaligned["train"])
+        methods.build("pca_sign", 256, common_dim=64, max_rank=64).fit(unaligned["train"], unaligned["val"])
 
 
 # ---------------------------------------------------------------------------------------------- trained objectives
@@ -248,5 +248,5 @@ def test_ushash_beats_itq_on_synthetic(bits, protocol, unaligned, tmp_path):
         reps = retrieval.represent(test, method)
         return retrieval.mean_map(retrieval.evaluate(test, {"m": lambda m, x: reps[m]}, protocols=(protocol,)), protocol)
 
-    us, itq = score(module.code_method()), score(methods.build("itq", bits, seed=0).fit(unaligned["train"]))
+    us, itq = score(module.code_method()), score(methods.build("itq", bits, seed=0).fit(unaligned["train"], unaligned["val"]))
     assert us > itq + 0.1, (us, itq)

@@ -1,8 +1,17 @@
-"""Hydra plumbing shared by the entry points: the repo root, the config folder, and `compose` for tests."""
+"""Configuration: the typed schema of every setting with its default and meaning, and the Hydra plumbing.
+
+The dataclasses below are the one source of the defaults. They are registered in Hydra's ConfigStore as
+`<group>/schema` (and `schema_root` for the root keys), and the YAML files under configs/ extend them
+(`defaults: [schema, _self_]`), so `python -m ushash.train model.lr=abc` fails at load time naming the key,
+and the code builds its objects from the same classes (`ModelConfig()` is what `USHashModule` defaults to).
+Settings of the serving side have their own schemas next to their code (`ushash.serving.cache.config`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -14,9 +23,143 @@ if not OmegaConf.has_resolver("ushash_root"):
     OmegaConf.register_new_resolver("ushash_root", lambda: str(ROOT))
 
 
+# ---------------------------------------------------------------------------------------------- schemas
+
+@dataclass
+class SpaceConfig:
+    """The shared input space (ushash/hashing/methods/space.py): every no-training method is fitted in it,
+    and US-HASH's closed-form start (model.init=gcca) is its linear map plus the ITQ rotation of it.
+    max_rank / reg "auto": every pair of rank_grid x reg_grid is fitted on train and the one whose float
+    space scores best on val is kept (retrieval.SELECTION_DOC); a number is used as given."""
+    align: str = "auto"               # auto: raw space for joint encoders (CLIP/CLAP), else gcca; none | gcca
+    common_dim: int = 128             # dims of the GCCA common space (raised to bits when bits is larger)
+    max_rank: Union[int, str] = "auto"   # principal axes kept per modality before GCCA
+    reg: Union[float, str] = "auto"      # ridge on each modality's covariance, relative to its mean eigenvalue
+    power: float = 1.0                # common axis i is weighted by (eigenvalue_i - 1) ** power
+    rank_grid: list[int] = field(default_factory=lambda: [128, 256, 512, 1024, 2048])
+    reg_grid: list[float] = field(default_factory=lambda: [0.1, 0.3, 1.0, 3.0])
+
+
+Weight = float  # (a field of LossConfig is named "float": its annotations use this alias)
+
+
+@dataclass
+class LossConfig:
+    """US-HASH's loss weights (ushash/hashing/methods/ushash.py)."""
+    contrastive: Weight = 1.0          # cross-modal InfoNCE on relaxed codes (cosine)
+    float: Weight = 0.5                # the same on the continuous embeddings z
+    distill: Weight = 10.0             # code similarities pulled to the closed-form space's cosines (init=gcca)
+    quant: Weight = 0.1                # (|h| - 1)^2
+    balance: Weight = 0.1              # each bit half on
+    decor: Weight = 0.01               # bits decorrelated
+    proto: Weight = 0.01               # prototypes near-orthogonal
+
+
+@dataclass
+class ModelConfig:
+    """US-HASH heads and their training (ushash/hashing/module.py has the recipe). Defaults chosen on the
+    validation splits of Tux Paint, emoji and the synthetic set together (docs/baselines.md)."""
+    init: str = "gcca"                # gcca: linear heads start as the shared space's maps, prototypes as its ITQ rotation; random
+    dim: int = 128                    # shared space dimension with init=random (gcca: the shared space's own)
+    hidden: int = 512                 # hidden width of each projection head (init=random with layers > 1)
+    layers: int = 1                   # linear layers per head (init=gcca needs 1)
+    dropout: float = 0.1
+    lr: float = 1e-3                  # prototypes and the learned temperatures
+    head_lr: Optional[float] = None   # heads; None: lr / 10 with init=gcca (they start at the closed-form fit), lr otherwise
+    weight_decay: float = 1e-4
+    batch_size: int = 128             # groups per batch
+    temperature: float = 0.5          # contrastive temperature (codes and z), the start of the learned one
+    learn_temperature: bool = True    # learn it (a CLIP-style logit scale); false: keep it fixed
+    relax: str = "tanh"               # tanh(beta * sqrt(dim) * l) with beta rising, or ste (straight-through sign)
+    beta_start: float = 1.0
+    beta_end: float = 16.0
+    loss: LossConfig = field(default_factory=LossConfig)
+
+
+@dataclass
+class ExtractConfig:
+    """Feature extraction (ushash/data/extract.py)."""
+    splits: list[str] = field(default_factory=lambda: ["train", "val", "test"])
+    batch_size: int = 64
+    num_workers: Any = "auto"         # DataLoader workers that decode media; auto: one per core beyond the first, at most 8
+    device: str = "auto"              # auto: cuda when available
+    max_bad_frac: float = 0.5         # stop when more than this share of a modality's rows fail to decode
+    progress: bool = True
+    shards: int = 0                   # > 0: hash rows into this many resumable shards (ushash/data/shards.py)
+    strategy: Optional[str] = None    # ddp: Lightning DDP prediction, each rank writes its own shards, rank 0 merges
+    devices: int = 1
+    num_nodes: int = 1
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation (ushash/evaluation/evaluate.py): the demo's `eval` block and python -m ushash.eval."""
+    split: str = "test"
+    database: Optional[str] = None    # split ranked against; None: the query split itself (hashing protocol: database)
+    k: int = 10
+    denominator: str = "min"          # mAP@k denominator: min (Z=min(k,#rel)), found, all
+    protocols: list[str] = field(default_factory=lambda: ["paired", "label"])
+
+
+@dataclass
+class EvalRunConfig(EvalConfig):
+    """python -m ushash.eval (configs/eval.yaml): the evaluation settings plus which checkpoint and where."""
+    ckpt: str = "???"                 # required: a checkpoint (it describes itself; no other config is needed)
+    features_dir: Optional[str] = None  # default: the feature store the checkpoint was trained from
+    out: Optional[str] = None         # default: experiments/eval/<run name>
+    paths: Any = None
+
+
+@dataclass
+class EarlyStopConfig:
+    patience: Optional[int] = 10      # stop after this many epochs without a better val score (the initial weights count); None: never
+
+
+@dataclass
+class RootConfig:
+    """The root keys of configs/config.yaml (extract / train / sweep / demo); the groups are their own schemas."""
+    bits: int = 64                    # code length: 16, 32, 64 or 128 (any multiple of 8 up to 1024)
+    seed: int = 0
+    run_name: str = "${data.name}-${encoder.name}-${bits}b-s${seed}"
+    resume: bool = True               # continue from checkpoints/<run>/last.ckpt when it exists
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sweep: Any = None                 # the sweep's settings (ushash/evaluation/sweep.py), set by experiment files
+    # the config groups (each with its own YAML; model and space with their schemas)
+    paths: Any = None
+    data: Any = None
+    encoder: Any = None
+    space: SpaceConfig = field(default_factory=SpaceConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: Any = None
+    trainer: Any = None
+    logger: Any = None
+    experiment: Any = None
+
+
+def register_schemas() -> None:
+    """Put the schemas in Hydra's ConfigStore (idempotent): configs/*.yaml name them in their defaults."""
+    from hydra.core.config_store import ConfigStore
+    cs = ConfigStore.instance()
+    cs.store(name="schema_root", node=RootConfig)
+    cs.store(group="model", name="schema", node=ModelConfig)
+    cs.store(group="space", name="schema", node=SpaceConfig)
+    cs.store(name="schema_eval", node=EvalRunConfig)
+
+
+register_schemas()
+
+
+# ---------------------------------------------------------------------------------------------- plumbing
+
 def to_dict(cfg: DictConfig | None) -> dict:
     """Plain, resolved containers before anything reaches a constructor or a checkpoint."""
-    return {} if cfg is None else OmegaConf.to_container(cfg, resolve=True)
+    if cfg is None:
+        return {}
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def compose(config_name: str = "config", overrides: list[str] | None = None) -> DictConfig:

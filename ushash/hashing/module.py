@@ -24,23 +24,30 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ushash.config import LossConfig, ModelConfig
 from ushash.hashing import losses
 from ushash.hashing.heads import USHash
+
+_M, _L = ModelConfig(), LossConfig()
 
 INITS = ("gcca", "random")
 MAX_LOGIT_SCALE = 100.0  # CLIP's clamp on exp(logit_scale)
 
 
 class USHashModule(pl.LightningModule):
-    def __init__(self, in_dims: dict, bits: int = 64, dim: int = 128, hidden: int = 512, layers: int = 1,
-                 dropout: float = 0.1, lr: float = 1e-3, weight_decay: float = 1e-4, temperature: float = 0.5,
-                 learn_temperature: bool = True,
-                 relax: str = "tanh", beta_start: float = 1.0, beta_end: float = 16.0, init: str = "gcca",
-                 head_lr: float | None = None, w_contrastive: float = 1.0, w_float: float = 0.5, w_quant: float = 0.1,
-                 w_balance: float = 0.1, w_decor: float = 0.01, w_proto: float = 0.01, w_distill: float = 10.0,
-                 max_epochs: int = 30, provenance: dict | None = None, method: str = "ushash",
-                 method_args: dict | None = None, n_train_groups: int = 0):
-        """provenance: plain dict describing what the head was trained on (dataset, encoder name, config and
+    def __init__(self, in_dims: dict, bits: int = 64, dim: int = _M.dim, hidden: int = _M.hidden,
+                 layers: int = _M.layers, dropout: float = _M.dropout, lr: float = _M.lr,
+                 weight_decay: float = _M.weight_decay, temperature: float = _M.temperature,
+                 learn_temperature: bool = _M.learn_temperature, relax: str = _M.relax,
+                 beta_start: float = _M.beta_start, beta_end: float = _M.beta_end, init: str = _M.init,
+                 head_lr: float | None = _M.head_lr, w_contrastive: float = _L.contrastive, w_float: float = _L.float,
+                 w_quant: float = _L.quant, w_balance: float = _L.balance, w_decor: float = _L.decor,
+                 w_proto: float = _L.proto, w_distill: float = _L.distill, max_epochs: int = 30,
+                 provenance: dict | None = None, method: str = "ushash", method_args: dict | None = None,
+                 n_train_groups: int = 0):
+        """Defaults: ushash.config.ModelConfig / LossConfig (the same as configs/model/ushash.yaml).
+
+        provenance: plain dict describing what the head was trained on (dataset, encoder name, config and
         fingerprint, feature store paths, the shared space); stored in the checkpoint so it describes itself.
 
         init: "gcca" (closed-form start, needs layers=1 and `initialise` before training) or "random".

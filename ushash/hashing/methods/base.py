@@ -8,7 +8,10 @@ import numpy as np
 
 from ushash.core import codes as codes_lib
 from ushash.data.store import FeatureSplit
+from ushash.config import SpaceConfig
 from ushash.hashing.methods.space import SharedSpace, choose_space, is_auto
+
+_S = SpaceConfig()
 
 
 class NotApplicable(ValueError):
@@ -22,8 +25,9 @@ class FittedMethod:
 
     output = "codes"
 
-    def __init__(self, bits: int, seed: int = 0, align: str = "auto", common_dim: int = 128, max_rank=256,
-                 reg=1.0, power: float = 1.0, rank_grid=None, reg_grid=None):
+    def __init__(self, bits: int, seed: int = 0, align: str = _S.align, common_dim: int = _S.common_dim,
+                 max_rank=_S.max_rank, reg=_S.reg, power: float = _S.power, rank_grid=None, reg_grid=None):
+        """Defaults: ushash.config.SpaceConfig (max_rank / reg "auto": `fit` needs the val split)."""
         self.bits = codes_lib.check_bits(bits) if self.output == "codes" else int(bits)
         self.seed = int(seed)
         self.space_settings = {"align": align, "common_dim": max(int(common_dim), self.bits if self.output == "codes" else 0),

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ushash.config import SpaceConfig
 from ushash.data.store import FeatureSplit
 
 JOINT_SPACE_ENCODERS = ("openclip", "hf_clip", "clap")  # towers trained into one space already
@@ -95,16 +96,16 @@ def _l2(x: np.ndarray) -> np.ndarray:
     return (x / np.where(n > 0, n, 1.0)).astype(np.float32)
 
 
-RANK_GRID = (128, 256, 512, 1024, 2048)
-REG_GRID = (0.1, 0.3, 1.0, 3.0)
+_S = SpaceConfig()
+RANK_GRID, REG_GRID = tuple(_S.rank_grid), tuple(_S.reg_grid)
 
 
 class SharedSpace:
     """Fit with `fit(train_split)`; then `transform(modality, x)` -> float32 [N, dim], unit rows.
     max_rank / reg must be numbers here; "auto" is resolved on val by `choose_space`."""
 
-    def __init__(self, align: str = "auto", common_dim: int = 128, max_rank: int = 256, reg: float = 1.0,
-                 power: float = 1.0):
+    def __init__(self, align: str = _S.align, common_dim: int = _S.common_dim, max_rank: int = 256, reg: float = 1.0,
+                 power: float = _S.power):
         if is_auto(max_rank) or is_auto(reg):
             raise ValueError("max_rank/reg='auto' are chosen on the validation split: use "
                              "ushash.hashing.methods.space.choose_space(train, val, ...) (or pass numbers)")
@@ -220,8 +221,8 @@ def is_auto(v) -> bool:
 _CHOSEN: dict = {}
 
 
-def choose_space(train: FeatureSplit, val: FeatureSplit | None, align: str = "auto", common_dim: int = 128,
-                 max_rank="auto", reg="auto", power: float = 1.0, rank_grid=RANK_GRID, reg_grid=REG_GRID,
+def choose_space(train: FeatureSplit, val: FeatureSplit | None, align: str = _S.align, common_dim: int = _S.common_dim,
+                 max_rank=_S.max_rank, reg=_S.reg, power: float = _S.power, rank_grid=RANK_GRID, reg_grid=REG_GRID,
                  progress: bool = False) -> SharedSpace:
     """The shared space fitted on `train`, with max_rank / reg set to "auto" chosen on `val` (module doc).
 

@@ -1,0 +1,62 @@
+"""Files: one atomic write (temp file in the same folder, fsync, rename) and one inter-process lock.
+
+Every artifact ushash writes (feature-store metadata, results, checkpoints' companions, exports) goes
+through `atomic_write` or `write_json`, so a reader never sees half a file and a crash leaves the old file
+whole. `exclusive(path)` is `filelock.FileLock` with a message when another process holds the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+log = logging.getLogger(__name__)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write `data` to `path` atomically: a temp file beside it, flushed and fsynced, then renamed over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json(path: str | os.PathLike, obj, compact: bool = False) -> Path:
+    """Atomic JSON: indented (one key a line) by default, `compact` for large result files."""
+    text = (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) if compact
+            else json.dumps(obj, indent=1, ensure_ascii=False))
+    return atomic_write(path, text + "\n")
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str | os.PathLike, what: str = ""):
+    """Hold an inter-process lock on `lock_path` (created if missing); says so once when it must wait."""
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another process holds %s%s; waiting for it", lock_path, f" ({what})" if what else "")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
