@@ -154,3 +154,36 @@ def test_evaluate_reports_the_tie_aware_value_beside_the_tie_broken_one(tmp_path
     for r in rows:
         assert r["tie_map@10"] == pytest.approx(r["map@10"], abs=1e-9)
         assert r["tie_R@1"] == pytest.approx(r["R@1"], abs=1e-9)
+
+
+def test_radius_curves_match_a_naive_loop():
+    """Hamming-radius precision / recall / retrieved and P@H<=2 (metrics.CURVES_DOC) against plain loops over
+    queries and radii; ties need no rule here (a radius takes every item at that distance)."""
+    from ushash.core.metrics import radius_counts, radius_curves
+    rng = np.random.default_rng(7)
+    bits, m, n = 8, 25, 40
+    dist = rng.integers(0, bits + 1, size=(m, n))
+    rel = rng.random((m, n)) < 0.2
+    rel[0] = False
+    dist[1] = 7                                   # a query that retrieves nothing within small radii
+    got = radius_curves(*radius_counts(*hamming_blocks(dist, rel, bits)))
+    prec, rec, ret = [], [], []
+    for r in range(bits + 1):
+        p_vals, r_vals, n_got = [], [], 0
+        for i in range(m):
+            inside = [j for j in range(n) if dist[i, j] <= r]
+            hits = sum(rel[i, j] for j in inside)
+            if inside:
+                n_got += 1
+                p_vals.append(hits / len(inside))
+            if rel[i].sum():
+                r_vals.append(hits / rel[i].sum())
+        prec.append(sum(p_vals) / len(p_vals) if p_vals else 0.0)
+        rec.append(sum(r_vals) / len(r_vals))
+        ret.append(n_got / m)
+    np.testing.assert_allclose(got["precision"], prec, atol=1e-12)
+    np.testing.assert_allclose(got["recall"], rec, atol=1e-12)
+    np.testing.assert_allclose(got["retrieved"], ret, atol=1e-12)
+    p2 = [sum(rel[i, j] for j in range(n) if dist[i, j] <= 2) / max(1, sum(dist[i] <= 2)) for i in range(m)]
+    assert got["p_h2"] == pytest.approx(np.mean(p2), abs=1e-12)
+    assert got["p_h2_retrieved"] == pytest.approx(np.mean([(dist[i] <= 2).any() for i in range(m)]), abs=1e-12)

@@ -327,3 +327,40 @@ def expected_report(count, relevant, n_rel, k=10, ks=(1, 5, 10), denominator="mi
         p_none = np.where(ok.all(axis=1), np.exp(logp.sum(axis=1)), 0.0)
         out[f"tie_R@{K}"] = float((1.0 - p_none).mean())
     return out
+
+
+# ---------------------------------------------------------------------------------------------- curves
+
+CURVES_DOC = (
+    "Hamming-ranking curves: for each radius r = 0..bits, precision(r) = relevant / retrieved among database items "
+    "within Hamming distance r, averaged over the queries that retrieve at least one item (`retrieved` is that "
+    "share of queries); recall(r) = relevant within r / all relevant, averaged over queries with a relevant item. "
+    "P@H<=2 is precision within radius 2 averaged over all queries, a query that retrieves nothing scoring 0 "
+    "(the HashNet/DCH convention). A radius includes every item at that distance, so no tie rule is involved. "
+    "P@K: relevant in the top K / K, tie-aware.")
+
+
+def radius_counts(count, relevant) -> tuple[np.ndarray, np.ndarray]:
+    """From `hamming_blocks` (items and relevant items at each distance 0..bits, per query): the items and the
+    relevant items within each radius, int64 [M, bits + 1] each."""
+    return np.cumsum(count, axis=1), np.cumsum(relevant, axis=1)
+
+
+def radius_curves(within, rel_within, n_rel=None) -> dict:
+    """The Hamming-radius curves of CURVES_DOC from `radius_counts` (all queries):
+    {"precision", "recall", "retrieved": lists over radius 0..bits, "p_h2", "p_h2_retrieved"}.
+    n_rel: relevant items per query in the database (default: those within the largest radius, i.e. all)."""
+    within = np.asarray(within, np.int64)
+    rel_within = np.asarray(rel_within, np.int64)
+    m, width = within.shape
+    n_rel = rel_within[:, -1] if n_rel is None else np.asarray(n_rel, np.int64)
+    got = within > 0
+    prec = np.divide(rel_within, within, out=np.zeros(within.shape), where=got)
+    n_got = got.sum(0)
+    precision = np.divide(prec.sum(0), n_got, out=np.zeros(width), where=n_got > 0)
+    has_rel = n_rel > 0
+    recall = (rel_within[has_rel] / n_rel[has_rel, None]).mean(0) if has_rel.any() else np.zeros(width)
+    r2 = min(2, width - 1)
+    return {"precision": [float(v) for v in precision], "recall": [float(v) for v in recall],
+            "retrieved": [float(v) for v in got.mean(0)] if m else [0.0] * width,
+            "p_h2": float(prec[:, r2].mean()) if m else 0.0, "p_h2_retrieved": float(got[:, r2].mean()) if m else 0.0}

@@ -79,23 +79,38 @@ def represent(split: FeatureSplit, method: Method) -> dict:
     return reps
 
 
-def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1, 5, 10),
-             protocols=("paired", "label"), denominator: str = "min",
-             database: FeatureSplit | None = None) -> list[dict]:
+#: K of the P@K curves (`evaluate(..., curves=True)`); capped at the database size.
+P_AT_K = (1, 5, 10, 20, 50, 100)
+
+
+def evaluate(split: FeatureSplit, methods: dict[str, Method] | None = None, k: int = 10, ks=(1, 5, 10),
+             protocols=("paired", "label"), denominator: str = "min", database: FeatureSplit | None = None,
+             reps: dict[str, dict] | None = None, curves: bool = False) -> list[dict]:
     """One row per (method, direction, protocol). The label protocol runs only if the split has labels.
 
     Queries come from `split`; the database is `database` when given (the hashing protocol's query set
     against its retrieval set), else `split` itself. A database smaller than k pads the ranking with
-    "no result" (-1), which is never relevant.
+    "no result" (-1), which is never relevant. Methods are functions (`methods`) or representations already
+    computed by `represent` (`reps`: name -> modality -> (kind, array)), for queries and database alike
+    when there is no separate database.
+
+    Each row has the tie-broken metrics (ties by ascending database index: map@k, R@K) and the tie-aware ones
+    (metrics.TIE_DOC: tie_map@k, tie_R@K, tie_P@K). curves=True adds "p_at_k" (tie-aware P@K for P_AT_K) and,
+    for codes, the Hamming-radius curves "pr", "p_h2", "p_h2_retrieved" (metrics.CURVES_DOC).
     """
     db_split = database if database is not None else split
     both = [split, db_split]
     (q_groups, d_groups) = _joint_group_ids(both) if database is not None else _joint_group_ids([split]) * 2
     labels = _joint_label_matrix(both) if "label" in protocols else None
+    sources = {name: (represent(split, fn), represent(db_split, fn) if database is not None else None)
+               for name, fn in (methods or {}).items()}
+    for name, r in (reps or {}).items():
+        if database is not None:
+            raise ValueError("precomputed reps hold one split; pass methods to rank against another database")
+        sources[name] = (r, None)
     rows = []
-    for name, method in methods.items():
-        q_reps = represent(split, method)
-        d_reps = represent(db_split, method) if database is not None else q_reps
+    for name, (q_reps, d_reps) in sources.items():
+        d_reps = d_reps if d_reps is not None else q_reps
         mods = [m for m in split.modalities if m in q_reps and m in d_reps]
         for q, d in directions(mods):
             kind, qx = q_reps[q]
@@ -104,44 +119,67 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method], k: int = 10, ks=(1
             here = [p for p in protocols if p != "label" or labels is not None]
             rel_args = {p: (q_groups[q], d_groups[d], p, labels[0][q] if p == "label" else None,
                             labels[1][d] if p == "label" else None) for p in here}
-            tie = tie_aware(kind, qx, dx, rel_args, k=k, ks=ks, denominator=denominator)
+            p_ks = tuple(K for K in P_AT_K if K <= len(dx)) or (max(1, len(dx)),)
+            full = full_ranking(kind, qx, dx, rel_args, k=k, ks=tuple(sorted(set(ks) | (set(p_ks) if curves else set()))),
+                                denominator=denominator, radius=curves and kind == "codes")
             for protocol in here:
                 rep = metrics.retrieval_report(
                     I, q_groups[q], d_groups[d], protocol=protocol, k=k, ks=ks, denominator=denominator,
                     q_labels=labels[0][q] if protocol == "label" else None,
                     db_labels=labels[1][d] if protocol == "label" else None)
-                rows.append({"method": name, "kind": kind, "bits": bits, "direction": direction_name(q, d),
-                             "n_database": int(len(dx)), **rep, **tie.get(protocol, {})})
+                extra = full.get(protocol, {})
+                shown = [f"tie_map@{k}"] + [f"tie_{x}@{K}" for x in ("R", "P") for K in ks]
+                row = {"method": name, "kind": kind, "bits": bits, "direction": direction_name(q, d),
+                       "n_database": int(len(dx)), **rep, **{key: extra[key] for key in shown if key in extra}}
+                if curves:
+                    row["p_at_k"] = {str(K): extra[f"tie_P@{K}"] for K in p_ks if f"tie_P@{K}" in extra}
+                    if "radius" in extra:
+                        c = extra["radius"]
+                        row.update({"pr": {key: c[key] for key in ("precision", "recall", "retrieved")},
+                                    "p_h2": c["p_h2"], "p_h2_retrieved": c["p_h2_retrieved"]})
+                rows.append(row)
     return rows
 
 
-def tie_aware(kind: str, qx: np.ndarray, dx: np.ndarray, rel_args: dict, k: int = 10, ks=(1, 5, 10),
-              denominator: str = "min") -> dict[str, dict]:
-    """protocol -> metrics.expected_report over every query (metrics.TIE_DOC): the Hamming distances (codes)
-    or cosines (floats) to every database item, one block of queries at a time. rel_args: protocol ->
-    the arguments of metrics.relevance_matrix for these queries. Empty for denominator "found"."""
-    if denominator not in ("min", "all") or not len(qx) or not len(dx):
+def full_ranking(kind: str, qx: np.ndarray, dx: np.ndarray, rel_args: dict, k: int = 10, ks=(1, 5, 10),
+                 denominator: str = "min", radius: bool = False) -> dict[str, dict]:
+    """What needs every database item's score, in one pass over blocks of queries: per protocol the tie-aware
+    metrics (metrics.expected_report; not for denominator "found") and, with `radius` (codes), the
+    Hamming-radius curves (metrics.radius_curves). Scores are Hamming distances (codes) or cosines (floats).
+    rel_args: protocol -> the arguments of metrics.relevance_matrix for these queries."""
+    tie = denominator in ("min", "all")
+    if not len(qx) or not len(dx) or not (tie or radius):
         return {}
-    n = len(dx)
+    n, m = len(dx), len(qx)
     depth = max(int(k), *ks)
     sums: dict[str, dict] = {p: {} for p in rel_args}
+    counts = {p: [] for p in rel_args}
     if kind == "codes":
         wq, wd = codes_lib.words(np.ascontiguousarray(qx)), codes_lib.words(np.ascontiguousarray(dx))
         bits = int(qx.shape[1] * 8)
     else:
         qn, dn = _l2_normalise(np.asarray(qx, np.float32)), _l2_normalise(np.asarray(dx, np.float32))
     step = max(1, (1 << 21) // n)
-    for s in range(0, len(qx), step):
+    for s in range(0, m, step):
         sl = slice(s, s + step)
         score = codes_lib.hamming_words(wq[sl], wd) if kind == "codes" else qn[sl] @ dn.T
         for p, (qg, dg, proto, ql, dl) in rel_args.items():
             rel = metrics.relevance_matrix(qg[sl], dg, proto, ql[sl] if ql is not None else None, dl)
             blocks = (metrics.hamming_blocks(score, rel, bits) if kind == "codes"
                       else metrics.tie_blocks(score, rel, depth, descending=True))
-            rep = metrics.expected_report(*blocks, rel.sum(axis=1), k=k, ks=ks, denominator=denominator)
-            for key, v in rep.items():
-                sums[p][key] = sums[p].get(key, 0.0) + v * len(rel)
-    return {p: {key: v / len(qx) for key, v in acc.items()} for p, acc in sums.items()}
+            if tie:
+                rep = metrics.expected_report(*blocks, rel.sum(axis=1), k=k, ks=ks, denominator=denominator)
+                for key, v in rep.items():
+                    sums[p][key] = sums[p].get(key, 0.0) + v * len(rel)
+            if radius:
+                counts[p].append(metrics.radius_counts(*blocks))
+    out = {p: {key: v / m for key, v in acc.items()} for p, acc in sums.items()}
+    if radius:
+        for p, parts in counts.items():
+            within = np.concatenate([w for w, _ in parts])
+            rel_within = np.concatenate([r for _, r in parts])
+            out[p]["radius"] = metrics.radius_curves(within, rel_within)
+    return out
 
 
 def rank(kind: str, qx: np.ndarray, dx: np.ndarray, k: int) -> tuple[np.ndarray, int | None]:

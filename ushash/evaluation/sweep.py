@@ -30,11 +30,11 @@ from ushash.hashing import methods
 from ushash.core import metrics
 from ushash.evaluation import retrieval
 from ushash.config import CONFIG_DIR, to_dict
-from ushash.evaluation.evaluate import CURVES_DOC, ranking_curves
 from ushash.data.store import FeatureSplit, open_split, store_path, write_json
 from ushash.hashing.methods.base import NotApplicable
 
 SPLITS = ("train", "val", "test")
+CURVE_KEYS = ("p_at_k", "pr", "p_h2", "p_h2_retrieved")  # kept apart from the rows in result.json
 DEFAULTS = {"name": None, "aggregate_only": False, "synthetic": None, "threads": None,
             "k": 10, "denominator": "min", "protocols": ["paired", "label"]}
 PROTOCOL_DOC = {
@@ -165,11 +165,12 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     rows, curves, outputs = [], [], {}
     for name, (title, fn) in entries.items():
         reps = retrieval.represent(test, fn)
-        for r in retrieval.evaluate(test, {name: lambda m, x, reps=reps: reps[m]}, k=int(s["k"]),
-                                    protocols=tuple(s["protocols"]), denominator=str(s["denominator"])):
+        for r in retrieval.evaluate(test, reps={name: reps}, k=int(s["k"]), protocols=tuple(s["protocols"]),
+                                    denominator=str(s["denominator"]), curves=True):
+            curve = {key: r.pop(key) for key in CURVE_KEYS if key in r}
             rows.append(r)
-        for c in ranking_curves(test, reps, protocols=tuple(s["protocols"])):
-            curves.append({"method": name, **c})
+            curves.append({key: r[key] for key in ("method", "kind", "bits", "direction", "protocol", "n_queries",
+                                                   "n_database")} | curve)
         outputs[name] = {"title": title, "kind": next(iter(reps.values()))[0]}
     result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
               "digest": dg, "entries": outputs, "dataset": test.meta["dataset"], "split": "test",
@@ -288,7 +289,7 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
                          f"queries without a relevant item score 0" for p in protocols},
         "queries": {f"{r['direction']} {r['protocol']}": [r["n_queries"], r["n_no_relevant"], r["n_database"]]
                     for r in first["rows"] if r["method"] == first["method"]},
-        "tie_rule": "ascending database index", "tie_doc": metrics.TIE_DOC, "curves_doc": CURVES_DOC,
+        "tie_rule": "ascending database index", "tie_doc": metrics.TIE_DOC, "curves_doc": metrics.CURVES_DOC,
         "std": "sample standard deviation over seeds (ddof=1); 0 with one seed",
         "summary_format": "summary[method][bits][protocol][metric][direction] = [mean, std, n_seeds]; direction "
                           "'mean' is the mean over directions, taken per seed first",
