@@ -14,6 +14,7 @@ import numpy as np
 
 from ushash.core import codes as codes_lib
 from ushash.core import metrics
+from ushash.core.groups import vocabulary
 from ushash.data.store import FeatureSplit
 from ushash.core.index import HammingIndex, _l2_normalise, cosine_search
 
@@ -45,10 +46,9 @@ def _label_matrix(split: FeatureSplit) -> dict[str, np.ndarray] | None:
 
 
 def _joint_group_ids(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]]:
-    names = set().union(*(set(t.groups) for s in splits for t in s.tables.values()))
-    vocab = {g: i for i, g in enumerate(sorted(names))}
-    return [{m: np.fromiter((vocab[g] for g in t.groups), np.int64, len(t)) for m, t in s.tables.items()}
-            for s in splits]
+    """One vocabulary (ushash.core.groups) over the modalities of every split: modality -> int64 per row."""
+    _, index = vocabulary({(i, m): t.groups for i, s in enumerate(splits) for m, t in s.tables.items()})
+    return [{m: index[(i, m)] for m in s.tables} for i, s in enumerate(splits)]
 
 
 def _joint_label_matrix(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray]] | None:

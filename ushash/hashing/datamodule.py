@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ushash.core.groups import vocabulary
 from ushash.data.store import FeatureSplit, open_split
 
 
@@ -23,16 +24,15 @@ class GroupBatches(Dataset):
         self.modalities = [m for m in modalities if m in split.tables]
         if len(self.modalities) < 2:
             raise ValueError(f"{split.path}: cross-modal training needs two modalities, found {split.modalities}")
-        groups = sorted(set().union(*(set(split.tables[m].groups) for m in self.modalities)))
-        self.groups = groups
-        gid = {g: i for i, g in enumerate(groups)}
+        names, index = vocabulary({m: split.tables[m].groups for m in self.modalities})
+        self.groups = list(names)  # the training groups: their count is the module's n_train_groups
         self.x, self.members = {}, {}
         for m in self.modalities:
             t = split.tables[m]
             self.x[m] = torch.from_numpy(np.array(t.x, dtype=np.float32)) if in_memory else t.x
-            members: list[list[int]] = [[] for _ in groups]
-            for row, g in enumerate(t.groups):
-                members[gid[g]].append(row)
+            members: list[list[int]] = [[] for _ in names]
+            for row, g in enumerate(index[m]):
+                members[g].append(row)
             self.members[m] = members
         self.rng = np.random.default_rng(seed)
 

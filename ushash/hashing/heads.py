@@ -5,7 +5,8 @@
     code = sign(l)  -> packed to bits/8 bytes
 
 Normalising the prototype rows does not change sign(l); it keeps the logits in [-1, 1], so the
-tanh(beta * l) relaxation has the same meaning at every width.
+tanh(beta * l) relaxation has the same meaning at every width. The forward pass itself (embed, logits,
+encode) is ushash.hashing.forward's, which the serving loader runs on an export too.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from ushash.core import codes as codes_lib
+from ushash.hashing import forward as fwd
 
 
 def _mlp(d_in: int, hidden: int, d_out: int, layers: int, dropout: float) -> nn.Sequential:
@@ -58,29 +58,23 @@ class USHash(nn.Module):
             raise ValueError(f"no head for modality {modality!r}; this model has {self.modalities}")
         if x.ndim != 2 or x.shape[1] != self.in_dims[modality]:
             raise ValueError(f"{modality} features: expected [B, {self.in_dims[modality]}], got {list(x.shape)}")
-        return F.normalize(self.heads[modality](x), dim=-1)
+        return fwd.embed(self.heads[modality], x)
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """Bit logits in [-1, 1]: cosine of z with each prototype."""
-        return z @ F.normalize(self.prototypes, dim=-1).T
+        return fwd.logits(z, self.prototypes)
 
     def forward(self, modality: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.embed(modality, x)
         return z, self.logits(z)
 
-    @torch.inference_mode()
-    def encode(self, modality: str, x: torch.Tensor | np.ndarray, batch_size: int = 8192) -> tuple[np.ndarray, np.ndarray]:
-        """(packed codes uint8 [N, bits/8], z float32 [N, dim]) for raw encoder features."""
+    def encode(self, modality: str, x: torch.Tensor | np.ndarray,
+               batch_size: int = fwd.BATCH) -> tuple[np.ndarray, np.ndarray]:
+        """(packed codes uint8 [N, bits/8], z float32 [N, dim]) for raw encoder features (in eval mode)."""
         was_training = self.training
         self.eval()
-        device = self.prototypes.device
-        packed, zs = [], []
-        for i in range(0, len(x), batch_size):
-            xb = torch.from_numpy(np.array(x[i:i + batch_size], dtype=np.float32)).to(device)  # copy: x may be a read-only memmap
-            z, lg = self(modality, xb)
-            packed.append(codes_lib.pack((lg > 0).cpu().numpy()))
-            zs.append(z.float().cpu().numpy())
-        self.train(was_training)
-        if not packed:
-            return np.zeros((0, self.bits // 8), np.uint8), np.zeros((0, self.dim), np.float32)
-        return np.concatenate(packed), np.concatenate(zs)
+        try:
+            return fwd.encode(lambda xb: self.embed(modality, xb), self.prototypes, x, self.bits, self.dim,
+                                  batch_size)
+        finally:
+            self.train(was_training)

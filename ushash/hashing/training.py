@@ -132,7 +132,9 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
                   "features_dir": str(Path(train.path).parent.parent.parent), "run_name": str(cfg.run_name),
                   "seed": int(cfg.seed), "data": to_dict(cfg.data), "method": method_config(cfg),
                   "space": _space_record(space)}
-    n_groups = len(set().union(*(set(train.tables[m].groups) for m in mods)))  # = GroupBatches' group count
+    dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
+    dm.setup("fit")
+    n_groups = len(dm.train_set.groups)  # the batcher's vocabulary (ushash.core.groups): the one count
     # Seeded here, after the data is open: extraction (or not) and the closed-form fit consume no random
     # numbers of torch's, so ushash.train and ushash.sweep train the same model for the same seed.
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
@@ -140,7 +142,6 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
                                           dim=space.dim if space is not None else None))
     if space is not None:
         module.initialise(space, prototypes)
-    dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
     run_dir = Path(cfg.paths.checkpoints_dir) / str(cfg.run_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     best = BestOnVal(run_dir / "best.ckpt", patience=(cfg.get("early_stop") or {}).get("patience"))

@@ -34,11 +34,12 @@ def _pseudo_classes(module, args, n_classes: int) -> np.ndarray:
     space = module.shared_space  # the closed-form start's space (init=gcca), chosen on val
     if space is None:
         space = SharedSpace(align=str(args.get("align", "auto"))).fit(split)
-    gid = {g: i for i, g in enumerate(ts.groups)}
     emb = np.zeros((len(ts.groups), space.dim))
-    for m in ts.modalities:
+    for m in ts.modalities:  # the batcher's rows per group: ts.members indexes its one vocabulary
         y = space.transform(m, split.tables[m].x)
-        np.add.at(emb, [gid[g] for g in split.tables[m].groups], y)
+        for g, rows in enumerate(ts.members[m]):
+            if rows:
+                emb[g] += y[rows].sum(axis=0)
     emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
     km = faiss.Kmeans(emb.shape[1], n_classes, niter=25, seed=int(args.get("centre_seed", 0)) + 1,
                       spherical=True, verbose=False)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import numpy as np
 
 from ushash.config import SpaceConfig
+from ushash.core.groups import vocabulary
 from ushash.data.store import FeatureSplit
 
 JOINT_SPACE_ENCODERS = ("openclip", "hf_clip", "clap")  # towers trained into one space already
@@ -61,9 +62,9 @@ def resolve_align(align: str, encoder_name: str) -> str:
     return align
 
 
-def _group_means(x: np.ndarray, groups) -> tuple[np.ndarray, np.ndarray]:
-    """(unique groups sorted, mean row per group)."""
-    uniq, inv = np.unique(np.asarray(groups).astype(str), return_inverse=True)
+def _group_means(x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the vocabulary ids present, ascending; mean row per present group)."""
+    uniq, inv = np.unique(ids, return_inverse=True)
     sums = np.zeros((len(uniq), x.shape[1]), np.float64)
     np.add.at(sums, inv, x)
     return uniq, sums / np.bincount(inv, minlength=len(uniq))[:, None]
@@ -79,10 +80,10 @@ def _views(tables) -> tuple[np.ndarray, dict]:
     hit = _VIEWS.get(key)
     if hit is not None and all(h is t for h, t in zip(hit[0], tables.values())):
         return hit[1]
-    vocab = np.unique(np.concatenate([np.asarray(t.groups).astype(str) for t in tables.values()]))
+    vocab, index = vocabulary({m: t.groups for m, t in tables.items()})
     views = {}
     for m, t in tables.items():
-        uniq, xg = _group_means(np.asarray(t.x, np.float64), t.groups)
+        uniq, xg = _group_means(np.asarray(t.x, np.float64), index[m])
         mean = xg.mean(axis=0)
         _, s, vt = np.linalg.svd(xg - mean, full_matrices=False)
         views[m] = (uniq, xg, mean, s, vt)
@@ -151,7 +152,7 @@ class SharedSpace:
             r = int(min(self.max_rank, (lam > lam[0] * 1e-10).sum()))
             lam, v = lam[:r], vt[:r].T
             w = v / np.sqrt(lam + self.reg * lam.mean())
-            rows = np.searchsorted(vocab, uniq)
+            rows = uniq  # ids in the one vocabulary
             u = np.zeros((len(vocab), r))
             u[rows] = (xg - mean) @ w
             blocks[m], whiten[m] = u, (mean, w)
