@@ -1,11 +1,11 @@
-"""Payload codecs: byte layout and sizes, INT4/FP16 error bounds, sparse top-k, re-rank, verify, tokens."""
+"""Payload codecs: byte layout and sizes, INT4/FP16 error bounds, sparse top-k, re-rank, verify, and the
+checked and unchecked scoring paths."""
 
 import numpy as np
 import pytest
 
 from ushash.core.index import cosine_search
-from ushash.serving.payload import (DEFAULTS, PayloadCodec, PayloadError, PayloadFormat, describe, memory_bytes, pool_tokens,
-                            text_token_tfidf, vision_token_topk)
+from ushash.serving.payload import DEFAULTS, PayloadCodec, PayloadError, PayloadFormat, describe, memory_bytes
 
 
 def unit(n, d=128, seed=0):
@@ -221,48 +221,6 @@ def test_verify_is_a_cosine_threshold_across_modalities():
     assert one.shape == (50,) and one.argmax() == 0
 
 
-# ------------------------------------------------------------------------------------------ tokens
-
-def test_vision_token_topk():
-    t = np.zeros((6, 3), np.float32)
-    t[:, 0] = [1, 5, 2, 5, 0.5, 3]
-    assert list(vision_token_topk(t, 3)) == [1, 3, 5]
-    assert list(vision_token_topk(t, 2, scores=[9, 0, 0, 0, 0, 8])) == [0, 5]
-    assert list(vision_token_topk(t, 10)) == list(range(6))
-    with pytest.raises(PayloadError, match="scores"):
-        vision_token_topk(t, 2, scores=[1, 2])
-
-
-def test_text_token_tfidf_mask():
-    # vocab of 6; id 0 = padding/CLS, id 1 appears in every document, ids 4, 5 are rare
-    df = np.array([100, 100, 30, 30, 1, 2])
-    ids = np.array([0, 1, 4, 2, 4, 5, 0])
-    w = text_token_tfidf(ids, df, n_docs=100, ignore_ids=(0,))
-    assert w[0] == 0 and w[-1] == 0                       # ignored ids
-    assert w[2] == w[4] and w[2] > w[5] > w[3] > w[1] > 0   # repeated rare token highest, common lowest
-    idf4 = np.log(101 / 2) + 1
-    assert w[2] == pytest.approx(2 / 7 * idf4, rel=1e-6)
-    top = text_token_tfidf(ids, df, 100, k=2, ignore_ids=(0,))
-    assert list(np.flatnonzero(top)) == [2, 4]
-    v = pool_tokens(np.eye(7, 4, dtype=np.float32), top)
-    assert v.shape == (4,) and np.linalg.norm(v) == pytest.approx(1.0)
-    with pytest.raises(PayloadError, match="doc_freq"):
-        text_token_tfidf(np.array([7]), df, 100)
-
-
-def test_token_blobs_roundtrip():
-    tokens = unit(50, 16, seed=14)
-    keep = vision_token_topk(tokens * np.arange(50)[:, None], 8)
-    f = PayloadFormat(16, kind="int4")
-    blob = f.encode_tokens(tokens, keep)
-    assert len(blob) == 4 + 7 + 8 * f.nbytes
-    pos, vecs = f.decode_tokens(blob)
-    np.testing.assert_array_equal(pos, keep)
-    assert np.all(rowcos(vecs, tokens[keep]) > 0.98)
-    with pytest.raises(PayloadError, match="token blob"):
-        f.decode_tokens(blob[:-1])
-
-
 def test_rerank_tie_rule_matches_lexsort_reference():
     # entries in {0, +-1}, four non-zeros per vector: every cosine is an exact multiple of 1/4, so ties abound
     rng = np.random.default_rng(15)
@@ -284,3 +242,23 @@ def test_rerank_tie_rule_matches_lexsort_reference():
         ref = c[np.lexsort((c, -sc))][:30]
         np.testing.assert_array_equal(I[i], ref)
         np.testing.assert_array_equal(S[i], np.sort(sc)[::-1][:30])
+
+
+# ------------------------------------------------------------------------------------------ checked / unchecked
+
+@pytest.mark.parametrize("settings", [dict(kind="fp32"), dict(kind="fp16"), dict(kind="int4"),
+                                      dict(kind="int4", topk=32), dict(kind="int4", scale="channel", topk=48)])
+def test_unchecked_scores_equal_the_checked_path(settings):
+    db, q = unit(40, seed=16), unit(1, seed=17)[0]
+    f = PayloadFormat(128, **settings).fit(db)
+    rec = f.encode(db)
+    checked = f.scores(q, rec)
+    np.testing.assert_array_equal(f.scores(q, rec, checked=False), checked)
+    np.testing.assert_array_equal(f.decode_unchecked(rec), f.decode(rec))
+    np.testing.assert_allclose(checked, f.cosine(q, rec), atol=1e-6)     # one computation, any entry point
+    np.testing.assert_allclose(checked, rowcos(f.decode(rec), np.tile(q, (40, 1))), atol=1e-6)
+    codec = PayloadCodec({"image": f})
+    np.testing.assert_array_equal(codec.scores("image", q, rec, checked=False), checked)
+    with pytest.raises(PayloadError, match="uint8"):
+        f.scores(q, rec.astype(np.int16))                                 # the checked path refuses bad records
+    assert f.scores(q, np.zeros((0, f.nbytes), np.uint8)).shape == (0,)
