@@ -246,3 +246,42 @@ def test_checkpoint_without_encoder_provenance_is_refused(trained, tmp_path):
         write_export(trained["module"].model, tmp_path / "x", encoder={"name": "synthetic"})
     assert not (tmp_path / "x").exists()
     assert artifact.ALLOWED_SUFFIXES == (".json", ".safetensors")
+
+
+# ------------------------------------------------------------------------------------------ one forward
+
+def test_one_forward_for_training_and_serving(tmp_path):
+    """USHash and ExportedHead run ushash.hashing.forward on the same modules: the layer list round trip
+    rebuilds them exactly, draws nothing from torch's RNG, and every head is a HashHead."""
+    import torch
+    from torch import nn
+
+    from ushash.hashing import forward
+    from ushash.hashing.heads import USHash
+    from ushash.serving.cache.lsh import LSHHead
+    from ushash.serving.export import write_export
+
+    torch.manual_seed(0)
+    model = USHash({"image": 16, "text": 12}, bits=32, dim=24, hidden=20, layers=3).eval()
+    ops, tensors = forward.to_ops(model.heads["image"], "heads.image")
+    assert [op["op"] for op in ops] == ["linear", "layer_norm", "gelu"] * 2 + ["linear"]   # no dropout
+    rng = torch.random.get_rng_state()
+    rebuilt = forward.from_ops(ops, {k: v.detach() for k, v in tensors.items()})
+    assert torch.equal(rng, torch.random.get_rng_state())
+    x = torch.randn(7, 16)
+    with torch.inference_mode():
+        assert torch.equal(forward.embed(rebuilt, x), model.embed("image", x))
+    with pytest.raises(TypeError, match="Linear, LayerNorm, GELU"):
+        forward.to_ops(nn.Sequential(nn.ReLU()), "heads.x")
+
+    head = load_export(write_export(model, tmp_path / "e", {"name": "x", "fingerprint": "f"}))
+    feats = np.random.default_rng(0).normal(size=(forward.BATCH + 5, 12)).astype(np.float32)  # two batches
+    ref, got = model.encode("text", feats), head.encode("text", feats)
+    np.testing.assert_array_equal(got[0], ref[0])
+    np.testing.assert_array_equal(got[1], ref[1])
+    lsh = LSHHead({"image": 16}, bits=32, dim=8)
+    for h in (model, head, lsh):
+        assert isinstance(h, forward.HashHead)
+    for h in (head, lsh):
+        assert isinstance(h, artifact.ServedHead)
+    assert head.encode("text", feats[:0])[0].shape == (0, 4)

@@ -6,10 +6,11 @@
     rec = head.payload.encode("image", z)     # the cache entry's payload (ushash.serving.payload)
 
 An export is a directory with `manifest.json` and `weights.safetensors`, nothing else and no pickle.
-This module imports only numpy, torch (functional ops), safetensors, json and the standard library
-(plus ushash.serving.payload, which is numpy only): no Hydra, no Lightning, no training code. The forward pass is
-re-implemented from the manifest's layer list with the same torch functional calls nn.Linear /
-nn.LayerNorm / nn.GELU make, so codes are bit-identical to `USHash.encode` on the same device.
+This module imports only numpy, torch, safetensors, json and the standard library, plus
+ushash.serving.payload (numpy only) and ushash.hashing.forward (torch only): no Hydra, no Lightning, no
+training code. The manifest's layer list is rebuilt into the torch modules it came from and run by the
+forward pass `USHash` runs (ushash.hashing.forward), so codes are bit-identical to `USHash.encode` on
+the same device.
 
 Refusals (all `ExportError`, a ValueError; the class and the message say which):
     CorruptExport       missing or unparsable manifest / weights, missing fields, wrong tensor shapes
@@ -24,12 +25,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
+from ushash.core import codes as codes_lib
+from ushash.hashing import forward as fwd
+from ushash.hashing.forward import HashHead
 from ushash.serving.payload import PayloadCodec, PayloadError
 
 FORMAT = "ushash-export"
@@ -38,8 +41,6 @@ SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 ALLOWED_SUFFIXES = (".json", ".safetensors")  # no pickle anywhere in an export
-_OPS = ("linear", "layer_norm", "gelu")
-_BATCH = 8192  # USHash.encode's batch size: same batches, same kernels, same bits
 
 
 class ExportError(ValueError):
@@ -95,8 +96,24 @@ def revision_id(weights_sha256: str, manifest: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- head
 
+class ServedHead(HashHead, Protocol):
+    """A head the cache can serve: a `HashHead` (bits, dim, in_dims, modalities, encode) that also says
+    which model it is (`revision`, `encoder`, `manifest`), how entries store its z (`payload`), and gives
+    z and codes alone (`embed`, `codes`). `ExportedHead` and `ushash.serving.cache.lsh.LSHHead` are."""
+
+    revision: str
+    encoder: EncoderId
+    manifest: dict
+    payload: PayloadCodec
+
+    def embed(self, modality: str, features) -> np.ndarray: ...
+
+    def codes(self, modality: str, features) -> np.ndarray: ...
+
+
 class ExportedHead:
-    """A loaded export: per-modality projection heads + prototypes, and the payload codec."""
+    """A loaded export: per-modality projection heads + prototypes (run by ushash.hashing.forward, the
+    forward pass training uses), and the payload codec."""
 
     def __init__(self, manifest: dict, tensors: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
         self.manifest = manifest
@@ -107,9 +124,9 @@ class ExportedHead:
         enc = manifest["encoder"]
         self.encoder = EncoderId(str(enc["name"]), str(enc["fingerprint"]))
         self.device = torch.device(device)
-        self._layers = {m: [dict(op) for op in manifest["head"]["layers"][m]] for m in self.in_dims}
-        self._t = {k: v.to(self.device) for k, v in tensors.items()}
-        self._protos_n = F.normalize(self._t[manifest["prototypes"]["tensor"]], dim=-1)
+        on_device = {k: v.to(self.device) for k, v in tensors.items()}
+        self.layers = {m: fwd.from_ops(manifest["head"]["layers"][m], on_device) for m in self.in_dims}
+        self.prototypes = on_device[manifest["prototypes"]["tensor"]]
         np_tensors = {k: v.cpu().numpy() for k, v in tensors.items() if k.startswith("payload.")}
         try:
             self.payload = PayloadCodec.from_settings(manifest["payload"], np_tensors)
@@ -125,7 +142,7 @@ class ExportedHead:
                 f"modalities={self.modalities}, encoder={self.encoder.name}-{self.encoder.fingerprint}, "
                 f"payload={self.payload!r})")
 
-    def _check(self, modality: str, features) -> torch.Tensor:
+    def _check(self, modality: str, features) -> np.ndarray:
         if modality not in self.in_dims:
             raise ValueError(f"no head for modality {modality!r}; this export has {self.modalities}")
         x = np.asarray(features)
@@ -137,37 +154,11 @@ class ExportedHead:
                              f"got {list(x.shape)}")
         return x
 
-    def _forward(self, modality: str, xb: torch.Tensor) -> torch.Tensor:
-        h = xb
-        t = self._t
-        for op in self._layers[modality]:
-            kind = op["op"]
-            if kind == "linear":
-                h = F.linear(h, t[op["weight"]], t[op["bias"]] if op.get("bias") else None)
-            elif kind == "layer_norm":
-                h = F.layer_norm(h, tuple(op["normalized_shape"]), t[op["weight"]] if op.get("weight") else None,
-                                 t[op["bias"]] if op.get("bias") else None, float(op["eps"]))
-            else:  # gelu
-                h = F.gelu(h, approximate=op.get("approximate", "none"))
-        return F.normalize(h, dim=-1)
-
-    @torch.inference_mode()
     def encode(self, modality: str, features) -> tuple[np.ndarray, np.ndarray]:
         """(packed codes uint8 [N, bits/8], z float32 [N, dim]) for raw encoder features [N, in_dim]."""
         x = self._check(modality, features)
-        packed, zs = [], []
-        for i in range(0, len(x), _BATCH):
-            chunk = np.asarray(x[i:i + _BATCH], dtype=np.float32)
-            if not chunk.flags.writeable:  # a read-only memmap of the feature store: torch wants to own it
-                chunk = chunk.copy()
-            xb = torch.as_tensor(chunk, device=self.device)
-            z = self._forward(modality, xb)
-            lg = z @ self._protos_n.T
-            packed.append(np.packbits((lg > 0).cpu().numpy(), axis=1, bitorder="little"))
-            zs.append(z.float().cpu().numpy())
-        if not packed:
-            return np.zeros((0, self.bits // 8), np.uint8), np.zeros((0, self.dim), np.float32)
-        return np.concatenate(packed), np.concatenate(zs)
+        layers = self.layers[modality]
+        return fwd.encode(lambda xb: fwd.embed(layers, xb), self.prototypes, x, self.bits, self.dim)
 
     def embed(self, modality: str, features) -> np.ndarray:
         """Shared-space z, float32 [N, dim], L2-normalised: what the payload holds."""
@@ -282,6 +273,10 @@ def load_export(path: str | Path, expect_bits: int | None = None, expect_encoder
 
 
 def _check_layers(manifest: dict, tensors: dict) -> None:
+    try:
+        codes_lib.check_bits(manifest["bits"])
+    except ValueError as e:
+        raise CorruptExport(f"corrupt export: manifest bits: {e}") from None
     head, mods = manifest["head"], manifest["modalities"]
     layers = head.get("layers") if isinstance(head, dict) else None
     if not isinstance(layers, dict) or set(layers) != set(mods):
@@ -290,8 +285,8 @@ def _check_layers(manifest: dict, tensors: dict) -> None:
         d = int(mods[m]["in_dim"])
         for op in ops:
             kind = op.get("op")
-            if kind not in _OPS:
-                raise IncompatibleExport(f"incompatible export: {m} head uses op {kind!r}; this loader knows {_OPS}")
+            if kind not in fwd.OPS:
+                raise IncompatibleExport(f"incompatible export: {m} head uses op {kind!r}; this loader knows {fwd.OPS}")
             for key in ("weight", "bias"):
                 if op.get(key) and op[key] not in tensors:
                     raise CorruptExport(f"corrupt export: {m} {kind} refers to missing tensor {op[key]}")
@@ -308,5 +303,5 @@ def _check_layers(manifest: dict, tensors: dict) -> None:
 
 
 __all__ = ["CorruptExport", "EncoderId", "ExportError", "ExportedHead", "FORMAT", "FORMAT_VERSION",
-           "IncompatibleExport", "TamperedExport", "TruncatedExport", "load_export", "read_manifest",
+           "IncompatibleExport", "ServedHead", "TamperedExport", "TruncatedExport", "load_export", "read_manifest",
            "revision_id"]

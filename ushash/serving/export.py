@@ -13,7 +13,7 @@ Payload formats come from `payload` (configs/payload/*.yaml; e.g. `payload=int4_
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import shutil
 import time
@@ -25,47 +25,23 @@ from omegaconf import DictConfig
 from torch import nn
 
 import ushash
-from ushash.serving import artifact
-from ushash.config import CONFIG_DIR, to_dict
+from ushash.config import to_dict
+from ushash.core.io import atomic_write, write_json
+from ushash.hashing import forward as fwd
 from ushash.hashing.heads import USHash
+from ushash.serving import artifact
 from ushash.serving.payload import PayloadCodec
+
+log = logging.getLogger(__name__)
 
 
 def layer_list(model: USHash) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The inference-time layers of every head as manifest entries, and the tensors they name.
-
-    Dropout is the identity at inference and is left out; any other module type is refused, so an
-    export never silently differs from the model it came from."""
+    """The inference-time layers of every head as manifest entries (ushash.hashing.forward.to_ops), and
+    the tensors they name, as contiguous float32 CPU copies."""
     layers, tensors = {}, {}
     for m, seq in model.heads.items():
-        ops = []
-        for i, mod in enumerate(seq):
-            pre = f"heads.{m}.{i}"
-            if isinstance(mod, nn.Linear):
-                tensors[f"{pre}.weight"] = mod.weight
-                op = {"op": "linear", "weight": f"{pre}.weight", "bias": None,
-                      "in_features": mod.in_features, "out_features": mod.out_features}
-                if mod.bias is not None:
-                    tensors[f"{pre}.bias"] = mod.bias
-                    op["bias"] = f"{pre}.bias"
-            elif isinstance(mod, nn.LayerNorm):
-                op = {"op": "layer_norm", "normalized_shape": list(mod.normalized_shape), "eps": float(mod.eps),
-                      "weight": None, "bias": None}
-                if mod.weight is not None:
-                    tensors[f"{pre}.weight"] = mod.weight
-                    op["weight"] = f"{pre}.weight"
-                if mod.bias is not None:
-                    tensors[f"{pre}.bias"] = mod.bias
-                    op["bias"] = f"{pre}.bias"
-            elif isinstance(mod, nn.GELU):
-                op = {"op": "gelu", "approximate": mod.approximate}
-            elif isinstance(mod, nn.Dropout):
-                continue
-            else:
-                raise TypeError(f"cannot export {m} head layer {i} ({type(mod).__name__}); "
-                                f"the serving loader knows Linear, LayerNorm, GELU (and skips Dropout)")
-            ops.append(op)
-        layers[m] = ops
+        layers[m], named = fwd.to_ops(seq, f"heads.{m}")
+        tensors.update(named)
     tensors["prototypes"] = model.prototypes
     return layers, {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
 
@@ -133,11 +109,8 @@ def write_export(model: USHash, out: str | Path, encoder: dict, payload: Payload
     if work.exists():
         shutil.rmtree(work)
     work.mkdir()
-    for name, data in ((artifact.WEIGHTS, blob), (artifact.MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())):
-        with open(work / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    atomic_write(work / artifact.WEIGHTS, blob)
+    write_json(work / artifact.MANIFEST, manifest)
     if out.exists():
         shutil.rmtree(out)
     os.replace(work, out)
@@ -184,6 +157,6 @@ def run_export(cfg: DictConfig, module=None) -> dict:
               "seed": prov.get("seed"), "calibration_split": cfg.calibration.split if samples else None}
     write_export(model, out, prov.get("encoder") or {}, codec, source=source, overwrite=bool(cfg.overwrite))
     head = artifact.load_export(out)  # read back through the serving loader before declaring success
-    print(f"[export] {out}: revision {head.revision}, {head.bits} bits, modalities {head.modalities}, "
-          f"encoder {head.encoder.name}-{head.encoder.fingerprint}, payload {head.payload!r}")
+    log.info("export %s: revision %s, %d bits, modalities %s, encoder %s-%s, payload %r", out, head.revision,
+             head.bits, head.modalities, head.encoder.name, head.encoder.fingerprint, head.payload)
     return {"out": str(out), "revision": head.revision, "manifest": head.manifest}

@@ -3,8 +3,8 @@
     head = LSHHead({"image": 48, "text": 32}, bits=64, dim=64)   # random projections to a dim-d space
     head = LSHHead.over(exported_head, bits=64)                 # LSH of another head's float z
 
-It has what `SemanticCache` uses from `ushash.serving.artifact.ExportedHead` (bits, dim, modalities, in_dims,
-revision, encoder, payload, encode/embed/codes), so it serves as
+It is a `ushash.serving.artifact.ServedHead` like `ExportedHead` (bits, dim, modalities, in_dims, revision,
+encoder, manifest, payload, encode/embed/codes), so it serves as
 - the "float-embedding LSH codes" baseline of `ushash.cachesim`: the export's shared-space z hashed by
   sign(z @ R.T) with R Gaussian [bits, dim] (Charikar's SimHash), the same payload codec;
 - a head for tests and benchmarks that need no training (per-modality Gaussian projections of the
@@ -17,6 +17,7 @@ import hashlib
 
 import numpy as np
 
+from ushash.core import codes as codes_lib
 from ushash.serving.artifact import EncoderId
 from ushash.serving.payload import PayloadCodec
 
@@ -30,8 +31,7 @@ class LSHHead:
     def __init__(self, in_dims: dict[str, int], bits: int = 64, dim: int = 64, seed: int = 0, aligned: bool = False,
                  payload: PayloadCodec | None = None, base=None, revision: str | None = None,
                  encoder: EncoderId | None = None):
-        if bits % 8 or not 8 <= bits <= 1024:
-            raise ValueError(f"bits must be a multiple of 8 in [8, 1024]; got {bits}")
+        codes_lib.check_bits(bits)
         self.bits, self.dim, self.seed, self.base = int(bits), int(dim), int(seed), base
         self.in_dims = {m: int(d) for m, d in in_dims.items()}
         rng = np.random.default_rng(seed)
@@ -75,7 +75,7 @@ class LSHHead:
 
     def encode(self, modality: str, features) -> tuple[np.ndarray, np.ndarray]:
         z = self.embed(modality, features)
-        return np.packbits(z @ self._planes.T > 0, axis=1, bitorder="little"), z
+        return codes_lib.pack(z @ self._planes.T > 0), z
 
     def codes(self, modality: str, features) -> np.ndarray:
         return self.encode(modality, features)[0]
