@@ -10,7 +10,10 @@ from PIL import Image
 
 from ushash.data import synthetic
 from ushash.serving.artifact import load_export
-from ushash.sim.cachesim import ExactMethod, Pool, SimClock, make_stream, pool_from_split, replay, run_cachesim
+from ushash.sim.adapters import ExactKeyCache
+from ushash.sim.pool import Pool, pool_from_split
+from ushash.sim.replay import replay, run_cachesim
+from ushash.sim.stream import SimClock, make_stream
 from ushash.config import compose
 from ushash.encoders import build_encoder
 from ushash.serving.export import write_export
@@ -53,7 +56,7 @@ def test_replay_accounting_on_a_hand_made_stream():
     for cls, key in [(0, b"a"), (0, b"b"), (1, b"c"), (1, b"a")]:  # key b"a" in two classes: a false hit
         pool.add("text", np.zeros(2), cls, "original", key)
     clock = SimClock()
-    m = ExactMethod(pool, clock, ttl_s=None)
+    m = ExactKeyCache(pool, clock, ttl_s=None)
     m.reset()
     res = replay(m, np.array([0, 1, 0, 3, 2, 2]), pool, clock)
     # 0 miss (store a->0), 1 miss (b->0), 0 hit ok, 3 hit a->0 but class 1: false, 2 miss, 2 hit ok
@@ -70,7 +73,7 @@ def test_run_cachesim_writes_a_report_and_hash_caches_are_never_stale(store, tmp
     cfg = compose("cachesim", [f"paths.root={tmp_path}", f"features_dir={root / 'features'}", "stream.n_requests=1500",
                                "sweep.radii=[0,3,8]", "sweep.thresholds=[0.9,0.8]",
                                "sweep.payload_thresholds=[0.8,0.95]", f"out={tmp_path / 'out'}",
-                               "cache.ttl_s=600"])
+                               "cache.ttl_s=600", "progress=false"])
     res = run_cachesim(cfg, head=head)
     out = tmp_path / "out"
     assert (out / "sweep.png").stat().st_size > 10_000
@@ -123,7 +126,7 @@ def test_raw_media_variants_go_through_the_encoder(tmp_path):
     manifest = _media_manifest(tmp_path)
     cfg = compose("cachesim", [f"paths.root={tmp_path}", "raw_media=true", "dataset=manifest",
                                f"+data.path={manifest}", "stream.n_requests=300", "methods=[exact,ushash]",
-                               "sweep.radii=[2]", f"out={tmp_path / 'out'}", "variants.perturb=1"])
+                               "sweep.radii=[2]", f"out={tmp_path / 'out'}", "variants.perturb=1", "progress=false"])
     res = run_cachesim(cfg, head=head)
     info = res["info"]
     assert info["pool_kinds"] == {"jpeg+crop": 6, "noised": 6, "original": 18, "recased": 6}
@@ -148,7 +151,7 @@ def test_trained_head_beats_exact_keys_without_false_hits(tmp_path):
     run_export(compose("export", [f"paths.root={tmp_path}", f"ckpt={best}", f"out={tmp_path / 'export'}"]))
     scfg = compose("cachesim", [f"paths.root={tmp_path}", f"export={tmp_path / 'export'}",
                                 f"features_dir={tmp_path / 'features'}", "stream.n_requests=3000",
-                                "methods=[exact,ushash]", "sweep.radii=[3]", f"out={tmp_path / 'out'}"])
+                                "methods=[exact,ushash]", "sweep.radii=[3]", f"out={tmp_path / 'out'}", "progress=false"])
     rows = {r["method"]: r for r in run_cachesim(scfg)["rows"]}
     us, exact = rows["US-HASH 64-bit codes + payload check"], rows["exact key (sha256 of normalised input)"]
     assert us["valid_hit_rate"] > exact["valid_hit_rate"] + 0.02

@@ -1,18 +1,28 @@
-"""python -m ushash.cachesim export=exports/<name>: replay a request stream through the caches
-(ushash/sim/, docs/cache.md)."""
+"""python -m ushash.cachesim export=exports/<name>: replay a request stream through the caches under test
+(ushash/sim/, docs/cache.md); returns US-HASH's hit rate at cache.radius, so a Hydra sweeper can optimise
+it. Every setting: ushash/sim/config.py CacheSimConfig."""
 
 from __future__ import annotations
+
+import logging
 
 import hydra
 from omegaconf import DictConfig
 
 from ushash.config import CONFIG_DIR
-from ushash.sim.cachesim import run_cachesim
+from ushash.sim.replay import run_cachesim
+
+log = logging.getLogger("ushash.cachesim")
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="cachesim", version_base="1.3")
 def main(cfg: DictConfig):
-    run_cachesim(cfg)
+    res = run_cachesim(cfg)
+    if res["score"] is None:
+        log.warning("methods has no ushash: no US-HASH hit rate to return")
+    else:
+        log.info("US-HASH hit rate at radius %s: %.4f (%s)", cfg.cache.radius, res["score"], res["out"])
+    return res["score"]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,154 @@
+"""The request pool: every request the stream can make, grouped in equivalence classes.
+
+A class is one item (a feature-store or dataset `group`); its members are the item's rows in every
+modality plus their variants (ushash/sim/augment.py). Each member carries its features (what the
+semantic caches see) and its exact-cache key (sha256 of the normalised input).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ushash.config import to_dict
+from ushash.sim.augment import add_noise, jpeg_crop, perturb_features, recase
+
+
+@dataclass
+class Pool:
+    """Every request the stream can make: its modality, features, class and the exact-cache key."""
+
+    modality: list[str] = field(default_factory=list)
+    features: list[np.ndarray] = field(default_factory=list)
+    cls: list[int] = field(default_factory=list)
+    kind: list[str] = field(default_factory=list)     # "original", "perturbed", "jpeg+crop", "noised", "recased"
+    key: list[bytes] = field(default_factory=list)    # exact-key cache key (sha256 of the normalised input)
+    variant_note: str = ""
+
+    def add(self, modality, feats, cls, kind, key):
+        self.modality.append(modality)
+        self.features.append(np.asarray(feats, np.float32))
+        self.cls.append(int(cls))
+        self.kind.append(kind)
+        self.key.append(key)
+
+    def __len__(self):
+        return len(self.cls)
+
+    def counts(self, attr: str) -> dict[str, int]:
+        """How many members have each value of `attr` ("kind" or "modality"), in sorted order."""
+        values = getattr(self, attr)
+        return {k: int(sum(1 for x in values if x == k)) for k in sorted(set(values))}
+
+
+def feature_key(modality: str, x: np.ndarray) -> bytes:
+    """Exact key of a feature vector: modality + the L2-normalised vector rounded to 1e-4."""
+    n = np.linalg.norm(x)
+    v = np.round(x / (n if n > 0 else 1.0), 4).astype(np.float32)
+    return hashlib.sha256(modality.encode() + b"\0" + v.tobytes()).digest()
+
+
+def text_key(s: str) -> bytes:
+    """Exact key of a caption: lower-cased, whitespace collapsed, trailing punctuation dropped."""
+    t = " ".join(s.lower().split()).rstrip(".!?")
+    return hashlib.sha256(b"text\0" + t.encode()).digest()
+
+
+def bytes_key(data: bytes) -> bytes:
+    """Exact key of a medium: sha256 of its encoded bytes."""
+    return hashlib.sha256(data).digest()
+
+
+def pool_from_split(split, perturb: int = 2, noise: float = 0.1, seed: int = 0) -> Pool:
+    """Classes = groups of a feature-store split; members = rows + feature-space perturbations."""
+    rng = np.random.default_rng(seed)
+    groups = sorted(set().union(*(set(t.groups) for t in split.tables.values())))
+    gid = {g: i for i, g in enumerate(groups)}
+    pool = Pool(variant_note=f"feature-space perturbation: {perturb} copies of every row with Gaussian noise "
+                             f"of norm {noise} x the row's norm (simulates re-encoded/cropped images and "
+                             f"re-recorded/noised sounds; raw media not used)")
+    for m, t in split.tables.items():
+        x = np.asarray(t.x, np.float32)
+        for i in range(len(x)):
+            c = gid[t.groups[i]]
+            pool.add(m, x[i], c, "original", feature_key(m, x[i]))
+            for _ in range(perturb):
+                xp = perturb_features(x[i], rng, noise)
+                pool.add(m, xp, c, "perturbed", feature_key(m, xp))
+    return pool
+
+
+def media_members(modality: str, raw, cls: int, n_variants: int, rng: np.random.Generator, jpeg_quality: int,
+                  crop_frac: float, snr_db: float) -> list[tuple[str, object, int, str, bytes]]:
+    """A decoded medium and its `n_variants` transformations: (modality, medium, class, kind, exact key)."""
+    if modality == "text":
+        return [("text", raw, cls, "original", text_key(raw))] + [
+            ("text", v, cls, "recased", text_key(v)) for v in (recase(raw, k) for k in range(n_variants))]
+    if modality == "image":
+        buf = io.BytesIO()
+        raw.save(buf, format="PNG")
+        out = [("image", raw, cls, "original", bytes_key(buf.getvalue()))]
+        for _ in range(n_variants):
+            img, jpeg = jpeg_crop(raw, rng, crop_frac, jpeg_quality)
+            out.append(("image", img, cls, "jpeg+crop", bytes_key(jpeg)))
+        return out
+    out = [("audio", raw, cls, "original", bytes_key(raw.tobytes()))]
+    for _ in range(n_variants):
+        noisy = add_noise(raw, rng, snr_db)
+        out.append(("audio", noisy, cls, "noised", bytes_key(noisy.tobytes())))
+    return out
+
+
+def pool_from_media(rows, encoder, n_variants: int = 1, jpeg_quality: int = 40, crop_frac: float = 0.8,
+                    snr_db: float = 20.0, seed: int = 0, batch: int = 32) -> Pool:
+    """Classes = groups of dataset rows; members = the decoded media and real transformations of them,
+    all encoded with `encoder` (the export's frozen encoder). Rows whose media do not decode are skipped."""
+    from ushash.data import media
+
+    rng = np.random.default_rng(seed)
+    gid = {g: i for i, g in enumerate(sorted({r.group for r in rows}))}
+    pool = Pool(variant_note=f"raw media through the encoder: images JPEG q={jpeg_quality} re-encoded and "
+                             f"centre-cropped to {crop_frac:.0%}; sounds with white noise at {snr_db} dB SNR and "
+                             f"-6 dB gain; captions re-cased without final punctuation; {n_variants} of each")
+    items: list[tuple[str, object, int, str, bytes]] = []
+    for r in rows:
+        try:
+            raw = media.load(r.modality, r.source, sample_rate=encoder.sample_rate, seconds=encoder.audio_seconds)
+        except media.MediaError:
+            continue
+        items += media_members(r.modality, raw, gid[r.group], n_variants, rng, jpeg_quality, crop_frac, snr_db)
+    for m in ("image", "text", "audio"):
+        sel = [it for it in items if it[0] == m]
+        if m not in encoder.modalities:
+            continue
+        for s in range(0, len(sel), batch):
+            chunk = sel[s:s + batch]
+            xb = encoder.collate(m, [encoder.preprocess(m, it[1]) for it in chunk])
+            f = encoder.encode(m, xb).float().cpu().numpy()
+            for it, fx in zip(chunk, f):
+                pool.add(m, fx, it[2], it[3], it[4])
+    return pool
+
+
+def build_pool(cfg, head) -> tuple[Pool, str]:
+    """The pool of the configured split (features, or raw media with `raw_media`) and the dataset's name."""
+    src = head.manifest.get("source") or {}
+    dataset = cfg.get("dataset") or src.get("dataset")
+    if not dataset:
+        raise ValueError("the export does not name its dataset; pass dataset=<name>")
+    v = cfg.variants
+    if cfg.raw_media:
+        from ushash.data.datasets import load_rows
+        from ushash.serving.cache.request import QueryEncoder
+        data = cfg.get("data")
+        rows = load_rows(dataset, str(cfg.split), **(to_dict(data) if data is not None else {}))
+        encoder = QueryEncoder(head).encoder()
+        return pool_from_media(rows, encoder, n_variants=int(v.perturb), jpeg_quality=int(v.jpeg_quality),
+                               crop_frac=float(v.crop_frac), snr_db=float(v.snr_db), seed=int(cfg.stream.seed)), dataset
+    from ushash.data.store import open_split, store_path
+    fdir = cfg.get("features_dir") or src.get("features_dir") or cfg.paths.features_dir
+    split = open_split(store_path(fdir, dataset, str(cfg.split), head.encoder.name, head.encoder.fingerprint))
+    return pool_from_split(split, perturb=int(v.perturb), noise=float(v.noise), seed=int(cfg.stream.seed)), dataset

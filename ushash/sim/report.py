@@ -1,0 +1,95 @@
+"""The simulator's report: the run's description, the markdown table, results.json and the sweep plot."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+from ushash.config import to_dict
+from ushash.core.io import atomic_write, write_json
+
+log = logging.getLogger(__name__)
+
+
+def run_info(cfg, head, pool, dataset: str, cache_cfg: dict, seconds: float) -> dict:
+    """What the run was: dataset, head, pool and stream, the cache settings and the replay time."""
+    return {"dataset": dataset, "split": str(cfg.split), "revision": head.revision, "bits": int(head.bits),
+            "encoder": {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint},
+            "classes": int(len(set(pool.cls))), "pool": len(pool), "pool_kinds": pool.counts("kind"),
+            "modalities": pool.counts("modality"),
+            "variants": pool.variant_note, "stream": to_dict(cfg.stream), "cache": cache_cfg,
+            "cosine_threshold": float(cfg.cosine_threshold), "replay_seconds": round(seconds, 1)}
+
+
+def output_dir(cfg, dataset: str, revision: str) -> Path:
+    """`out`, or experiments/cachesim/<dataset>-<revision>; a relative path is taken from paths.root."""
+    out = Path(cfg.out) if cfg.get("out") else Path(cfg.paths.experiments_dir) / "cachesim" / f"{dataset}-{revision}"
+    return out if out.is_absolute() else Path(cfg.paths.root) / out
+
+
+def markdown(info: dict, rows: list[dict]) -> str:
+    st = info["stream"]
+    lines = [f"Stream: {st['n_requests']} requests over {info['classes']} classes ({info['dataset']}/{info['split']}), "
+             f"Zipf s={st['zipf_s']}, pool {info['pool']} requests {info['pool_kinds']}, "
+             f"revision change at {st['revision_change_at']:.0%} of the stream, TTL {info['cache'].get('ttl_s')} s "
+             f"at {st['seconds_per_request']} s/request. Variants: {info['variants']}.", "",
+             "| method | setting | hit rate | correct, fresh hit rate | false hits / requests | false hits / hits | "
+             "oracle hit rate | misses with a correct nearest entry | stale hits | lookup p50 µs | p99 µs | peak bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['param']} | {r['hit_rate']:.3f} | {r['valid_hit_rate']:.3f} | "
+                     f"{r['false_hit_rate']:.4f} | "
+                     f"{r['false_per_hit']:.4f} | {r['oracle_hit_rate']:.3f} | {r['misses_nn_correct']:.3f} | "
+                     f"{r['stale_hits']} | {r['lookup_p50_us']:.0f} | {r['lookup_p99_us']:.0f} | {r['peak_bytes']:,} |")
+    return "\n".join(lines)
+
+
+def plot_sweep(sweep: dict, rows: list[dict], path: Path, title: str = "") -> None:
+    """Left: hit rate against false-hit rate for every sweep (labels: radius or threshold); right: the
+    same with only correct hits from fresh entries on the y axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), dpi=110, sharex=True)
+    for ax, key, ylabel in ((axes[0], "hit_rate", "hit rate (hits / requests)"),
+                            (axes[1], "valid_hit_rate", "correct hits from fresh entries / requests")):
+        for name, pts in sweep.items():
+            x = [p["false_hit_rate"] for p in pts]
+            y = [p[key] for p in pts]
+            ax.plot(x, y, marker="o", ms=3, label=name)
+            for p in pts:
+                lab = p.get("radius", p.get("threshold"))
+                ax.annotate(f"{lab:g}", (p["false_hit_rate"], p[key]), fontsize=6, xytext=(2, 2),
+                            textcoords="offset points")
+        for r in rows:
+            if r["method"].startswith("exact"):
+                ax.plot([r["false_hit_rate"]], [r[key]], "k*", ms=9, label=r["method"])
+        if rows:
+            ax.axhline(rows[0]["oracle_hit_rate"], color="grey", ls=":", lw=1, label="oracle hit rate")
+        ax.set_xlabel("false-hit rate (false hits / requests)")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("symlog", linthresh=1e-3)
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title + "  (point labels: Hamming radius or cosine threshold)", fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())
+
+
+def write_report(out: Path, info: dict, rows: list[dict], sweep: dict, title: str = "") -> str:
+    """results.json ({info, rows, sweep}), results.md (the table) and sweep.png in `out`; returns the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(info, rows)
+    write_json(out / "results.json", {"info": info, "rows": rows, "sweep": sweep})
+    atomic_write(out / "results.md", table + "\n")
+    plot_sweep(sweep, rows, out / "sweep.png", title=title)
+    log.info("%s", table)
+    log.info("wrote %s/results.json, results.md, sweep.png", out)
+    return table
