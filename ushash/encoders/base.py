@@ -26,7 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
-ENCODERS: dict[str, type["Encoder"]] = {}
+from ushash.core.registry import Registry
+
+ENCODERS = Registry("encoder", "ushash/encoders")
 
 # Constructor arguments that change where or how fast an encoder runs, not what it computes.
 RUNTIME_ARGS = ("device", "amp")
@@ -36,11 +38,8 @@ def register(name: str) -> Callable[[type["Encoder"]], type["Encoder"]]:
     """Class decorator: make an Encoder subclass buildable as `build_encoder({"name": name, ...})`."""
 
     def deco(cls: type[Encoder]) -> type[Encoder]:
-        if name in ENCODERS and ENCODERS[name] is not cls:
-            raise ValueError(f"encoder name {name!r} is already registered by {ENCODERS[name].__qualname__}")
         cls.name = name
-        ENCODERS[name] = cls
-        return cls
+        return ENCODERS.add(name, cls)
 
     return deco
 
@@ -51,9 +50,7 @@ def build_encoder(cfg: Mapping[str, Any]) -> "Encoder":
     if "name" not in cfg:
         raise ValueError(f"encoder config has no 'name'; known encoders: {sorted(ENCODERS)}")
     name = cfg.pop("name")
-    if name not in ENCODERS:
-        raise ValueError(f"unknown encoder {name!r}; known encoders: {sorted(ENCODERS)}")
-    cls = ENCODERS[name]
+    cls = ENCODERS.lookup(name)
     check_kwargs(cls, cfg, f"encoder {name!r}")
     return cls(**cfg)
 

@@ -16,13 +16,14 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from ushash.core.registry import Registry
 from ushash.data.rows import Row, check_unique
 
 SPLITS = ("train", "val", "test")
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 Recipe = Callable[..., list[Row]]
-DATASETS: dict[str, Recipe] = {}
+DATASETS = Registry("dataset", "ushash/data/datasets")
 EXTRA_SPLITS: dict[str, tuple[str, ...]] = {}  # e.g. the hashing protocol's retrieval "database"
 
 
@@ -30,23 +31,11 @@ def register(name: str, extra_splits: tuple[str, ...] = ()) -> Callable[[Recipe]
     """Decorator: make `fn(split, **cfg)` available as `load_rows(name, split, **cfg)`."""
 
     def deco(fn: Recipe) -> Recipe:
-        old = DATASETS.get(name)
-        if old is not None and not _same_function(old, fn):
-            raise ValueError(f"dataset {name!r} is already registered (by {DATASETS[name].__module__})")
-        DATASETS[name] = fn
+        DATASETS.add(name, fn)
         EXTRA_SPLITS[name] = tuple(extra_splits)
         return fn
 
     return deco
-
-
-def _same_function(a: Recipe, b: Recipe) -> bool:
-    """The same source function defined twice (a module reloaded, or also run as a script)."""
-    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return a is b or (
-        code_a is not None and code_b is not None and a.__qualname__ == b.__qualname__
-        and code_a.co_filename == code_b.co_filename
-    )
 
 
 def config_keys(name: str) -> tuple[str, ...]:
@@ -127,8 +116,8 @@ def check_fracs(val_frac: float, test_frac: float) -> None:
 
 
 def _recipe(name: str) -> Recipe:
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known datasets: {sorted(DATASETS)}")
+    if name not in DATASETS:  # dataset names are exact (they name feature-store folders)
+        raise DATASETS.unknown(name)
     return DATASETS[name]
 
 

@@ -1,8 +1,8 @@
 """Hashing methods compared in ushash: one registry, one module per method, one config per method.
 
-Adding a method = one module in this package that calls `register(MethodSpec(...))` at import, plus
-`configs/method/<name>.yaml` (`name: <name>` and its `args`). Nothing else is edited: the registry
-imports every module of this package the first time it is asked for a method.
+Adding a method = one module in this package that calls `register(MethodSpec(...))` at import, its name
+in the import line at the end of this file, and `configs/method/<name>.yaml` (`name: <name>` and its
+`args`). The registry is ushash.core.registry's, as for datasets and encoders.
 
 Kinds
 - "fitted": no training; `build(bits=, seed=, **args)` returns an object with `fit(train_split)` and
@@ -17,10 +17,10 @@ Every method sees the same features, splits and evaluation code (ushash.evaluati
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable
+
+from ushash.core.registry import Registry
 
 KINDS = ("fitted", "trained")
 
@@ -45,44 +45,20 @@ class MethodSpec:
             raise ValueError(f"method {self.name}: a fitted method needs build, a trained one needs objective")
 
 
-_REGISTRY: dict[str, MethodSpec] = {}
-_ALIASES: dict[str, str] = {}
-_LOADED = False
+METHODS = Registry("method", "ushash/hashing/methods")
 
 
 def register(spec: MethodSpec) -> MethodSpec:
-    for key in (spec.name, *spec.aliases):
-        owner = _ALIASES.get(key)
-        if owner is not None and owner != spec.name:
-            raise ValueError(f"method name {key!r} is taken by {owner!r}")
-    _REGISTRY[spec.name] = spec
-    for key in (spec.name, *spec.aliases):
-        _ALIASES[key] = spec.name
-    return spec
-
-
-def _load_all() -> None:
-    global _LOADED
-    if _LOADED:
-        return
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
-    _LOADED = True
+    return METHODS.add(spec.name, spec, aliases=spec.aliases)
 
 
 def get(name: str) -> MethodSpec:
     """The method registered under `name` (or one of its aliases, case-insensitive)."""
-    _load_all()
-    key = _ALIASES.get(str(name)) or _ALIASES.get(str(name).lower())
-    if key is None:
-        raise KeyError(f"unknown method {name!r}; registered: {', '.join(names())}")
-    return _REGISTRY[key]
+    return METHODS.lookup(name)
 
 
 def names(kind: str | None = None) -> list[str]:
-    _load_all()
-    return sorted(n for n, s in _REGISTRY.items() if kind is None or s.kind == kind)
+    return sorted(n for n, s in METHODS.items() if kind is None or s.kind == kind)
 
 
 def build(name: str, bits: int, seed: int = 0, **args):
@@ -91,3 +67,8 @@ def build(name: str, bits: int, seed: int = 0, **args):
     if spec.kind != "fitted":
         raise ValueError(f"method {spec.name} is trained, not fitted: train it with ushash.train method={spec.name}")
     return spec.build(bits=int(bits), seed=int(seed), **args)
+
+
+# Methods register themselves on import: one module each in this package.
+from ushash.hashing.methods import (csq, float_upper, itq, lsh, orthohash, pairwise, pca_rotation,  # noqa: E402,F401
+                                    pca_sign, ushash)
