@@ -242,3 +242,88 @@ def test_image_from_real_bytes_is_independent_of_file(tmp_path):
     buf = io.BytesIO()
     img.save(buf, "PNG")
     assert buf.tell() > 0
+
+
+# --------------------------------------------------------------------------------- errors as fields
+def test_media_error_carries_source_reason_and_code(tmp_path):
+    cases = {"missing": media.NOT_FOUND, "empty": media.EMPTY, "directory": media.NOT_A_FILE}
+    for kind, code in cases.items():
+        p = tmp_path / kind / "x.png"
+        p.parent.mkdir()
+        if kind == "empty":
+            p.write_bytes(b"")
+        elif kind == "directory":
+            p.mkdir()
+        with pytest.raises(MediaError) as e:
+            load_image(p)
+        assert e.value.code == code and e.value.source == str(p)
+        assert str(e.value) == f"{p}: {e.value.reason}" and str(p) not in e.value.reason
+    with pytest.raises(MediaError) as e:
+        load_text("  ")
+    assert (e.value.source, e.value.code, str(e.value)) == (None, media.EMPTY, "empty caption")
+    with pytest.raises(MediaError) as e:
+        load_text(3)
+    assert e.value.code == media.NOT_TEXT
+    x = tone(16000, 0.1)
+    x[3] = np.nan
+    sf.write(tmp_path / "n.wav", x, 16000, subtype="FLOAT")
+    with pytest.raises(MediaError) as e:
+        load_audio(tmp_path / "n.wav", 16000)
+    assert e.value.code == media.NON_FINITE
+    (tmp_path / "c.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    with pytest.raises(MediaError) as e:
+        load_image(tmp_path / "c.png")
+    assert e.value.code == media.UNDECODABLE and e.value.reason.startswith("cannot decode image")
+    assert all(isinstance(v, str) and v for v in media.CODES.values())
+
+
+def test_media_error_pickles_with_its_fields():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(MediaError("/a/b.png", "file not found", media.NOT_FOUND)))
+    assert (e.source, e.reason, e.code, str(e)) == ("/a/b.png", "file not found", media.NOT_FOUND,
+                                                    "/a/b.png: file not found")
+
+
+# ------------------------------------------------------------------------------------ from bytes
+def test_bytes_decode_like_files(tmp_path):
+    png = noise_png(tmp_path / "a.png", size=(16, 12))
+    np.testing.assert_array_equal(np.asarray(media.decode_bytes("image", png.read_bytes(), "tar:t.tar#a.png")),
+                                  np.asarray(load_image(png)))
+    rgba = np.zeros((2, 2, 4), np.uint8)  # transparent: composited on white, as from a file
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "t.png")
+    assert (np.asarray(media.decode_bytes("image", (tmp_path / "t.png").read_bytes())) == 255).all()
+    sf.write(tmp_path / "a.wav", tone(22050, 0.5), 22050)
+    sf.write(tmp_path / "a.ogg", tone(22050, 0.5), 22050, format="OGG", subtype="VORBIS")
+    for name in ("a.wav", "a.ogg"):
+        np.testing.assert_array_equal(media.decode_bytes("audio", (tmp_path / name).read_bytes(), None, 16000, 1.0),
+                                      load_audio(tmp_path / name, 16000, 1.0))
+    assert media.decode_bytes("text", " caf\u00e9 \n".encode()) == "caf\u00e9"
+    assert media.decode_text(b"a\xffb") == "a\ufffdb"
+    with pytest.raises(ValueError, match="sample_rate"):
+        media.decode_bytes("audio", (tmp_path / "a.wav").read_bytes())
+    with pytest.raises(ValueError, match="unknown modality"):
+        media.decode_bytes("video", b"x")
+
+
+def test_svg_bytes_are_recognised(tmp_path):
+    pytest.importorskip("cairosvg")
+    (tmp_path / "a.svg").write_text(SVG)
+    ref = np.asarray(load_image(tmp_path / "a.svg"))
+    for data in (SVG.encode(), b"\xef\xbb\xbf\n  " + SVG.encode()):  # sniffed, also after a BOM
+        np.testing.assert_array_equal(np.asarray(media.decode_bytes("image", data)), ref)
+    assert media.decode_bytes("image", SVG_ENTITIES.encode(), "x.svg").size == (512, 512)
+
+
+def test_bytes_errors_name_the_source_never_a_buffer():
+    src = "tar:/data/00001.tar#k7.png"
+    for data, code in ((b"", media.EMPTY), (b"not an image at all", media.UNDECODABLE),
+                       (b"\x89PNG\r\n\x1a\n" + bytes(range(256)), media.UNDECODABLE)):
+        with pytest.raises(MediaError) as e:
+            media.decode_bytes("image", data, src)
+        assert e.value.code == code and e.value.source == src and str(e.value).startswith(src + ": ")
+        assert "BytesIO" not in str(e.value) and " at 0x" not in str(e.value)
+    with pytest.raises(MediaError) as e:
+        media.decode_bytes("audio", b"RIFF....WAVEfmt garbage", None, 16000)
+    assert e.value.code == media.UNDECODABLE and e.value.source is None and str(e.value) == e.value.reason
+    assert e.value.reason.startswith("cannot decode audio") and "BytesIO" not in e.value.reason

@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import math
 import os
 import shutil
 import tarfile
-import tempfile
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -385,37 +383,14 @@ class _Stream(IterableDataset):
     def _decode(self, u: Unit, p: int, data: bytes):
         src = u.rows[p].source
         try:
-            raw = decode_bytes(u.modality, data, src, self.encoder.sample_rate, self.encoder.audio_seconds)
+            if not data:  # a member without bytes (an empty file in the tar, an image cell with no bytes)
+                raise media.MediaError(src, "empty member (0 bytes)", media.EMPTY)
+            raw = media.decode_bytes(u.modality, data, src, self.encoder.sample_rate, self.encoder.audio_seconds)
             return self.encoder.preprocess(u.modality, raw), None
         except media.MediaError as e:
             return None, str(e)
         except Exception as e:  # a decoder bug on one item must not kill a long extraction
             return None, f"{src}: {type(e).__name__}: {e}"
-
-
-def decode_bytes(modality: str, data: bytes, name: str, sample_rate=None, seconds=None):
-    """Decode a packed member with the same rules (and errors) as media.load on a file."""
-    if not data:
-        raise media.MediaError(f"{name}: empty member (0 bytes)")
-    if modality == "image":
-        from PIL import Image, ImageOps
-
-        try:
-            img = Image.open(io.BytesIO(data))
-            img.load()
-            img = ImageOps.exif_transpose(img)
-        except Image.UnidentifiedImageError as e:  # its message holds a BytesIO address: not reproducible
-            raise media.MediaError(f"{name}: cannot decode image (UnidentifiedImageError: not a known image "
-                                   "format)") from e
-        except Exception as e:
-            raise media.MediaError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from e
-        return media._flatten(img, Path(name))
-    if modality == "audio":  # libsndfile reads from a file: a short-lived temporary one
-        with tempfile.NamedTemporaryFile(suffix=Path(name).suffix or ".wav") as f:
-            f.write(data)
-            f.flush()
-            return media.load_audio(f.name, sample_rate, seconds)
-    return media.load_text(data.decode("utf-8", errors="replace"))
 
 
 def _read_container(container: str, want: dict[str, int]):

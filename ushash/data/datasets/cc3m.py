@@ -27,6 +27,7 @@ import os
 import tarfile
 from pathlib import Path
 
+from ushash.data import media
 from ushash.data.datasets import SPLITS, check_fracs, hash_split, register, resolve_path
 from ushash.data.rows import Row
 
@@ -74,7 +75,7 @@ def _index_cached(path: str, size: int, mtime: float, image_ext: str) -> tuple[t
                     order.append(key)
                 if ext == "txt":
                     f = tf.extractfile(ti)
-                    captions[key] = f.read().decode("utf-8", errors="replace") if f is not None else ""
+                    captions[key] = media.decode_text(f.read()) if f is not None else ""
                 else:
                     images.setdefault(key, ti.name)
     except (tarfile.TarError, OSError, EOFError) as e:

@@ -14,8 +14,6 @@ with a message meant for the client: unknown modality, undecodable media, wrong 
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -37,34 +35,14 @@ class Query:
     z: np.ndarray | None        # float32 [dim], unit L2 norm, shared-space embedding (payload check)
 
 
-def _sniff_suffix(data: bytes, modality: str) -> str:
-    head = data[:512].lstrip().lower()
-    if modality == "image" and (head.startswith(b"<?xml") or head.startswith(b"<svg") or b"<svg" in head):
-        return ".svg"
-    return ".bin"
-
-
 def _decode_bytes(modality: str, data: bytes, sample_rate: int | None, seconds: float | None):
-    """Encoded file bytes -> the raw value the encoder preprocesses, through ushash.data.media's decoders."""
+    """Encoded file bytes -> the raw value the encoder preprocesses, through ushash.data.media's decoder."""
     if not data:
         raise RequestError(f"empty {modality} input (0 bytes)")
-    fd, path = tempfile.mkstemp(suffix=_sniff_suffix(data, modality), prefix="ushash-req-")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        try:
-            if modality == "image":
-                return media.load_image(path)
-            return media.load_audio(path, sample_rate, seconds)
-        except media.MediaError as e:
-            # media names the (temporary) path; the client only needs the reason
-            reason = str(e).split(": ", 1)[-1]
-            raise RequestError(f"undecodable {modality}: {reason}") from None
-    finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        return media.decode_bytes(modality, data, None, sample_rate, seconds)
+    except media.MediaError as e:
+        raise RequestError(f"undecodable {modality}: {e.reason}") from None
 
 
 def _unit(z) -> np.ndarray:
