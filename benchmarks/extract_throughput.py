@@ -7,7 +7,7 @@ else N generated 640x480 JPEGs (seeded noise + gradients, written to a temporary
 interleaved, median of R repeats:
   reference:  a bare loop of encoder.encode over the same images, decoded, preprocessed and collated into
               batches beforehand (the forward pass alone: the best an extraction can do)
-  pipeline:   features.extract (DataLoader workers decode + preprocess, main process encodes and writes
+  pipeline:   extract.extract (DataLoader workers decode + preprocess, main process encodes and writes
               the memory-mapped store), from files, into a fresh store
   sharded:    shards.extract_sharded (the same, cut into shards, under Lightning predict, then merged)
 and prints items/s for each and the ratio pipeline / reference (goal: >= 0.9, i.e. decoding is hidden
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ushash.data import store as features, media, shards
+from ushash.data import extract as extraction, media, shards
 from ushash.data.datasets import REPO_ROOT
 from ushash.encoders import build_encoder
 from ushash.data.rows import Row
@@ -138,8 +138,8 @@ def main() -> None:
 
     def pipeline():
         run[0] += 1
-        s = features.extract(rows, enc, tmp / f"plain{run[0]}", "bench", "train", batch_size=a.batch_size,
-                             num_workers=a.workers, progress=False)
+        s = extraction.extract(rows, enc, tmp / f"plain{run[0]}", "bench", "train", batch_size=a.batch_size,
+                               num_workers=a.workers, progress=False)
         return len(s.tables["image"])
 
     def sharded():
@@ -149,7 +149,7 @@ def main() -> None:
                                    batch_size=a.batch_size, num_workers=a.workers, progress=False)
         return len(s.tables["image"])
 
-    fns = {"reference (bare encode loop)": bare, "pipeline (features.extract)": pipeline}
+    fns = {"reference (bare encode loop)": bare, "pipeline (extract.extract)": pipeline}
     if not a.no_sharded:
         fns["sharded (shards.extract_sharded)"] = sharded
     bare()  # warm-up: cudnn/autotune, allocator, first-call costs

@@ -13,10 +13,10 @@ from ushash.data.datasets import load_rows
 from ushash.data.datasets import coco
 from ushash.encoders import build_encoder
 from ushash.evaluation.evaluate import run_eval
-from ushash.data.store import extract, open_split, store_path
+from ushash.data.store import open_split, store_path
 from ushash.core.index import HammingIndex
 from ushash.hashing.module import load_checkpoint
-from ushash.data.extract import run_extract
+from ushash.data.extract import extract, run_extract
 from ushash.hashing.training import run_train
 
 # The fixture: 40 COCO images. Karpathy splits: 1-12 train (train2014), 13 restval, 14-25 val, 26-39 test

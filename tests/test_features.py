@@ -7,8 +7,10 @@ import pytest
 import torch
 from PIL import Image
 
-from ushash.data import store as features
-from ushash.data.store import FeatureStoreError, extract, open_split
+from ushash.core.io import exclusive
+from ushash.data import extract as extraction, store as features
+from ushash.data.extract import extract
+from ushash.data.store import FeatureStoreError, open_split
 from ushash.data.rows import Row
 
 
@@ -156,7 +158,7 @@ def test_concurrent_extractions_of_one_store_take_turns(tmp_path):
     enc = CountingEncoder()
     out = features.store_path(tmp_path / "feat", "toy", "train", enc.name, enc.fingerprint)
     result = {}
-    with features._exclusive(out.with_name(out.name + ".lock")):
+    with exclusive(out.with_name(out.name + ".lock")):
         t = threading.Thread(target=lambda: result.setdefault(
             "split", extract(rows, enc, tmp_path / "feat", "toy", "train", num_workers=0, progress=False)))
         t.start()
@@ -167,8 +169,114 @@ def test_concurrent_extractions_of_one_store_take_turns(tmp_path):
 
 
 def test_decode_workers_auto_leaves_a_core_for_the_encoder(monkeypatch):
-    monkeypatch.setattr(features.os, "cpu_count", lambda: 2)
-    assert features.decode_workers("auto") == 1
-    monkeypatch.setattr(features.os, "cpu_count", lambda: 64)
-    assert features.decode_workers("auto") == 8
-    assert features.decode_workers(3) == 3
+    monkeypatch.setattr(extraction.os, "cpu_count", lambda: 2)
+    assert extraction.decode_workers("auto") == 1
+    monkeypatch.setattr(extraction.os, "cpu_count", lambda: 64)
+    assert extraction.decode_workers("auto") == 8
+    assert extraction.decode_workers(3) == 3
+
+
+# ------------------------------------------------------------------------------- the shared pieces
+def test_failures_carry_codes(tmp_path):
+    rows = _rows(tmp_path, n=8, corrupt=(3,), empty_caption=(5,))
+    rows.append(Row("image", "i-missing", "g-missing", str(tmp_path / "nope.png")))
+    with pytest.warns(UserWarning, match="t4"):
+        split = extract(rows, CountingEncoder(nan_text="a caption aaaa"), tmp_path / "feat", "toy", "train",
+                        batch_size=4, num_workers=0, progress=False)
+    codes = {f["id"]: f["code"] for f in split.report["failed"]}
+    assert codes == {"i3": "undecodable", "i-missing": "not_found", "t4": "non_finite_features", "t5": "empty"}
+    assert all(set(f) == {"modality", "id", "source", "reason", "code"} for f in split.report["failed"])
+
+
+def test_prepare_turns_every_decoding_failure_into_a_record(tmp_path):
+    class Broken(CountingEncoder):
+        def preprocess(self, modality, raw):
+            raise TypeError("a bug")
+
+    x, fail = extraction.prepare(CountingEncoder(), "text", "  a caption ")
+    assert x == "a caption" and fail is None
+    assert extraction.prepare(CountingEncoder(), "text", " ") == (None, {"code": "empty", "reason": "empty caption"})
+    assert extraction.prepare(Broken(), "text", "fine") == (None, {"code": "decoder_error",
+                                                                   "reason": "TypeError: a bug"})
+    _, fail = extraction.prepare(CountingEncoder(), "image", str(tmp_path / "nope.png"))
+    assert fail == {"code": "not_found", "reason": f"{tmp_path / 'nope.png'}: file not found"}
+    png = tmp_path / "a.png"
+    Image.fromarray(np.full((4, 4, 3), 10, np.uint8)).save(png)
+    from_file, _ = extraction.prepare(CountingEncoder(), "image", str(png))
+    from_bytes, _ = extraction.prepare(CountingEncoder(), "image", "tar:x.tar#a.png", png.read_bytes())
+    assert torch.equal(from_file, from_bytes)
+
+
+def test_encode_batch_rejects_non_finite_rows_by_position():
+    enc = CountingEncoder(nan_text="b")
+    with pytest.warns(UserWarning, match=r"rejected 1 rows with NaN/inf features: \['id-b'\]"):
+        feats, bad = extraction.encode_batch(enc, "text", ["a", "b", "c"], ["id-a", "id-b", "id-c"])
+    assert feats.dtype == np.float32 and feats.shape == (3, 2)
+    assert bad == {1: {"code": "non_finite_features", "reason": "non-finite features (NaN/inf) from the encoder"}}
+
+
+def test_check_bad_rows_summarises_by_reason_and_writes_the_report(tmp_path):
+    failed = [{"modality": "image", "id": f"i{k}", "source": f"/d/{k}.png", "reason": f"/d/{k}.png: file not found",
+               "code": "not_found"} for k in range(3)]
+    failed += [{"modality": "image", "id": "i9", "source": "/d/9.png", "reason": "/d/9.png: cannot decode image (x)",
+                "code": "undecodable"},
+               {"modality": "image", "id": "old", "source": "/d/o.png", "reason": "written before codes"},
+               {"modality": "text", "id": "t0", "source": "", "reason": "empty caption", "code": "empty"}]
+    report = {"dataset": "toy", "split": "val", "failed": failed,
+              "modalities": {"image": {"rows": 8, "ok": 3, "failed": 5}, "text": {"rows": 8, "ok": 7, "failed": 1}}}
+    extraction.check_bad_rows(report, "text", 0.5, tmp_path / "report.json")  # within the limit
+    assert not (tmp_path / "report.json").exists()
+    with pytest.raises(FeatureStoreError) as e:
+        extraction.check_bad_rows(report, "image", 0.5, tmp_path / "report.json")
+    assert str(e.value) == ("toy/val: 5 of 8 image rows failed (limit 50%); reasons include ['cannot decode', "
+                            f"'file not found', 'unknown']. Full list: {tmp_path / 'report.json'}. "
+                            "Check the data root.")
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+    report["modalities"]["text"]["ok"] = 0  # nothing left is always too many
+    with pytest.raises(FeatureStoreError, match="toy/val: 1 of 8 text rows failed.*'empty'"):
+        extraction.check_bad_rows(report, "text", 0.5, tmp_path / "no such folder" / "report.json")
+
+
+def test_store_identity_names_the_folder_and_fills_meta(tmp_path):
+    enc = CountingEncoder()
+    identity = features.store_identity("toy", "train", features.encoder_meta(enc, {"name": "counting", "k": 1}))
+    assert identity == {"dataset": "toy", "split": "train", "encoder": {
+        "name": "counting", "fingerprint": "abc123", "config": {"name": "counting", "k": 1}}}
+    out = features.identity_path(tmp_path, identity)
+    assert out == features.store_path(tmp_path, "toy", "train", "counting", "abc123")
+    split = extract(_rows(tmp_path, n=3, corrupt=()), enc, tmp_path, "toy", "train",
+                    encoder_cfg={"name": "counting", "k": 1}, num_workers=0, progress=False)
+    assert split.path == out
+    keys = ["store_version", "ushash_version", "dataset", "split", "encoder", "modalities", "created"]
+    assert list(split.meta) == keys and {k: split.meta[k] for k in identity} == identity
+    written = features.write_split(tmp_path / "w", "toy", "train", {"text": {"x": np.ones((1, 2)), "ids": ["a"],
+                                                                            "groups": ["g"]}}, identity["encoder"])
+    assert list(written.meta) == keys and {k: written.meta[k] for k in identity} == identity
+
+
+def test_store_uses_the_one_atomic_write_and_lock(tmp_path):
+    from filelock import FileLock, Timeout
+
+    import ushash.core.io as core_io
+
+    assert features.write_json is core_io.write_json  # re-exported for modules that import it from here
+    out = tmp_path / "toy" / "train" / "counting-abc123"
+    with features.store_lock(out):
+        with pytest.raises(Timeout):
+            FileLock(str(out.with_name(out.name + ".lock"))).acquire(timeout=0)
+
+
+def test_run_extract_logs_one_summary_line_per_split(tmp_path, caplog):
+    import logging
+
+    from ushash.config import compose
+
+    recs = [{"text": f"caption {i}", "group": f"g{i}", "split": "train"} for i in range(3)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = compose("config", [f"paths.root={tmp_path}", "data=manifest", f"data.path={tmp_path / 'm.jsonl'}",
+                             "encoder=tiny", "encoder.modalities=[text]", "extract.num_workers=0",
+                             "extract.progress=false", "extract.splits=[train]"])
+    with caplog.at_level(logging.INFO, logger="ushash.data.extract"):
+        split = extraction.run_extract(cfg)["train"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ushash.data.extract"]
+    assert lines == [f"[extract] manifest/train: text 3/3 ok; 0 failed -> {split.path}"]

@@ -9,7 +9,8 @@ from PIL import Image
 
 from ushash.data import shards
 from ushash.encoders import build_encoder
-from ushash.data.store import FeatureStoreError, extract, open_split
+from ushash.data.extract import extract
+from ushash.data.store import FeatureStoreError, open_split
 from ushash.data.rows import Row
 
 
@@ -173,3 +174,29 @@ def test_tar_stream_matches_files_and_names_bad_members(tmp_path, encoder):
     ref = extract([Row("image", f"k{i}", f"k{i}", str(tmp_path / f"{i}.png")) for i in (0, 2)], encoder,
                   tmp_path / "ref", "toy", "train", num_workers=0, progress=False)
     np.testing.assert_allclose(np.asarray(img.x), np.asarray(ref.tables["image"].x), rtol=1e-5, atol=1e-6)
+
+
+def test_stream_failures_carry_codes_and_match_file_failures(tmp_path, encoder):
+    _png(tmp_path / "0.png", 0)
+    good = (tmp_path / "0.png").read_bytes()
+    _tar(tmp_path / "a.tar", [("k0.png", good), ("k1.png", b"garbage"), ("k2.png", b"")])
+    _tar(tmp_path / "b.tar", [("k3.png", good), ("k4.png", good * 2)], truncate_at=700)
+    keys = {"a.tar": ["k0", "k1", "k2", "k9"], "b.tar": ["k3", "k4"]}
+    rows = [Row("image", k, k, f"tar:{tmp_path / t}#{k}.png") for t, ks in keys.items() for k in ks]
+    split = shards.extract_sharded(rows, encoder, tmp_path / "feat", "toy", "train", accelerator="cpu",
+                                   batch_size=2, num_workers=0, progress=False, max_bad_frac=0.9)
+    codes = {f["id"]: f["code"] for f in split.report["failed"]}
+    assert codes == {"k1": "undecodable", "k2": "empty", "k9": "not_in_container", "k3": "unreadable_container",
+                     "k4": "unreadable_container"}
+    # the same bytes as files fail with the same code and reason, the source aside
+    (tmp_path / "k1.png").write_bytes(b"garbage")
+    files = [Row("image", "k1", "k1", str(tmp_path / "k1.png")), Row("image", "k0", "k0", str(tmp_path / "0.png"))]
+    plain = extract(files, encoder, tmp_path / "plain", "toy", "train", num_workers=0, progress=False)
+    (f_plain,), f_stream = plain.report["failed"], split.report["failed"][0]
+    assert f_plain["code"] == f_stream["code"]
+    assert f_plain["reason"].removeprefix(f_plain["source"]) == f_stream["reason"].removeprefix(f_stream["source"])
+    with pytest.raises(FeatureStoreError, match=r"5 of 6 image rows failed \(limit 50%\); reasons include "
+                                                r"\['cannot decode', 'empty', 'not found in its container', "
+                                                r"'unreadable container'\]"):
+        shards.extract_sharded(rows, encoder, tmp_path / "feat2", "toy", "train", accelerator="cpu", batch_size=2,
+                               num_workers=0, progress=False)

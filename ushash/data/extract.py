@@ -1,16 +1,58 @@
-"""python -m ushash.extract data=tuxpaint encoder=offline  — fill the feature store for every split."""
+"""Extraction: a dataset's rows through a frozen encoder into the feature store.
+
+    run_extract(cfg)                                   # what `python -m ushash.extract` runs, every split
+    extract(rows, encoder, features_dir, dataset, split)  # one split, in this process
+
+`extract` decodes rows in DataLoader workers and encodes them in the main process, filling
+`<store>.partial/<modality>.full.npy` row by row; an interrupted extraction resumes from
+`<modality>.progress.json`. A row that fails to decode (corrupt image, unreadable audio, empty caption)
+or gives non-finite features is recorded in the report and left out of the arrays; pairing is by
+`group`, so nothing else shifts. ushash.data.shards extracts a split in shards (and as Lightning DDP)
+with the same pieces, defined here once:
+
+    prepare(encoder, modality, source, data)   decode + preprocess one row -> (x, None) | (None, failure)
+    encode_batch(encoder, modality, xs, ids)   one forward pass + the finite check
+    failure / failure_of / failure_records     a bad row's record, and the report's list of them
+    check_bad_rows                             the `max_bad_frac` rule
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
 import torch
 from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
 
-from ushash.data import shards
-from ushash.config import CONFIG_DIR, to_dict
+import ushash
+from ushash.config import to_dict
+from ushash.data import media
 from ushash.data.datasets import load_rows
+from ushash.data.rows import Row, check_unique
+from ushash.data.store import (FeatureSplit, FeatureStoreError, encoder_meta, finish, identity_path, open_split,
+                               partial_path, store_identity, store_lock, write_json, write_meta, write_rows)
 from ushash.encoders import build_encoder
-from ushash.data.store import FeatureSplit, decode_workers, extract
 
+log = logging.getLogger(__name__)
+
+# Failure codes beyond media.CODES (why a row was left out of the store), with their summary phrases.
+NON_FINITE_FEATURES = "non_finite_features"
+DECODER_ERROR = "decoder_error"
+UNKNOWN = "unknown"  # a failure recorded before failures had codes (an older partial extraction)
+REASONS = {**media.CODES,
+           NON_FINITE_FEATURES: "non-finite features (NaN/inf) from the encoder",
+           DECODER_ERROR: "decoder error",
+           UNKNOWN: "unknown"}
+
+
+# ---------------------------------------------------------------------------------------------- the verb
 
 def resolve_device(name: str) -> str:
     if name == "auto":
@@ -18,8 +60,18 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def decode_workers(value) -> int:
+    """DataLoader workers for decoding: an int, or "auto" = one per core left after the encoder's
+    main process (1 on 2 cores, where a second worker would take CPU from the forward pass), at most 8."""
+    if value == "auto":
+        return max(1, min(8, (os.cpu_count() or 2) - 1))
+    return int(value)
+
+
 def run_extract(cfg: DictConfig, splits: list[str] | None = None, encoder=None) -> dict[str, FeatureSplit]:
     """Extract (or reuse) features of each split; returns the opened stores."""
+    from ushash.data import shards  # shards builds on this module
+
     enc_cfg = to_dict(cfg.encoder)
     if encoder is None:
         encoder = build_encoder(enc_cfg).to(resolve_device(cfg.extract.device))
@@ -38,5 +90,215 @@ def run_extract(cfg: DictConfig, splits: list[str] | None = None, encoder=None) 
                                  max_bad_frac=cfg.extract.max_bad_frac)
         rep = out[split].report
         counts = ", ".join(f"{m} {v.get('ok', 0)}/{v['rows']}" for m, v in rep["modalities"].items())
-        print(f"[extract] {name}/{split}: {counts} ok; {len(rep['failed'])} failed -> {out[split].path}")
+        log.info("[extract] %s/%s: %s ok; %d failed -> %s", name, split, counts, len(rep["failed"]), out[split].path)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- shared pieces
+
+def collate_list(batch):
+    """DataLoader collate_fn that keeps a batch as the list of its items."""
+    return batch
+
+
+def failure(code: str, reason: str) -> dict:
+    """Why one row was left out: a code (a key of REASONS) and the message for people."""
+    return {"code": code, "reason": reason}
+
+
+def failure_of(err: media.MediaError) -> dict:
+    return failure(err.code, str(err))
+
+
+def prepare(encoder, modality: str, source: str, data: bytes | None = None):
+    """Decode one row, from its `source` or from the `data` bytes read out of its container, and preprocess
+    it for `encoder`: (x, None), or (None, failure) when it cannot be decoded."""
+    try:
+        if data is None:
+            raw = media.load(modality, source, sample_rate=encoder.sample_rate, seconds=encoder.audio_seconds)
+        else:
+            raw = media.decode_bytes(modality, data, source, encoder.sample_rate, encoder.audio_seconds)
+        return encoder.preprocess(modality, raw), None
+    except media.MediaError as e:
+        return None, failure_of(e)
+    except Exception as e:  # a decoder bug on one file must not kill a long extraction
+        return None, failure(DECODER_ERROR, f"{type(e).__name__}: {e}")
+
+
+def encode_batch(encoder, modality: str, xs: list, ids: list[str]) -> tuple[np.ndarray, dict[int, dict]]:
+    """One forward pass over preprocessed items: float32 features [n, D], and {position: failure} for the
+    items whose features are not finite (NaN/inf), which are warned about by id and must not be stored."""
+    feats = encoder.encode(modality, encoder.collate(modality, xs)).detach().float().cpu().numpy()
+    bad = np.flatnonzero(~np.isfinite(feats).all(axis=1))
+    if len(bad):
+        warnings.warn(f"{modality}: rejected {len(bad)} rows with NaN/inf features: {[ids[p] for p in bad[:10]]}")
+    return feats, {int(p): failure(NON_FINITE_FEATURES, "non-finite features (NaN/inf) from the encoder")
+                   for p in bad}
+
+
+def failure_records(modality: str, rows: list[Row], failed: dict[str, dict]) -> list[dict]:
+    """The report's entries for the failed rows among `rows` ({row id: failure}), in row order."""
+    return [{"modality": modality, "id": r.id, "source": _short(r.source), "reason": f["reason"], "code": f["code"]}
+            for r in rows for f in [failed.get(r.id)] if f]
+
+
+def modality_counts(n_rows: int, n_ok: int) -> dict:
+    """The report's {"rows", "ok", "failed"} of one modality."""
+    return {"rows": n_rows, "ok": n_ok, "failed": n_rows - n_ok}
+
+
+def skipped(n_rows: int, encoder_name: str, modality: str) -> dict:
+    """The report's entry for a modality the encoder cannot encode."""
+    return {"rows": n_rows, "skipped": f"encoder {encoder_name} has no {modality} tower"}
+
+
+def check_bad_rows(report: dict, modality: str, max_bad_frac: float, report_file: Path) -> None:
+    """The `max_bad_frac` rule, on one modality of an extraction report: when no row is left or more than
+    `max_bad_frac` of them failed, write the report to `report_file` (if its folder exists) and raise
+    FeatureStoreError, summarising the failures by reason."""
+    c = report["modalities"][modality]
+    if c["ok"] > 0 and c["failed"] <= max_bad_frac * c["rows"]:
+        return
+    reasons = sorted({REASONS.get(f.get("code"), REASONS[UNKNOWN]) for f in report["failed"]
+                      if f["modality"] == modality})[:5]
+    if report_file.parent.exists():
+        write_json(report_file, report)
+    raise FeatureStoreError(
+        f"{report['dataset']}/{report['split']}: {c['failed']} of {c['rows']} {modality} rows failed (limit "
+        f"{max_bad_frac:.0%}); reasons include {reasons}. Full list: {report_file}. Check the data root.")
+
+
+def _short(source: str, n: int = 200) -> str:
+    return source if len(source) <= n else source[: n - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------- one process
+
+def extract(rows: list[Row], encoder, root: str | Path, dataset: str, split: str, encoder_cfg: dict | None = None,
+            batch_size: int = 64, num_workers: int = 2, progress: bool = True, max_bad_frac: float = 0.5,
+            overwrite: bool = False, flush_every: int = 20) -> FeatureSplit:
+    """Extract features for `rows` once; a finished store is reused, an unfinished one resumed."""
+    identity = store_identity(dataset, split, encoder_meta(encoder, encoder_cfg))
+    out = identity_path(root, identity)
+    if out.exists() and not overwrite:
+        return open_split(out)
+    check_unique(rows, f"{dataset}/{split}")
+    with store_lock(out):
+        if out.exists() and not overwrite:  # another process finished it while we waited
+            return open_split(out)
+        return _extract_locked(rows, encoder, out, identity, batch_size, num_workers, progress, max_bad_frac,
+                               flush_every)
+
+
+class _Decode(Dataset):
+    """Decodes and preprocesses rows in DataLoader workers: (index, x, None) or (index, None, failure)."""
+
+    def __init__(self, rows: list[Row], encoder, start: int):
+        self.rows, self.encoder, self.start = rows, encoder, start
+
+    def __len__(self) -> int:
+        return len(self.rows) - self.start
+
+    def __getitem__(self, i: int):
+        i += self.start
+        row = self.rows[i]
+        return (i, *prepare(self.encoder, row.modality, row.source))
+
+
+def _rows_digest(rows: list[Row]) -> str:
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(f"{r.id}\0{r.group}\0{r.source}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _extract_modality(rows: list[Row], encoder, work: Path, modality: str, batch_size: int,
+                      num_workers: int, progress: bool, flush_every: int) -> dict:
+    """Fill `work/<m>.full.npy` row by row (resumable). Returns the progress record."""
+    dim = encoder.dims[modality]
+    prog_file, arr_file = work / f"{modality}.progress.json", work / f"{modality}.full.npy"
+    digest = _rows_digest(rows)
+    prog = json.loads(prog_file.read_text(encoding="utf-8")) if prog_file.exists() else None
+    if prog is not None and (prog["rows_digest"] != digest or not arr_file.exists()):
+        warnings.warn(f"{work}: the {modality} rows changed since the interrupted run; starting this modality over")
+        prog = None
+    if prog is None:
+        prog = {"rows_digest": digest, "n_rows": len(rows), "done": 0, "ok": [], "failed": {}}
+        arr = np.lib.format.open_memmap(arr_file, mode="w+", dtype=np.float32, shape=(len(rows), dim))
+        del arr
+        write_json(prog_file, prog)
+    prog["failed"] = {k: v if isinstance(v, dict) else failure(UNKNOWN, v) for k, v in prog["failed"].items()}
+    if prog["done"] >= len(rows):
+        return prog
+    arr = np.load(arr_file, mmap_mode="r+")
+    ok = set(prog["ok"])
+    loader = DataLoader(_Decode(rows, encoder, prog["done"]), batch_size=batch_size, num_workers=num_workers,
+                        collate_fn=collate_list, shuffle=False,
+                        persistent_workers=False, prefetch_factor=4 if num_workers else None)
+    bar = tqdm(total=len(rows), initial=prog["done"], desc=f"extract {modality}", unit="item",
+               disable=not progress, dynamic_ncols=True)
+    for step, batch in enumerate(loader):
+        good = [(i, x) for i, x, fail in batch if fail is None]
+        for i, _, fail in batch:
+            if fail is not None:
+                prog["failed"][rows[i].id] = fail
+        if good:
+            feats, bad = encode_batch(encoder, modality, [x for _, x in good], [rows[i].id for i, _ in good])
+            for p, ((i, _), f) in enumerate(zip(good, feats)):
+                if p in bad:
+                    prog["failed"][rows[i].id] = bad[p]
+                else:
+                    arr[i] = f
+                    ok.add(i)
+        prog["done"] = batch[-1][0] + 1
+        bar.update(len(batch))
+        if (step + 1) % flush_every == 0 or prog["done"] >= len(rows):
+            arr.flush()
+            prog["ok"] = sorted(ok)
+            write_json(prog_file, prog)
+    bar.close()
+    arr.flush()
+    prog["ok"] = sorted(ok)
+    write_json(prog_file, prog)
+    return prog
+
+
+def _extract_locked(rows, encoder, out: Path, identity: dict, batch_size, num_workers, progress, max_bad_frac,
+                    flush_every) -> FeatureSplit:
+    dataset, split = identity["dataset"], identity["split"]
+    work = partial_path(out)
+    work.mkdir(parents=True, exist_ok=True)
+    report = {"dataset": dataset, "split": split, "modalities": {}, "failed": []}
+    meta_mods = {}
+    for m in ushash.MODALITIES:
+        mrows = [r for r in rows if r.modality == m]
+        if not mrows:
+            continue
+        if m not in encoder.modalities:
+            report["modalities"][m] = skipped(len(mrows), encoder.name, m)
+            continue
+        prog = _extract_modality(mrows, encoder, work, m, batch_size, num_workers, progress, flush_every)
+        ok_idx = np.asarray(prog["ok"], dtype=np.int64)
+        report["modalities"][m] = modality_counts(len(mrows), len(ok_idx))
+        report["failed"] += failure_records(m, mrows, prog["failed"])
+        check_bad_rows(report, m, max_bad_frac, work / "report.json")
+        full = np.load(work / f"{m}.full.npy", mmap_mode="r")
+        final = np.lib.format.open_memmap(work / f"{m}.npy", mode="w+", dtype=np.float32,
+                                          shape=(len(ok_idx), full.shape[1]))
+        for s in range(0, len(ok_idx), 65536):
+            final[s:s + 65536] = full[ok_idx[s:s + 65536]]
+        final.flush()
+        del final, full
+        ok_rows = [mrows[i] for i in ok_idx]
+        write_rows(work / f"{m}.rows.jsonl", [r.id for r in ok_rows], [r.group for r in ok_rows],
+                   [r.labels for r in ok_rows])
+        meta_mods[m] = {"dim": int(encoder.dims[m]), "count": int(len(ok_idx))}
+    if not meta_mods:
+        raise FeatureStoreError(f"{dataset}/{split}: no rows for any modality of encoder {encoder.name} "
+                                f"({encoder.modalities}); found {len(rows)} rows")
+    for m in meta_mods:
+        (work / f"{m}.full.npy").unlink(missing_ok=True)
+        (work / f"{m}.progress.json").unlink(missing_ok=True)
+    write_json(work / "report.json", report)
+    write_meta(work, identity, meta_mods)
+    return finish(work, out)

@@ -7,19 +7,19 @@ The rows of each modality are cut into *units*, each extracted and finished on i
 - file-backed rows (a path, or a caption) go to shard `hash(row id) % n` (blake2b of the id, so a row's
   shard depends on its id and `n` alone, never on the world size or the row order). `n` is
   `extract.shards`, or ceil(rows / 10,000) per modality when that is 0. A shard is extracted with
-  `features.extract` into `<store>.shards/<modality>-<k>-of-<n>/`, so it resumes row by row after a kill
-  and records its bad rows exactly as an unsharded extraction does.
+  `ushash.data.extract.extract` into `<store>.shards/<modality>-<k>-of-<n>/`, so it resumes row by row
+  after a kill and records its bad rows exactly as an unsharded extraction does.
 - packed rows, whose media sit inside a container that is read as a stream, go to one unit per
   container: `tar:<path>#<member>` (a webdataset / img2dataset .tar, one unit per tar) and
   `hf:<dataset dir>#<hf split>/<index>/<column>` (image bytes inside a local Hugging Face dataset, one
   unit per 10,000 indices). An IterableDataset hands whole units to DataLoader workers; a unit's store is
-  written (`features.write_split`) when its last member is encoded, so a kill loses at most the units in
+  written (`store.write_split`) when its last member is encoded, so a kill loses at most the units in
   flight.
 Every rank takes units `i % world_size == rank` (sorted by name) and skips finished ones, so a restart
 with another world size resumes the same units. When all ranks are done, every rank checks the bad-row
-counts (the same `max_bad_frac` rule as features.extract, applied to the whole split), global rank 0
-merges the units into a normal finished store in the original row order (identical to an unsharded
-extraction of the same rows) with `features.write_split` (written in `<store>.partial/`, renamed in one
+counts (`check_bad_rows`, the same `max_bad_frac` rule as extract's, applied to the whole split), global
+rank 0 merges the units into a normal finished store in the original row order (identical to an unsharded
+extraction of the same rows) with `store.write_split` (written in `<store>.partial/`, renamed in one
 step), and removes `<store>.shards/`.
 
 With `strategy="auto"` and one device this runs in-process (tests, CPU); `strategy="ddp"` launches one
@@ -47,9 +47,12 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
 import ushash
-from ushash.data import store as features, media
-from ushash.data.store import FeatureSplit, FeatureStoreError, decode_workers, open_split, store_path, write_json
+from ushash.data import media
+from ushash.data.extract import (check_bad_rows, collate_list, decode_workers, encode_batch, extract, failure,
+                                 failure_of, failure_records, modality_counts, prepare, skipped)
 from ushash.data.rows import Row, check_unique
+from ushash.data.store import (FeatureSplit, FeatureStoreError, encoder_meta, identity_path, open_split,
+                               partial_path, store_identity, store_lock, write_split)
 
 SHARD_ROWS = 10_000  # rows per hash shard when the shard count is automatic
 HF_CHUNK = 10_000    # indices of a Hugging Face dataset per stream unit
@@ -125,11 +128,11 @@ class Plan:
                  encoder_cfg: dict | None = None, shards: int = 0, batch_size: int = 64, num_workers: int = 2,
                  progress: bool = True, max_bad_frac: float = 0.5, shard_rows: int = SHARD_ROWS):
         self.dataset, self.split, self.encoder_cfg = dataset, split, encoder_cfg or {}
-        self.enc_name, self.fingerprint = encoder.name, encoder.fingerprint
+        self.enc_name, self.encoder_meta = encoder.name, encoder_meta(encoder, self.encoder_cfg)
         self.enc_modalities, self.dims = tuple(encoder.modalities), dict(encoder.dims)
         self.batch_size, self.num_workers, self.progress = batch_size, num_workers, progress
         self.max_bad_frac = max_bad_frac
-        self.out = store_path(root, dataset, split, encoder.name, encoder.fingerprint)
+        self.out = identity_path(root, store_identity(dataset, split, self.encoder_meta))
         self.work = self.out.with_name(self.out.name + ".shards")
         self.rows = {m: [r for r in rows if r.modality == m] for m in ushash.MODALITIES}
         self.rows = {m: rs for m, rs in self.rows.items() if rs}
@@ -166,7 +169,7 @@ class Plan:
 
     # -- paths and state ---------------------------------------------------------------------
     def unit_store(self, u: Unit) -> Path:
-        return store_path(self.work, u.name, self.split, self.enc_name, self.fingerprint)
+        return identity_path(self.work, store_identity(u.name, self.split, self.encoder_meta))
 
     def done(self, u: Unit) -> bool:
         return (self.unit_store(u) / "meta.json").exists()
@@ -191,70 +194,65 @@ class Plan:
         for task in self.tasks(rank, world_size):
             self.run_task(task, encoder)
 
-    # -- file-backed shards: features.extract ------------------------------------------------
+    # -- file-backed shards: extract ---------------------------------------------------------
     def _run_rows_unit(self, u: Unit, encoder) -> None:
         try:
-            features.extract(u.rows, encoder, self.work, dataset=u.name, split=self.split,
-                             encoder_cfg=self.encoder_cfg, batch_size=self.batch_size,
-                             num_workers=self.num_workers, progress=self.progress, max_bad_frac=1.0)
+            extract(u.rows, encoder, self.work, dataset=u.name, split=self.split, encoder_cfg=self.encoder_cfg,
+                    batch_size=self.batch_size, num_workers=self.num_workers, progress=self.progress,
+                    max_bad_frac=1.0)
         except FeatureStoreError:
             # Every row of this shard failed; the split-wide check decides whether that is fatal.
-            store = self.unit_store(u)
-            rep_file = store.with_name(store.name + ".partial") / "report.json"
+            rep_file = partial_path(self.unit_store(u)) / "report.json"
             if not rep_file.exists():
                 raise
-            report = json.loads(rep_file.read_text())
+            report = json.loads(rep_file.read_text(encoding="utf-8"))
             self._write_unit(u, [], np.zeros((0, self.dims[u.modality]), np.float32), report)
 
     def _write_unit(self, u: Unit, ok_rows: list[Row], x: np.ndarray, report: dict) -> None:
-        features.write_split(
+        write_split(
             self.unit_store(u), u.name, self.split,
             {u.modality: {"x": x, "ids": [r.id for r in ok_rows], "groups": [r.group for r in ok_rows],
                           "labels": [r.labels for r in ok_rows]}},
-            encoder=self._encoder_meta(), report=report)
-
-    def _encoder_meta(self) -> dict:
-        return {"name": self.enc_name, "fingerprint": self.fingerprint, "config": self.encoder_cfg}
+            encoder=self.encoder_meta, report=report)
 
     # -- packed rows: streamed containers ----------------------------------------------------
     def _run_stream_units(self, units: list[Unit], encoder) -> None:
         ds = _Stream(units, encoder)
         nw = min(self.num_workers, len(units))
-        loader = DataLoader(ds, batch_size=self.batch_size, num_workers=nw, collate_fn=_identity,
+        loader = DataLoader(ds, batch_size=self.batch_size, num_workers=nw, collate_fn=collate_list,
                             prefetch_factor=4 if nw else None)
         feats: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
-        failed: dict[int, dict[int, str]] = defaultdict(dict)
+        failed: dict[int, dict[int, dict]] = defaultdict(dict)
         bar = tqdm(total=sum(len(u.rows) for u in units), desc=f"extract {units[0].modality} (stream)",
                    unit="item", disable=not self.progress, dynamic_ncols=True)
         for batch in loader:
             items = [b for b in batch if b[1] != END]
             by_mod: dict[str, list] = defaultdict(list)
-            for ui, pos, x, err in items:
-                if err is not None:
-                    failed[ui][pos] = err
+            for ui, pos, x, fail in items:
+                if fail is not None:
+                    failed[ui][pos] = fail
                 else:
                     by_mod[units[ui].modality].append((ui, pos, x))
             for m, good in by_mod.items():
-                out = encoder.encode(m, encoder.collate(m, [x for _, _, x in good]))
-                out = out.detach().float().cpu().numpy()
-                for (ui, pos, _), f in zip(good, out):
-                    if np.isfinite(f).all():
-                        feats[ui][pos] = f
+                out, bad = encode_batch(encoder, m, [x for _, _, x in good],
+                                        [units[ui].rows[pos].id for ui, pos, _ in good])
+                for p, ((ui, pos, _), f) in enumerate(zip(good, out)):
+                    if p in bad:
+                        failed[ui][pos] = bad[p]
                     else:
-                        failed[ui][pos] = "non-finite features (NaN/inf) from the encoder"
+                        feats[ui][pos] = f
             bar.update(len(items))
             for ui, pos, _, _ in batch:
                 if pos == END:
                     self._finish_stream_unit(units[ui], feats.pop(ui, {}), failed.pop(ui, {}))
         bar.close()
 
-    def _finish_stream_unit(self, u: Unit, feats: dict[int, np.ndarray], failed: dict[int, str]) -> None:
+    def _finish_stream_unit(self, u: Unit, feats: dict[int, np.ndarray], failed: dict[int, dict]) -> None:
         ok = sorted(feats)
         x = np.stack([feats[p] for p in ok]) if ok else np.zeros((0, self.dims[u.modality]), np.float32)
         report = {"dataset": u.name, "split": self.split,
-                  "modalities": {u.modality: {"rows": len(u.rows), "ok": len(ok), "failed": len(failed)}},
-                  "failed": [{"modality": u.modality, "id": u.rows[p].id, "source": features._short(u.rows[p].source),
-                              "reason": why} for p, why in sorted(failed.items())]}
+                  "modalities": {u.modality: modality_counts(len(u.rows), len(ok))},
+                  "failed": failure_records(u.modality, u.rows, {u.rows[p].id: f for p, f in failed.items()})}
         self._write_unit(u, [u.rows[p] for p in ok], x.astype(np.float32), report)
 
     # -- after all ranks: check and merge ----------------------------------------------------
@@ -268,13 +266,13 @@ class Plan:
         failed = []
         counts = {m: {"rows": len(rs), "ok": 0, "failed": 0} for m, rs in self.rows.items() if m not in self.skipped}
         for u in self.units:
-            rep = json.loads((self.unit_store(u) / "report.json").read_text())
+            rep = json.loads((self.unit_store(u) / "report.json").read_text(encoding="utf-8"))
             c = rep["modalities"][u.modality]
             counts[u.modality]["ok"] += c.get("ok", 0)
             counts[u.modality]["failed"] += c.get("failed", 0)
             failed += rep["failed"]
         failed.sort(key=lambda f: (ushash.MODALITIES.index(f["modality"]), pos[f["modality"]][f["id"]]))
-        mods = {m: {"rows": n, "skipped": f"encoder {self.enc_name} has no {m} tower"} for m, n in self.skipped.items()}
+        mods = {m: skipped(n, self.enc_name, m) for m, n in self.skipped.items()}
         mods.update(counts)
         return {"dataset": self.dataset, "split": self.split, "modalities": mods, "failed": failed,
                 "shards": {"units": len(self.units), "hash_shards": self.n_shards}}
@@ -285,14 +283,7 @@ class Plan:
         for m, c in report["modalities"].items():
             if "skipped" in c:
                 continue
-            if c["ok"] == 0 or c["failed"] > self.max_bad_frac * c["rows"]:
-                reasons = sorted({_reason_kind(f) for f in report["failed"] if f["modality"] == m})[:5]
-                if self.work.exists():
-                    write_json(self.work / "report.json", report)
-                raise FeatureStoreError(
-                    f"{self.dataset}/{self.split}: {c['failed']} of {c['rows']} {m} rows failed (limit "
-                    f"{self.max_bad_frac:.0%}); reasons include {reasons}. Full list: {self.work / 'report.json'}. "
-                    "Check the data root.")
+            check_bad_rows(report, m, self.max_bad_frac, self.work / "report.json")
         if not any("skipped" not in c for c in report["modalities"].values()):
             raise FeatureStoreError(f"{self.dataset}/{self.split}: no rows for any modality of encoder "
                                     f"{self.enc_name} ({self.enc_modalities}); found {report['modalities']}")
@@ -325,31 +316,19 @@ class Plan:
             ok_rows = [mrows[i] for i in ok]
             tables[m] = {"x": x, "ids": [r.id for r in ok_rows], "groups": [r.group for r in ok_rows],
                          "labels": [r.labels for r in ok_rows]}
-        split = features.write_split(self.out, self.dataset, self.split, tables, self._encoder_meta(), report)
+        split = write_split(self.out, self.dataset, self.split, tables, self.encoder_meta, report)
         del tables
         shutil.rmtree(self.work, ignore_errors=True)
         return split
 
 
-def _reason_kind(failed: dict) -> str:
-    """"file not found" from "/data/x.jpg: file not found": the reason without the source or details."""
-    why, src = failed["reason"], failed["source"]
-    if why.startswith(src + ": "):
-        why = why[len(src) + 2:]
-    return why.split(" (")[0]
-
-
 # ------------------------------------------------------------------------------------------ streaming
-def _identity(batch):
-    return batch
-
-
 def _first(batch):
     return batch[0]
 
 
 class _Stream(IterableDataset):
-    """Yields (unit index, row position, preprocessed | None, error | None) for each row of its units,
+    """Yields (unit index, row position, preprocessed | None, failure | None) for each row of its units,
     then (unit index, END, None, None). DataLoader workers split the units, never a unit."""
 
     def __init__(self, units: list[Unit], encoder):
@@ -374,23 +353,19 @@ class _Stream(IterableDataset):
                 seen.add(p)
                 yield (ui, p, *self._decode(u, p, data))
         except Exception as e:  # truncated/corrupt tar, unreadable dataset: the rest of the unit fails
-            broken = f"{u.container.split(':', 1)[1]}: unreadable after {len(seen)} members ({type(e).__name__}: {e})"
+            broken = failure(media.UNREADABLE_CONTAINER, f"{u.container.split(':', 1)[1]}: unreadable after "
+                                                         f"{len(seen)} members ({type(e).__name__}: {e})")
         for p in range(len(u.rows)):
             if p not in seen:
-                yield ui, p, None, broken or f"{u.rows[p].source}: not found in its container"
+                yield ui, p, None, broken or failure_of(
+                    media.MediaError(u.rows[p].source, "not found in its container", media.NOT_IN_CONTAINER))
         yield ui, END, None, None
 
     def _decode(self, u: Unit, p: int, data: bytes):
         src = u.rows[p].source
-        try:
-            if not data:  # a member without bytes (an empty file in the tar, an image cell with no bytes)
-                raise media.MediaError(src, "empty member (0 bytes)", media.EMPTY)
-            raw = media.decode_bytes(u.modality, data, src, self.encoder.sample_rate, self.encoder.audio_seconds)
-            return self.encoder.preprocess(u.modality, raw), None
-        except media.MediaError as e:
-            return None, str(e)
-        except Exception as e:  # a decoder bug on one item must not kill a long extraction
-            return None, f"{src}: {type(e).__name__}: {e}"
+        if not data:  # a member without bytes (an empty file in the tar, an image cell with no bytes)
+            return None, failure_of(media.MediaError(src, "empty member (0 bytes)", media.EMPTY))
+        return prepare(self.encoder, u.modality, src, data)
 
 
 def _read_container(container: str, want: dict[str, int]):
@@ -453,7 +428,7 @@ def extract_sharded(rows: list[Row], encoder, root: str | Path, dataset: str, sp
                     shard_rows: int = SHARD_ROWS) -> FeatureSplit:
     """Extract one split in shards with Lightning `predict` (DDP across devices with strategy="ddp").
 
-    Returns the finished store, the same folder and format features.extract writes; a finished store is
+    Returns the finished store, the same folder and format `extract` writes; a finished store is
     reused, unfinished shards resume. To extract again, delete the store folder.
     """
     import pytorch_lightning as pl
@@ -471,21 +446,18 @@ def extract_sharded(rows: list[Row], encoder, root: str | Path, dataset: str, sp
         trainer = pl.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, use_distributed_sampler=False)
-        # One process: the whole run holds the store's lock (features.extract's own), so a second run of the
+        # One process: the whole run holds the store's lock (extract's own), so a second run of the
         # same split waits instead of writing the same shards. Several ranks: rank 0 holds it for the merge.
-        with _store_lock(plan) if trainer.world_size == 1 else contextlib.nullcontext():
+        with store_lock(plan.out) if trainer.world_size == 1 else contextlib.nullcontext():
             if (plan.out / "meta.json").exists():  # another process finished it while we waited
                 return open_split(plan.out)
             trainer.predict(_extractor(plan, encoder), return_predictions=False)
             trainer.strategy.barrier("ushash-shards-extracted")
             report = plan.check()  # on every rank, so all of them stop on a bad split
             if trainer.is_global_zero:
-                with _store_lock(plan) if trainer.world_size > 1 else contextlib.nullcontext():
+                with store_lock(plan.out) if trainer.world_size > 1 else contextlib.nullcontext():
                     if not (plan.out / "meta.json").exists():
                         plan.merge(report)
             trainer.strategy.barrier("ushash-shards-merged")
     return open_split(plan.out)
 
-
-def _store_lock(plan: Plan):
-    return features._exclusive(plan.out.with_name(plan.out.name + ".lock"))
