@@ -3,7 +3,7 @@
 Sources, fetched at run time by `fetch(root)` into `<root>` and never committed:
 - Debian `fonts-noto-color-emoji`: NotoColorEmoji.ttf, Google's colour emoji font (a CBDT bitmap font,
   SIL OFL 1.1, (c) 2013-2017 Google Inc.). Every emoji is rendered from it once, at fetch time, to
-  `<root>/images/<id>.png`, so the normal image loader (ushash/media.py) reads them like any image.
+  `<root>/images/<id>.png`, so the normal image loader (ushash/data/media.py) reads them like any image.
 - Debian `unicode-data`: `emoji-test.txt` (Unicode Emoji, UTS #51; Unicode licence), kept as
   `<root>/emoji-test.txt`: every emoji's code points, qualification status, CLDR name, group and
   subgroup. The rows are built from it on every load.
@@ -51,6 +51,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ushash.core.io import atomic_write
 from ushash.data.datasets import REPO_ROOT, SPLITS, check_fracs, hash_split, register, resolve_path
 from ushash.data.rows import Row
 
@@ -434,10 +435,8 @@ def build(root: str | os.PathLike, font: str | os.PathLike, emoji_test: str | os
             "items": {"base_emoji": len(items), **dict(sorted(notes.items()))},
             "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         })
-        shutil.copyfile(emoji_test, tmp / TEST_FILE)
-        os.replace(tmp / TEST_FILE, root / TEST_FILE)
-        (tmp / "SOURCE.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        os.replace(tmp / "SOURCE.json", root / "SOURCE.json")
+        atomic_write(root / TEST_FILE, emoji_test.read_bytes())
+        atomic_write(root / "SOURCE.json", json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
         try:
             os.rename(tmp / IMAGES, images)  # same filesystem (tmp is under root): atomic
         except OSError:
@@ -493,8 +492,7 @@ def fetch(root: str | os.PathLike, font_deb: str | os.PathLike | None = None,
             _run(["dpkg", "-x", str(deb_path), str(unpacked)], cwd=tmp, what="unpack", pkg=pkg)
             copyright_file = unpacked / "usr/share/doc" / pkg / "copyright"
             if copyright_file.is_file():
-                shutil.copyfile(copyright_file, tmp / f"copyright.{pkg}")
-                os.replace(tmp / f"copyright.{pkg}", root / f"copyright.{pkg}")
+                atomic_write(root / f"copyright.{pkg}", copyright_file.read_bytes())
             packages.append({
                 "package": pkg,
                 "version": meta.get("Version"),

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ushash.core.io import atomic_write
 from ushash.data.datasets import REPO_ROOT, SPLITS, check_fracs, hash_split, register, resolve_path
 from ushash.data.rows import Row
 
@@ -102,8 +103,7 @@ def fetch(root: str | os.PathLike, deb: str | os.PathLike | None = None) -> Path
             raise FetchError(f"{deb_path} has no {STAMPS_IN_DEB}/ folder")
         copyright_file = unpacked / "usr/share/doc" / PACKAGE / "copyright"
         if copyright_file.is_file():
-            shutil.copyfile(copyright_file, tmp / "copyright")
-            os.replace(tmp / "copyright", root / "copyright")
+            atomic_write(root / "copyright", copyright_file.read_bytes())
         source = {
             "package": PACKAGE,
             "version": meta.get("Version"),
@@ -114,8 +114,7 @@ def fetch(root: str | os.PathLike, deb: str | os.PathLike | None = None) -> Path
             "deb": deb_path.name,
             "fetched": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        (tmp / "SOURCE.json").write_text(json.dumps(source, indent=2) + "\n")
-        os.replace(tmp / "SOURCE.json", root / "SOURCE.json")
+        atomic_write(root / "SOURCE.json", json.dumps(source, indent=2) + "\n")
         try:
             os.rename(src, stamps)  # same filesystem (tmp is under root): atomic
         except OSError:
