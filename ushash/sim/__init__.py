@@ -8,9 +8,9 @@ evaluation" protocol):
      and re-recorded / noised sounds when the raw media are not used (named "feature-space perturbation"
      in the report);
    - `raw_media=true`: the dataset's media are loaded (ushash.data.datasets) and really transformed, then
-     encoded with the export's frozen encoder: images JPEG re-encoded at `jpeg_quality` and centre-
-     cropped to `crop_frac`; sounds with white noise at `snr_db` and a -6 dB gain; captions also with
-     their case and punctuation changed.
+     encoded with the export's frozen encoder: images cropped to `crop_frac` of each side (at a random
+     offset) and JPEG re-encoded at `jpeg_quality`; sounds with white noise at `snr_db` and a -6 dB gain;
+     captions also with their case and punctuation changed.
 2. A stream (`stream`) of `n_requests`: a class drawn from a Zipf law of skew `zipf_s` over a random
    ranking of classes, then one of its members uniformly. The stream has a clock (`seconds_per_request`),
    so TTLs act, and the head's revision changes at `revision_change_at` of the stream.
