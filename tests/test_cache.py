@@ -323,3 +323,94 @@ def test_metric_names(head):
     # two caches never share series
     other = SemanticCache(head, {})
     assert other.metrics.value("cache_puts_total") == 0
+
+
+# ------------------------------------------------------------------------------------------ shared pieces
+
+def test_one_entry_record_for_l1_and_redis():
+    """L1 columns and the Redis hash both hold every field of `Entry`, and give it back unchanged."""
+    import math
+
+    from ushash.serving.cache.entries import EntryTable, Entry
+    from ushash.serving.cache.redis_store import REDIS_FIELDS, from_hash, to_hash
+
+    e = Entry(code=bytes(range(8)), payload=b"\x01\x02", modality="image", value=b'{"a":1}', kind="j",
+              revision="r1", created=1.5, expires=math.inf, compute_s=0.25, id="abc")
+    t = EntryTable(8)
+    slot = t.alloc()
+    t.write(slot, e, tenant=0, modality=0, revision=0)
+    assert t.read(slot, ["image"], ["r1"]) == e
+    pairs = to_hash(e)
+    row = [v if isinstance(v, bytes) else str(v).encode() for v in pairs[1::2]]   # what HMGET returns
+    assert pairs[0::2] == [name for name, _, _ in REDIS_FIELDS.values()]
+    assert from_hash("abc", row) == e
+    assert e.nbytes == 8 + 2 + 7
+
+
+def test_bloom_and_redis_probe_the_same_pigeonhole_chunks():
+    from ushash.serving.cache.protection import BloomGuard, chunk_bounds, chunk_values, probe_masks
+    from ushash.serving.cache.redis_store import RedisStore, revision_tag
+
+    class Client:
+        def register_script(self, script):
+            return lambda **kw: 1
+
+    store = RedisStore(bits=64, chunks=4, client=Client())
+    bloom = BloomGuard(64, radius=5, chunks=4)
+    rng = np.random.default_rng(7)
+    code = rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+    values = chunk_values(int.from_bytes(code, "little"), chunk_bounds(64, 4))
+    masks = probe_masks(chunk_bounds(64, 4), 5 // 4)
+    assert [len(m) for m in masks] == [17] * 4 and all(m[0] == 0 for m in masks)   # 16 one-bit flips + itself
+    rtag = revision_tag("r")
+    want = [store.bucket_key("t", rtag, j, v ^ m) for j, v in enumerate(values) for m in masks[j]]
+    assert store.probe_keys("t", "r", code, 5) == want
+    assert bloom._masks == masks
+    # every code within the radius shares a probed chunk value
+    bloom.add(0, code)
+    for _ in range(50):
+        near = _flip(code, rng.choice(64, 5, replace=False))
+        assert bloom.may_contain(0, near)
+
+
+def test_redis_breaker_absorbs_failures_backs_off_and_never_serialises_calls():
+    import redis
+
+    from ushash.serving.cache.redis_store import L2Unavailable, RedisStore
+    from ushash.serving.cache.telemetry import CacheMetrics
+
+    class Client:
+        def register_script(self, script):
+            return lambda **kw: 1
+
+    m = CacheMetrics(64)
+    store = RedisStore(bits=64, client=Client(), breaker_failures=2, breaker_backoff_s=0.1, breaker_max_backoff_s=0.3,
+                       metrics=m)
+
+    def down():
+        raise redis.ConnectionError("down")
+
+    # two threads inside a Redis call at once: pybreaker's own call would hold its lock across the call
+    barrier = threading.Barrier(2, timeout=5)
+    out = []
+    ts = [threading.Thread(target=lambda: out.append(store._call("lookup", lambda: barrier.wait()))) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(out) == 2
+    for _ in range(2):
+        with pytest.raises(L2Unavailable):
+            store._call("lookup", down)
+    assert not store.available and m.value("cache_l2_errors_total", op="lookup") == 2
+    with pytest.raises(L2Unavailable):
+        store._call("lookup", lambda: 1)  # open: not even tried
+    assert m.value("cache_l2_errors_total", op="circuit_open") == 1
+    time.sleep(0.12)
+    assert store.available
+    with pytest.raises(L2Unavailable):
+        store._call("lookup", down)  # the trial call fails: open again, twice as long
+    assert store._breaker.reset_timeout == pytest.approx(0.2)
+    time.sleep(0.22)
+    assert store._call("lookup", lambda: "back") == "back"
+    assert store.available and store._breaker.reset_timeout == pytest.approx(0.1)

@@ -1,4 +1,16 @@
-"""L1 entry storage: columns indexed by slot (numpy arrays for fixed-size fields, lists for bytes).
+"""The one cache entry record, what a lookup hands back, and the L1's columnar storage of entries.
+
+    Entry        an entry as every tier stores it: code, payload, modality, value (+ its kind), revision,
+                 created, expires, compute seconds, and its shared id (the L2's; None for L1-only entries)
+    Candidates   a tier's search result: the candidates within the radius, nearest first, as parallel
+                 lists (what the hit check reads), plus the nearest distance seen
+    Found        what a tier's `find` returns: the entry to serve (or none) and what the lookup learnt
+    Hit          the served view of an Entry: value, distance, cosine, tier, refresh, entry id
+    EntryTable   L1 entries as columns indexed by slot (numpy arrays for fixed-size fields, lists for bytes)
+
+The Redis hash of an L2 entry (ushash.serving.cache.redis_store) and the L1 columns are both derived from
+`Entry`'s fields. Tenant names (`TENANT_PATTERN`) and stored values (`encode_value` / `decode_value`) are
+defined here once for the cache, the L2 and the HTTP service.
 
 A slot is an entry's id inside one cache; freed slots are reused. Columnar storage keeps the per-entry
 overhead of a million entries small (see benchmarks/cache_lookup.py for the measured bytes per entry).
@@ -6,13 +18,145 @@ overhead of a million entries small (see benchmarks/cache_lookup.py for the meas
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
 import numpy as np
 
+#: Tenant names: 1-64 characters of [A-Za-z0-9_.-] (a Redis hash tag and a metric label, never a path).
+TENANT_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+TENANT_RE = re.compile(TENANT_PATTERN)
 
+
+def valid_tenant(tenant) -> bool:
+    return isinstance(tenant, str) and TENANT_RE.fullmatch(tenant) is not None  # fullmatch: "$" allows a final "\n"
+
+
+# ---------------------------------------------------------------------------------------------- values
+def encode_value(value) -> tuple[str, bytes]:
+    """Values are stored as bytes: bytes as they are, str as UTF-8, anything else as JSON (no pickle:
+    an L2 shared with other processes must never be able to run code in this one)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "b", bytes(value)
+    if isinstance(value, str):
+        return "s", value.encode("utf-8")
+    try:
+        return "j", json.dumps(value, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"cache values must be bytes, str or JSON-serialisable; got {type(value).__name__} ({e})") from e
+
+
+def decode_value(kind: str, data: bytes):
+    if kind == "b":
+        return bytes(data)
+    if kind == "s":
+        return bytes(data).decode("utf-8")
+    if kind == "j":
+        return json.loads(bytes(data).decode("utf-8"))
+    raise ValueError(f"unknown stored value kind {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------- records
+@dataclass
+class Entry:
+    """One cache entry, the same in every tier."""
+    code: bytes             # packed code, bits / 8 bytes
+    payload: bytes          # the payload record of the request's z (b"": none)
+    modality: str
+    value: bytes            # the value as stored (encode_value)
+    kind: str               # its encoding tag: "b" bytes, "s" str, "j" JSON
+    revision: str           # the head revision that made code and payload
+    created: float
+    expires: float          # math.inf: no TTL
+    compute_s: float        # how long the value took to compute (XFetch)
+    id: str | None = None   # the shared (L2) id; None for an entry that lives in L1 only
+
+    @property
+    def nbytes(self) -> int:
+        """What the entry costs against a byte capacity: code + payload + value."""
+        return len(self.code) + len(self.payload) + len(self.value)
+
+
+ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(Entry))
+
+
+@dataclass
+class Candidates:
+    """A tier's entries within the radius of a request, nearest first (at most max_candidates), as
+    parallel lists; `nearest` is the nearest distance the tier saw, within its observe radius."""
+    ids: list = field(default_factory=list)          # the tier's handle of each candidate (L1 slot, L2 id)
+    dists: list = field(default_factory=list)
+    modalities: list = field(default_factory=list)
+    payloads: list = field(default_factory=list)
+    revisions: list = field(default_factory=list)
+    expires: list = field(default_factory=list)
+    nearest: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a tier's `find` returns: the entry served (None: a miss in this tier), its distance, the
+    payload cosine, the tier's own reference to it, the nearest distance seen, and whether the next tier
+    can be skipped (the Bloom guard with bloom_guard_l2)."""
+    entry: Entry | None = None
+    distance: int = -1
+    cosine: float | None = None
+    ref: str = ""
+    nearest: int | None = None
+    skip_next: bool = False
+
+
+MISS = Found()
+
+
+class Tier(Protocol):
+    """A cache tier: L1 (ushash.serving.cache.l1.L1Tier) or Redis (ushash.serving.cache.redis_store.RedisStore)."""
+    name: str           # "l1" | "l2": the Hit's tier and the metrics label
+
+    def find(self, q, tenant: str, revision: str, check, now: float) -> Found:
+        """The entry to serve for Query q: the tier's candidates within its radius, by `check` (HitCheck)."""
+
+    def put(self, tenant: str, e: Entry) -> bool:
+        """Store e; False when not stored (refused, or the tier is unavailable). Never raises for that."""
+
+
+@dataclass
+class Hit:
+    value: Any
+    distance: int           # Hamming distance between the request's code and the entry's
+    cosine: float | None    # request z vs the entry's decoded payload (None: check off)
+    tier: str               # "l1" or "l2"
+    modality: str           # the entry's modality (a text request can hit an image entry)
+    revision: str
+    created: float
+    expires: float
+    refresh: bool = False   # XFetch: the caller should recompute early (get_or_compute does)
+    entry: str = ""         # entry id ("l1:<slot>" or the L2 id)
+
+    @classmethod
+    def of(cls, e: Entry, distance: int, cosine: float | None, tier: str, refresh: bool, ref: str) -> "Hit":
+        return cls(value=decode_value(e.kind, e.value), distance=int(distance), cosine=cosine, tier=tier,
+                   modality=e.modality, revision=e.revision, created=e.created, expires=e.expires,
+                   refresh=refresh, entry=ref)
+
+
+# ---------------------------------------------------------------------------------------------- L1 columns
 class EntryTable:
+    """L1 entries as columns: `code` uint8 [capacity, code_bytes], one numpy column per fixed-size field of
+    `Entry` (modality and revision as small interned ids) and per bookkeeping field, lists for the rest."""
+
     NUMERIC = {"tenant": np.int32, "modality": np.int8, "revision": np.int32, "created": np.float64,
                "expires": np.float64, "compute_s": np.float32, "nbytes": np.int64, "gen": np.int64,
                "alive": np.bool_}
+    OBJECTS = ("payload", "value", "kind", "l2id")
+    # every Entry field has a column of the same name (id: l2id)
+    assert set(ENTRY_FIELDS) - {"id"} <= {"code", *NUMERIC, *OBJECTS}
 
     def __init__(self, code_bytes: int, capacity: int = 1024):
         self.code_bytes = int(code_bytes)
@@ -20,10 +164,8 @@ class EntryTable:
         self.code = np.zeros((self._cap, self.code_bytes), np.uint8)
         for name, dt in self.NUMERIC.items():
             setattr(self, name, np.zeros(self._cap, dt))
-        self.payload: list = [None] * self._cap
-        self.value: list = [None] * self._cap
-        self.kind: list = [None] * self._cap
-        self.l2id: list = [None] * self._cap
+        for name in self.OBJECTS:
+            setattr(self, name, [None] * self._cap)
         self._free: list[int] = []
         self._hwm = 0
         self.live = 0
@@ -37,7 +179,7 @@ class EntryTable:
             a = np.zeros(cap, dt)
             a[: self._cap] = getattr(self, name)
             setattr(self, name, a)
-        for name in ("payload", "value", "kind", "l2id"):
+        for name in self.OBJECTS:
             getattr(self, name).extend([None] * (cap - self._cap))
         self._cap = cap
 
@@ -54,17 +196,29 @@ class EntryTable:
         self.live += 1
         return slot
 
+    def write(self, slot: int, e: Entry, tenant: int, modality: int, revision: int) -> None:
+        """Store entry `e` in `slot` (modality and revision as the L1's interned ids)."""
+        self.code[slot] = np.frombuffer(e.code, np.uint8)
+        self.tenant[slot], self.modality[slot], self.revision[slot] = tenant, modality, revision
+        self.created[slot], self.expires[slot], self.compute_s[slot] = e.created, e.expires, e.compute_s
+        self.nbytes[slot] = e.nbytes
+        self.payload[slot], self.value[slot], self.kind[slot], self.l2id[slot] = e.payload, e.value, e.kind, e.id
+
+    def read(self, slot: int, modalities: list[str], revisions: list[str]) -> Entry:
+        """The entry in `slot` (modalities / revisions: the L1's interned names)."""
+        return Entry(code=self.code[slot].tobytes(), payload=self.payload[slot], modality=modalities[self.modality[slot]],
+                     value=self.value[slot], kind=self.kind[slot], revision=revisions[self.revision[slot]],
+                     created=float(self.created[slot]), expires=float(self.expires[slot]),
+                     compute_s=float(self.compute_s[slot]), id=self.l2id[slot])
+
     def release(self, slot: int) -> None:
         if not self.alive[slot]:
             return
         self.alive[slot] = False
-        self.payload[slot] = self.value[slot] = self.kind[slot] = self.l2id[slot] = None
+        for name in self.OBJECTS:
+            getattr(self, name)[slot] = None
         self._free.append(slot)
         self.live -= 1
 
     def live_slots(self) -> np.ndarray:
         return np.flatnonzero(self.alive[: self._hwm])
-
-    def nbytes_arrays(self) -> int:
-        """Bytes of the column arrays themselves (capacity, not live entries)."""
-        return int(self.code.nbytes + sum(getattr(self, n).nbytes for n in self.NUMERIC) + 4 * 8 * self._cap)

@@ -22,10 +22,11 @@ nothing until it is reloaded with the new export (see docs/cache.md).
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 
 class Freshness:
@@ -54,6 +55,24 @@ class Freshness:
             return False
         u = 1.0 - self.rng.random()  # (0, 1]
         return now - compute_s * self.xfetch_beta * math.log(u) >= expires
+
+
+class ExpiryHeap:
+    """Expiries of stored entries, soonest first: (expires, slot, generation); `due(now)` yields the
+    (slot, generation) of every entry whose expiry has passed (the caller drops those still current)."""
+
+    def __init__(self):
+        self._h: list[tuple[float, int, int]] = []
+
+    def push(self, expires: float, slot: int, gen: int) -> None:
+        if math.isfinite(expires):
+            heapq.heappush(self._h, (expires, slot, gen))
+
+    def due(self, now: float) -> Iterator[tuple[int, int]]:
+        h = self._h
+        while h and h[0][0] <= now:
+            _, slot, gen = heapq.heappop(h)
+            yield slot, gen
 
 
 class RevisionWatermark:
@@ -88,19 +107,6 @@ class RevisionWatermark:
         newest = self.fetch()
         if newest is not None:  # unknown (L2 down): keep the last view
             self.newest = newest
-
-    def observe(self, newest: str | None) -> None:
-        """A newest-revision value that arrived with another L2 reply (no extra round trip)."""
-        if newest is not None:
-            self.newest = newest
-            self._last = self.clock()
-
-    def set_revision(self, revision: str) -> None:
-        self.revision = str(revision)
-        self.newest = self.revision
-        if self.announce is not None:
-            self.announce(self.revision)
-            self.refresh(force=True)
 
     @property
     def current(self) -> bool:

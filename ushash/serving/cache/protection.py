@@ -17,7 +17,7 @@ from the live entries once as many codes were added as it was sized for.
 from __future__ import annotations
 
 import asyncio
-import math
+import functools
 import threading
 from itertools import combinations
 from typing import Iterable
@@ -67,10 +67,33 @@ class AsyncSingleFlight:
         ev.set()
 
 
-def chunk_bounds(bits: int, chunks: int) -> list[tuple[int, int]]:
-    """[(start, width)] of `chunks` contiguous bit ranges covering `bits` (widths differ by at most 1)."""
+# ---------------------------------------------------------------------------------------------- pigeonhole chunks
+# An entry within Hamming radius r of a request, codes cut into m chunks, has a chunk within floor(r / m)
+# bits of the request's (pigeonhole). The Bloom guard and the L2's bucket keys both probe those chunk values.
+
+def chunk_bounds(bits: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """((start, width), ...) of `chunks` contiguous bit ranges covering `bits` (widths differ by at most 1)."""
     edges = [round(i * bits / chunks) for i in range(chunks + 1)]
-    return [(a, b - a) for a, b in zip(edges[:-1], edges[1:])]
+    return tuple((a, b - a) for a, b in zip(edges[:-1], edges[1:]))
+
+
+def chunk_values(code_int: int, bounds) -> list[int]:
+    """The value of each chunk of a code given as an int (bit i of the code is bit i of the int: the
+    LSB-first packing of ushash.core.codes read little-endian)."""
+    return [(code_int >> s) & ((1 << w) - 1) for s, w in bounds]
+
+
+@functools.lru_cache(maxsize=64)
+def probe_masks(bounds: tuple[tuple[int, int], ...], flips: int) -> tuple[tuple[int, ...], ...]:
+    """Per chunk, the XOR masks (chunk-local bits) of every way to flip up to `flips` of its bits, 0 first:
+    chunk j's probes are value_j ^ mask for each of its masks."""
+    out = []
+    for _, width in bounds:
+        masks = [0]
+        for f in range(1, flips + 1):
+            masks += [sum(1 << i for i in c) for c in combinations(range(width), f)]
+        out.append(tuple(masks))
+    return tuple(out)
 
 
 def default_chunks(bits: int, radius: int) -> int:
@@ -103,37 +126,22 @@ class BloomGuard:
     def set_radius(self, radius: int) -> None:
         self.radius = int(radius)
         self.flips = self.radius // self.chunks
-        # probe masks per chunk: every way to flip up to `flips` of the chunk's bits
-        self._masks = []
-        for start, width in self.bounds:
-            masks = [0]
-            for f in range(1, self.flips + 1):
-                masks += [sum(1 << (start + i) for i in c) for c in combinations(range(width), f)]
-            self._masks.append(masks)
-
-    @property
-    def probes(self) -> int:
-        return sum(len(m) for m in self._masks)
+        self._masks = probe_masks(self.bounds, self.flips)
 
     def _key(self, tenant: int, j: int, chunk: int) -> int:
         return (chunk << 24) | (j << 16) | (tenant & 0xFFFF) if tenant < 0x10000 else hash((tenant, j, chunk))
 
-    def _chunks(self, code_int: int) -> list[int]:
-        return [(code_int >> s) & ((1 << w) - 1) for s, w in self.bounds]
-
     def add(self, tenant: int, code: bytes) -> None:
-        c = int.from_bytes(code, "little")  # bit i of the code is bit i of this int (LSB-first packing)
-        for j, v in enumerate(self._chunks(c)):
+        for j, v in enumerate(chunk_values(int.from_bytes(code, "little"), self.bounds)):
             self._bloom.add(self._key(tenant, j, v))
         self.added += 1
 
     def may_contain(self, tenant: int, code: bytes) -> bool:
         """False only if no stored code of `tenant` can be within `radius` of `code`."""
-        c = int.from_bytes(code, "little")
         bloom = self._bloom
-        for j, ((s, w), masks) in enumerate(zip(self.bounds, self._masks)):
+        for j, (v, masks) in enumerate(zip(chunk_values(int.from_bytes(code, "little"), self.bounds), self._masks)):
             for m in masks:
-                if self._key(tenant, j, ((c ^ m) >> s) & ((1 << w) - 1)) in bloom:
+                if self._key(tenant, j, v ^ m) in bloom:
                     return True
         return False
 
@@ -145,8 +153,3 @@ class BloomGuard:
         self.clear()
         for tenant, code in items:
             self.add(tenant, code)
-
-    @staticmethod
-    def probes_for(bits: int, chunks: int, radius: int) -> int:
-        flips = radius // chunks
-        return sum(sum(math.comb(w, f) for f in range(flips + 1)) for _, w in chunk_bounds(bits, chunks))

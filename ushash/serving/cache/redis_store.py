@@ -6,7 +6,8 @@ one hash slot and multi-key commands and scripts work on a cluster too; a tenant
     ushash:revisions                        ZSET  revision -> first time any replica announced it (ms);
                                                   the highest score is the watermark
     ushash:{t}:e:<id>                       HASH  c code, p payload, m modality, v value, k value kind,
-                                                  r revision, t created, x expires, d compute seconds;
+                                                  r revision, t created, x expires, d compute seconds
+                                                  (REDIS_FIELDS);
                                                   PEXPIREAT = expires (Redis drops it by itself)
     ushash:{t}:b:<rev>:<j>:<chunk hex>      SET   "<code hex>:<id>" of the entries of revision <rev>
                                                   (12 hex of its sha1) whose j-th code chunk has this
@@ -20,10 +21,14 @@ expired are removed lazily. Puts are one Lua script (the entry hash and its buck
 atomically, all keys declared, one slot). Revisions are part of the bucket key, so codes of different
 heads never meet; entries also carry their revision and the cache checks it.
 
+The entry hash holds the fields of `ushash.serving.cache.entries.Entry` under the one-letter names of
+`REDIS_FIELDS`; the put script takes them as name/value pairs, and lookups HMGET the same list.
+
 Failures: every call has a socket timeout; errors are counted (cache_l2_errors_total{op}) and the
-cache carries on with L1 alone. After `breaker_failures` consecutive failures the store stops trying for
-`breaker_backoff_s` (doubling up to `breaker_max_backoff_s`), so a dead or slow Redis costs nothing per
-request.
+cache carries on with L1 alone. A circuit breaker (pybreaker's state machine) opens after
+`breaker_failures` consecutive failures: the store then stops trying for `breaker_backoff_s` (doubling,
+as redis-py's ExponentialBackoff, up to `breaker_max_backoff_s`, after each failed trial call), so a dead
+or slow Redis costs nothing per request.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ import hashlib
 import math
 import re
 import time
-from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Callable
 
-from ushash.serving.cache.protection import chunk_bounds
+import pybreaker
 
-TENANT_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+from ushash.serving.cache.entries import ENTRY_FIELDS, MISS, Candidates, Entry, Found
+from ushash.serving.cache.protection import chunk_bounds, chunk_values, probe_masks
 
 _PUT_LUA = """
 local exp = tonumber(ARGV[1])
@@ -59,20 +65,33 @@ end
 return 1
 """
 
+#: Entry field -> (hash field, to bytes, from bytes); the entry's id is its key, not a field.
+REDIS_FIELDS = {
+    "code": ("c", bytes, bytes),
+    "payload": ("p", bytes, lambda b: b or b""),
+    "modality": ("m", str, bytes.decode),
+    "value": ("v", bytes, lambda b: b or b""),
+    "kind": ("k", str, bytes.decode),
+    "revision": ("r", str, bytes.decode),
+    "created": ("t", repr, float),
+    "expires": ("x", repr, float),
+    "compute_s": ("d", repr, float),
+}
+assert set(REDIS_FIELDS) == set(ENTRY_FIELDS) - {"id"}
+_HASH_FIELDS = tuple(name for name, _, _ in REDIS_FIELDS.values())
 
-@dataclass
-class L2Record:
-    id: str
-    code: bytes
-    payload: bytes
-    modality: str
-    value: bytes
-    kind: str          # value encoding tag (see ushash.serving.cache.cache.encode_value)
-    revision: str
-    created: float
-    expires: float     # math.inf: no TTL
-    compute_s: float
-    distance: int = -1
+
+def to_hash(e: Entry) -> list:
+    """The entry as HSET name/value pairs."""
+    out = []
+    for f, (name, enc, _) in REDIS_FIELDS.items():
+        out += [name, enc(getattr(e, f))]
+    return out
+
+
+def from_hash(eid: str, row: list) -> Entry:
+    """An Entry from the HMGET row of `_HASH_FIELDS`."""
+    return Entry(id=eid, **{f: dec(v) for (f, (_, _, dec)), v in zip(REDIS_FIELDS.items(), row)})
 
 
 class L2Unavailable(Exception):
@@ -83,11 +102,31 @@ def revision_tag(revision: str) -> str:
     return hashlib.sha1(str(revision).encode()).hexdigest()[:12]
 
 
+class _Backoff(pybreaker.CircuitBreakerListener):
+    """Open time: `base` at the first opening, doubled after each failed trial call up to `cap` (redis-py's
+    ExponentialBackoff), `base` again once a call succeeds."""
+
+    def __init__(self, base: float, cap: float):
+        from redis.backoff import ExponentialBackoff
+
+        self.base, self.schedule, self.trials = float(base), ExponentialBackoff(cap=float(cap), base=float(base)), 0
+
+    def state_change(self, cb, old_state, new_state) -> None:
+        if new_state.name == pybreaker.STATE_OPEN:
+            if old_state is not None and old_state.name == pybreaker.STATE_HALF_OPEN:
+                self.trials += 1
+            cb.reset_timeout = self.schedule.compute(self.trials)
+        elif new_state.name == pybreaker.STATE_CLOSED:
+            self.trials, cb.reset_timeout = 0, self.base
+
+
 class RedisStore:
+    name = "l2"
+
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", bits: int = 64, prefix: str = "ushash",
                  chunks: int | None = None, cluster: bool = False, timeout_s: float = 0.05,
                  connect_timeout_s: float = 0.1, breaker_failures: int = 3, breaker_backoff_s: float = 1.0,
-                 breaker_max_backoff_s: float = 30.0, max_candidates: int = 32, metrics=None,
+                 breaker_max_backoff_s: float = 30.0, max_candidates: int = 32, radius: int = 3, metrics=None,
                  clock: Callable[[], float] = time.time, client=None):
         import redis
         from redis.backoff import NoBackoff
@@ -99,11 +138,16 @@ class RedisStore:
             raise ValueError(f"redis prefix must be 1-32 of [A-Za-z0-9_.-]; got {prefix!r}")
         self.chunks = int(chunks) if chunks else max(1, self.bits // 16)
         self.bounds = chunk_bounds(self.bits, self.chunks)
-        self.max_candidates = int(max_candidates)
+        self.max_candidates, self.radius = int(max_candidates), int(radius)
         self.metrics, self.clock = metrics, clock
-        self.breaker_failures = int(breaker_failures)
-        self.breaker_backoff_s, self.breaker_max_backoff_s = float(breaker_backoff_s), float(breaker_max_backoff_s)
-        self._failures, self._open_until, self._backoff = 0, -math.inf, self.breaker_backoff_s
+        # pybreaker counts consecutive failures and opens / half-opens / closes; `_call` makes the Redis call
+        # itself outside pybreaker's lock (its `call` holds the lock for the whole call, which would make
+        # every thread wait on every other's round trip) and reports the outcome to it
+        self._storage = pybreaker.CircuitMemoryStorage(pybreaker.STATE_CLOSED)
+        self._breaker = pybreaker.CircuitBreaker(
+            fail_max=int(breaker_failures), reset_timeout=float(breaker_backoff_s), state_storage=self._storage,
+            listeners=[_Backoff(breaker_backoff_s, breaker_max_backoff_s)], throw_new_error_on_trip=False,
+            exclude=[lambda e: not isinstance(e, (self._redis.RedisError, OSError))])
         if client is not None:
             self.r = client
         else:
@@ -118,12 +162,6 @@ class RedisStore:
         self._put_script = self.r.register_script(_PUT_LUA)
 
     # ------------------------------------------------------------------ keys
-    @staticmethod
-    def check_tenant(tenant: str) -> str:
-        if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
-            raise ValueError(f"tenant must be 1-64 characters of [A-Za-z0-9_.-]; got {tenant!r}")
-        return tenant
-
     def rev_key(self) -> str:
         return f"{self.prefix}:revisions"
 
@@ -133,45 +171,54 @@ class RedisStore:
     def bucket_key(self, tenant: str, rtag: str, j: int, chunk: int) -> str:
         return f"{self.prefix}:{{{tenant}}}:b:{rtag}:{j}:{chunk:x}"
 
-    def _chunks(self, code_int: int) -> list[int]:
-        return [(code_int >> s) & ((1 << w) - 1) for s, w in self.bounds]
+    def _bucket_keys(self, tenant: str, rtag: str, code: bytes) -> list[str]:
+        """The buckets an entry of this code belongs to: one per chunk."""
+        return [self.bucket_key(tenant, rtag, j, v)
+                for j, v in enumerate(chunk_values(int.from_bytes(code, "little"), self.bounds))]
 
     def probe_keys(self, tenant: str, revision: str, code: bytes, radius: int) -> list[str]:
-        from itertools import combinations
-
-        c = int.from_bytes(code, "little")
+        """The buckets a request within `radius` must look in (pigeonhole: protection.probe_masks)."""
         rtag = revision_tag(revision)
-        flips = int(radius) // self.chunks
-        keys = []
-        for j, (s, w) in enumerate(self.bounds):
-            v = (c >> s) & ((1 << w) - 1)
-            keys.append(self.bucket_key(tenant, rtag, j, v))
-            for f in range(1, flips + 1):
-                for idx in combinations(range(w), f):
-                    keys.append(self.bucket_key(tenant, rtag, j, v ^ sum(1 << i for i in idx)))
-        return keys
+        masks = probe_masks(self.bounds, int(radius) // self.chunks)
+        return [self.bucket_key(tenant, rtag, j, v ^ m)
+                for j, v in enumerate(chunk_values(int.from_bytes(code, "little"), self.bounds)) for m in masks[j]]
 
     # ------------------------------------------------------------------ failure handling
+    def _closed_for(self) -> float:
+        """Seconds the circuit stays open (0: calls may be made)."""
+        if self._breaker.current_state != pybreaker.STATE_OPEN or self._storage.opened_at is None:
+            return 0.0
+        until = self._storage.opened_at + timedelta(seconds=self._breaker.reset_timeout)
+        return max(0.0, (until - datetime.now(timezone.utc)).total_seconds())
+
     @property
     def available(self) -> bool:
-        return self.clock() >= self._open_until
+        return self._closed_for() == 0.0
+
+    def _report(self, error: BaseException | None) -> None:
+        """Tell the breaker how a call went (a call it rejects as still open changes nothing)."""
+        def outcome():
+            if error is not None:
+                raise error
+
+        try:
+            self._breaker.call(outcome)
+        except (pybreaker.CircuitBreakerError, self._redis.RedisError, OSError):
+            pass
 
     def _call(self, op: str, fn):
-        if self.clock() < self._open_until:
+        if not self.available:
             if self.metrics is not None:
                 self.metrics.l2_errors.labels(op="circuit_open").inc()
             raise L2Unavailable(op)
         try:
             out = fn()
         except (self._redis.RedisError, OSError) as e:
-            self._failures += 1
             if self.metrics is not None:
                 self.metrics.l2_errors.labels(op=op).inc()
-            if self._failures >= self.breaker_failures:
-                self._open_until = self.clock() + self._backoff
-                self._backoff = min(self._backoff * 2, self.breaker_max_backoff_s)
+            self._report(e)
             raise L2Unavailable(op) from e
-        self._failures, self._backoff = 0, self.breaker_backoff_s
+        self._report(None)
         return out
 
     # ------------------------------------------------------------------ revisions
@@ -188,34 +235,43 @@ class RedisStore:
             return None
         return top[0].decode() if top else None
 
-    def retire(self, revision: str) -> None:
-        """Forget a revision (a deliberate rollback: the previous one becomes the newest again)."""
-        self._call("retire", lambda: self.r.zrem(self.rev_key(), revision))
-
-    # ------------------------------------------------------------------ entries
-    def put(self, tenant: str, rec: L2Record) -> bool:
-        """Store one entry; False if the L2 is unavailable (counted, never raised)."""
-        rtag = revision_tag(rec.revision)
-        c = int.from_bytes(rec.code, "little")
-        member = f"{rec.code.hex()}:{rec.id}"
-        keys = [self.entry_key(tenant, rec.id)] + [self.bucket_key(tenant, rtag, j, v)
-                                                   for j, v in enumerate(self._chunks(c))]
-        exp_ms = int(rec.expires * 1000) if math.isfinite(rec.expires) else 0
-        args = [exp_ms, member, "c", rec.code, "p", rec.payload, "m", rec.modality, "v", rec.value, "k", rec.kind,
-                "r", rec.revision, "t", repr(rec.created), "x", repr(rec.expires), "d", repr(rec.compute_s)]
+    # ------------------------------------------------------------------ the tier
+    def put(self, tenant: str, e: Entry) -> bool:
+        """Store one entry (e.id is its key); False if the L2 is unavailable (counted, never raised)."""
+        keys = [self.entry_key(tenant, e.id)] + self._bucket_keys(tenant, revision_tag(e.revision), e.code)
+        exp_ms = int(e.expires * 1000) if math.isfinite(e.expires) else 0
+        args = [exp_ms, f"{e.code.hex()}:{e.id}", *to_hash(e)]
         try:
             self._call("put", lambda: self._put_script(keys=keys, args=args))
         except L2Unavailable:
             return False
         return True
 
-    def lookup(self, tenant: str, revision: str, code: bytes, radius: int) -> list[L2Record]:
-        """Entries of `revision` within `radius`, by (distance, id), at most max_candidates; raises
-        L2Unavailable on failure. Expired entries are not returned."""
+    def find(self, q, tenant: str, revision: str, check, now: float) -> Found:
+        """The entry to serve from the L2 (the hit check on its candidates within `radius`), or a miss; a
+        failed or skipped call is a miss (counted)."""
+        try:
+            entries, dists = self.lookup(tenant, revision, q.code, self.radius)
+        except L2Unavailable:
+            return MISS
+        if not entries:
+            return MISS
+        cands = Candidates(ids=[e.id for e in entries], dists=dists, modalities=[e.modality for e in entries],
+                           payloads=[e.payload for e in entries], revisions=[e.revision for e in entries],
+                           expires=[e.expires for e in entries], nearest=min(dists))
+        best = check.choose(q, cands, revision, now, trusted=False)
+        if best is None:
+            return Found(nearest=cands.nearest)
+        i, d, cos = best
+        return Found(entries[i], d, cos, entries[i].id, cands.nearest)
+
+    def lookup(self, tenant: str, revision: str, code: bytes, radius: int) -> tuple[list[Entry], list[int]]:
+        """Entries of `revision` within `radius` and their distances, by (distance, id), at most
+        max_candidates; raises L2Unavailable on failure. Expired entries are not returned."""
         keys = self.probe_keys(tenant, revision, code, radius)
         members = self._call("lookup", lambda: self.r.sunion(keys))
         if not members:
-            return []
+            return [], []
         q = int.from_bytes(code, "little")
         cands = []
         for mem in members:
@@ -224,33 +280,31 @@ class RedisStore:
             if d <= radius:
                 cands.append((d, eid, hexcode))
         if not cands:
-            return []
+            return [], []
         cands.sort()
         cands = cands[: self.max_candidates]
-        fields = ("c", "p", "m", "v", "k", "r", "t", "x", "d")
 
         def fetch():
             pipe = self.r.pipeline(transaction=False)
             for _, eid, _ in cands:
-                pipe.hmget(self.entry_key(tenant, eid), fields)
+                pipe.hmget(self.entry_key(tenant, eid), _HASH_FIELDS)
             return pipe.execute()
 
         rows = self._call("fetch", fetch)
-        out, gone = [], []
+        out, dists, gone = [], [], []
         now = self.clock()
         for (d, eid, hexcode), row in zip(cands, rows):
             if row[0] is None:
                 gone.append((eid, hexcode))
                 continue
-            rec = L2Record(id=eid, code=row[0], payload=row[1] or b"", modality=row[2].decode(), value=row[3] or b"",
-                           kind=row[4].decode(), revision=row[5].decode(), created=float(row[6]),
-                           expires=float(row[7]), compute_s=float(row[8]), distance=d)
-            if rec.expires <= now:
+            e = from_hash(eid, row)
+            if e.expires <= now:
                 continue
-            out.append(rec)
+            out.append(e)
+            dists.append(d)
         if gone:
             self._forget(tenant, revision, gone)
-        return out
+        return out, dists
 
     def _forget(self, tenant: str, revision: str, gone: list[tuple[str, str]]) -> None:
         """Drop bucket members whose entry hash no longer exists (expired or evicted by Redis)."""
@@ -259,18 +313,11 @@ class RedisStore:
         def run():
             pipe = self.r.pipeline(transaction=False)
             for eid, hexcode in gone:
-                c = int.from_bytes(bytes.fromhex(hexcode), "little")
-                for j, v in enumerate(self._chunks(c)):
-                    pipe.srem(self.bucket_key(tenant, rtag, j, v), f"{hexcode}:{eid}")
+                for key in self._bucket_keys(tenant, rtag, bytes.fromhex(hexcode)):
+                    pipe.srem(key, f"{hexcode}:{eid}")
             pipe.execute()
 
         try:
             self._call("cleanup", run)
-        except L2Unavailable:
-            pass
-
-    def delete(self, tenant: str, eid: str) -> None:
-        try:
-            self._call("delete", lambda: self.r.delete(self.entry_key(tenant, eid)))
         except L2Unavailable:
             pass

@@ -144,9 +144,3 @@ class QueryEncoder:
             raise RequestError(f"{modality} features must be finite numbers")
         codes, z = self.head.encode(modality, f[None].astype(np.float32))
         return Query(modality, codes[0].tobytes(), _unit(z[0]))
-
-    def batch(self, modality: str, features) -> list[Query]:
-        """Many precomputed feature rows at once (one forward pass)."""
-        modality = self.check_modality(modality)
-        codes, z = self.head.encode(modality, np.asarray(features, dtype=np.float32))
-        return [Query(modality, c.tobytes(), _unit(zz)) for c, zz in zip(codes, z)]

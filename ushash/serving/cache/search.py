@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ushash.core import codes as codes_lib
+
 BACKENDS = ("auto", "flat", "mih", "torch")
 
 
@@ -31,9 +33,8 @@ class HammingBackend:
     kind = ""
 
     def __init__(self, bits: int):
-        if bits % 8 or not 8 <= bits <= 1024:
-            raise ValueError(f"bits must be a multiple of 8 in [8, 1024]; got {bits}")
-        self.bits, self.nbytes = int(bits), int(bits) // 8
+        self.bits = codes_lib.check_bits(bits)
+        self.nbytes = self.bits // 8
 
     def _check_code(self, code) -> np.ndarray:
         code = np.asarray(code)
