@@ -285,3 +285,20 @@ def test_one_forward_for_training_and_serving(tmp_path):
     for h in (head, lsh):
         assert isinstance(h, artifact.ServedHead)
     assert head.encode("text", feats[:0])[0].shape == (0, 4)
+
+
+def test_export_and_payload_configs_take_their_defaults_from_the_schemas():
+    import dataclasses
+
+    from ushash.config import to_dict
+    from ushash.serving.export import CalibrationConfig
+    from ushash.serving.payload import DEFAULTS, PayloadConfig
+
+    cfg = to_dict(compose("export", ["ckpt=x"]))
+    assert cfg["payload"] == dataclasses.asdict(PayloadConfig()) == DEFAULTS
+    assert cfg["calibration"] == dataclasses.asdict(CalibrationConfig()) and cfg["out"] is None
+    sparse = to_dict(compose("export", ["ckpt=x", "payload=int4_sparse"]))["payload"]
+    assert all(f == {"kind": "int4", "scale": "group", "group_size": 32, "topk": 64} for f in sparse.values())
+    assert to_dict(compose("export", ["ckpt=x", "payload=fp16"]))["payload"]["image"]["kind"] == "fp16"
+    with pytest.raises(Exception, match="group_size"):
+        compose("export", ["ckpt=x", "payload.image.group_size=big"])

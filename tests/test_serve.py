@@ -162,3 +162,32 @@ def test_entry_point_serves_on_loopback_and_refuses_public_binding(export_dir):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_serve_and_cache_configs_take_their_defaults_from_the_schemas():
+    import dataclasses
+
+    from ushash.config import compose, to_dict
+    from ushash.serving.cache import CacheConfig, L2Config
+    from ushash.serving.service import ServeConfig
+
+    cfg = to_dict(compose("serve", ["export=e"]))
+    assert cfg["cache"] == dataclasses.asdict(CacheConfig())
+    assert {k: cfg[k] for k in ("host", "port", "token", "max_body_bytes", "device", "log_level")} == \
+        {k: getattr(ServeConfig, k) for k in ("host", "port", "token", "max_body_bytes", "device", "log_level")}
+    redis = to_dict(compose("serve", ["export=e", "cache=redis", "cache.l2.timeout_s=0.2"]))["cache"]["l2"]
+    assert redis == {**dataclasses.asdict(L2Config()), "timeout_s": 0.2}
+    with pytest.raises(Exception, match="radius"):
+        compose("serve", ["export=e", "cache.radius=three"])
+    with pytest.raises(Exception, match="raduis"):
+        compose("serve", ["export=e", "cache.raduis=3"])
+
+
+def test_bearer_scheme_is_case_insensitive_and_other_schemes_are_refused(export_dir):
+    cache = SemanticCache.from_export(export_dir, {})
+    with TestClient(create_app(cache, token=TOKEN)) as c:
+        body = {"modality": "text", "text": "x"}
+        assert c.post("/v1/lookup", json=body, headers={"Authorization": f"bearer  {TOKEN} "}).status_code == 200
+        r = c.post("/v1/lookup", json=body, headers={"Authorization": f"Basic {TOKEN}"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json() == {"error": "missing or wrong bearer token"}

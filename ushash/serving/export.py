@@ -17,7 +17,9 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -30,9 +32,42 @@ from ushash.core.io import atomic_write, write_json
 from ushash.hashing import forward as fwd
 from ushash.hashing.heads import USHash
 from ushash.serving import artifact
-from ushash.serving.payload import PayloadCodec
+from ushash.serving.payload import PayloadCodec, PayloadConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CalibrationConfig:
+    """Only for payload formats with scale: channel."""
+    split: str = "train"              # z of this split sets the per-dimension INT4 scales
+    max_rows: int = 20000
+    percentile: float = 100.0         # 100: absmax per dimension; lower clips outliers
+
+
+@dataclass
+class ExportConfig:
+    """python -m ushash.export (configs/export.yaml): every setting with its default and meaning. Registered
+    in Hydra's ConfigStore as `schema_export` (and the payload formats as payload/schema) on import."""
+    ckpt: str = "???"                 # required: the checkpoint to export
+    out: Optional[str] = None         # default: exports/<run name>; a relative path is taken from the repository root
+    overwrite: bool = False           # replace an existing export at `out`
+    features_dir: Optional[str] = None  # default: the feature store the checkpoint was trained from (calibration only)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    paths: Any = None
+    payload: PayloadConfig = field(default_factory=PayloadConfig)   # configs/payload/*.yaml
+
+
+def register_schemas() -> None:
+    """Put the export and payload schemas in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="schema_export", node=ExportConfig)
+    cs.store(group="payload", name="schema", node=PayloadConfig)
+
+
+register_schemas()
 
 
 def layer_list(model: USHash) -> tuple[dict, dict[str, torch.Tensor]]:

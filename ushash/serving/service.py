@@ -21,21 +21,53 @@ import base64
 import binascii
 import hmac
 import ipaddress
+import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ushash.serving.cache import RequestError, UnknownTenant
-from ushash.config import CONFIG_DIR, to_dict
+from ushash.config import to_dict
+from ushash.serving.cache import TENANT_PATTERN, RequestError, UnknownTenant
+from ushash.serving.cache.config import CacheConfig
+
+log = logging.getLogger(__name__)
 
 TOKEN_ENV = "USHASH_SERVE_TOKEN"
 LOOPBACK_NAMES = ("localhost",)
+
+
+@dataclass
+class ServeConfig:
+    """python -m ushash.serve (configs/serve.yaml): every setting with its default and meaning. Registered
+    in Hydra's ConfigStore as `schema_serve` when this module is imported."""
+    export: str = "???"               # required: an export directory (python -m ushash.export); relative paths
+                                      # hang off the repository
+    host: str = "127.0.0.1"           # anything but loopback needs a bearer token
+    port: int = 8470
+    token: Optional[str] = None       # bearer token; the environment variable USHASH_SERVE_TOKEN takes precedence
+    max_body_bytes: int = 8 << 20     # larger request bodies get 413
+    device: str = "cpu"               # where the head (and the encoder for raw inputs) runs
+    log_level: str = "warning"        # uvicorn's
+    paths: Any = None
+    cache: CacheConfig = field(default_factory=CacheConfig)   # configs/cache/*.yaml
+
+
+def register_schemas() -> None:
+    """Put the serve schema in Hydra's ConfigStore (idempotent): configs/serve.yaml names it in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema_serve", node=ServeConfig)
+
+
+register_schemas()
 
 
 def is_loopback(host: str) -> bool:
@@ -110,9 +142,6 @@ async def _send_json(send, status: int, obj: dict) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-TENANT_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
-
-
 class LookupBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tenant: str = Field("default", pattern=TENANT_PATTERN)
@@ -131,14 +160,14 @@ class AuthError(Exception):
     pass
 
 
-def create_app(cache, token: Optional[str] = None, max_body_bytes: int = 8 << 20) -> FastAPI:
+def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeConfig.max_body_bytes) -> FastAPI:
     """The FastAPI app serving `cache`. Tests call this directly."""
-    def auth(request: Request) -> None:
+    bearer = HTTPBearer(auto_error=False)  # parses "Authorization: Bearer <token>"; None when absent or another scheme
+
+    def auth(creds: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> None:
         if token is None:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, cred = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(cred.strip().encode(), token.encode()):
+        if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
             raise AuthError()
 
     app = FastAPI(title="ushash semantic cache", docs_url=None, redoc_url=None, openapi_url=None)
@@ -246,6 +275,6 @@ def run_serve(cfg: DictConfig) -> None:
 
     app, host, port, token = build(cfg)
     cache = app.state.cache
-    print(f"[serve] http://{host}:{port} revision {cache.revision}, {cache.bits} bits, modalities "
-          f"{cache.encoder.modalities}, token {'required' if token else 'off (loopback)'}", flush=True)
+    log.info("serving http://%s:%d revision %s, %d bits, modalities %s, token %s", host, port, cache.revision,
+             cache.bits, cache.encoder.modalities, "required" if token else "off (loopback)")
     uvicorn.run(app, host=host, port=port, log_level=str(cfg.log_level), access_log=False)
