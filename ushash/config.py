@@ -9,6 +9,8 @@ Settings of the serving side have their own schemas next to their code (`ushash.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -152,6 +154,41 @@ register_schemas()
 
 
 # ---------------------------------------------------------------------------------------------- plumbing
+
+def quiet_third_party() -> None:
+    """What the entry points call first: no progress bars or notices from libraries that users cannot act on
+    (transformers' weight-loading bar, a torch deprecation raised inside Lightning). Library use is untouched."""
+    import warnings
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+class ConsoleFormatter(logging.Formatter):
+    """`[train] message` for ushash's INFO lines (the last part of the logger's name), `[name] WARNING: message`
+    for warnings and errors of anyone (configs/hydra/job_logging/ushash.yaml)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        if record.exc_info:
+            msg += "\n" + self.formatException(record.exc_info)
+        short = record.name.rsplit(".", 1)[-1]
+        if record.levelno >= logging.WARNING:
+            return f"[{short}] {record.levelname}: {msg}"
+        return f"[{short}] {msg}"
+
+
+class RankZeroFilter(logging.Filter):
+    """Under DDP only rank 0 writes INFO lines to the console (warnings come from every rank)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+        return rank == 0 or record.levelno >= logging.WARNING
+
 
 def to_dict(cfg: DictConfig | None) -> dict:
     """Plain, resolved containers before anything reaches a constructor or a checkpoint."""

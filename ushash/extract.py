@@ -5,8 +5,10 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from ushash.config import CONFIG_DIR
+from ushash.config import CONFIG_DIR, quiet_third_party
 from ushash.data.extract import run_extract
+
+quiet_third_party()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")

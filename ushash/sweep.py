@@ -6,8 +6,10 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from ushash.config import CONFIG_DIR
+from ushash.config import CONFIG_DIR, quiet_third_party
 from ushash.evaluation.sweep import primary_metric, run_sweep
+
+quiet_third_party()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")

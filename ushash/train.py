@@ -9,10 +9,12 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from ushash.config import CONFIG_DIR
+from ushash.config import CONFIG_DIR, quiet_third_party
 from ushash.hashing.training import run_train
 
 log = logging.getLogger("ushash.train")
+
+quiet_third_party()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")

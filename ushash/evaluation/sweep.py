@@ -17,6 +17,7 @@ on its own too, so a finished sweep is re-aggregated without re-running anything
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import shutil
 import sys
@@ -33,6 +34,7 @@ from ushash.config import CONFIG_DIR, to_dict
 from ushash.data.store import FeatureSplit, open_split, store_path, write_json
 from ushash.hashing.methods.base import NotApplicable
 
+log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
 CURVE_KEYS = ("p_at_k", "pr", "p_h2", "p_h2_retrieved")  # kept apart from the rows in result.json
 DEFAULTS = {"name": None, "aggregate_only": False, "synthetic": None, "threads": None,
@@ -117,13 +119,13 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     if result_file.exists():
         done = json.loads(result_file.read_text())
         if done.get("digest") == dg:
-            print(f"[sweep] {key}: done already, skipped ({result_file})")
+            log.info(f"{key}: done already, skipped ({result_file})")
             return done
-        print(f"[sweep] {key}: settings changed since the stored result; running it again")
+        log.info(f"{key}: settings changed since the stored result; running it again")
         shutil.rmtree(run_dir)
     stale = run_dir / "settings.json"
     if stale.exists() and digest(json.loads(stale.read_text())) != dg:
-        print(f"[sweep] {key}: an unfinished run with other settings is in {run_dir}; starting it over")
+        log.info(f"{key}: an unfinished run with other settings is in {run_dir}; starting it over")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "settings.json", json.loads(json.dumps(settings, default=str)))
@@ -139,7 +141,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
             result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
                       "digest": dg, "status": "not_applicable", "reason": str(e)}
             write_json(result_file, result)
-            print(f"[sweep] {key}: not applicable: {e}")
+            log.info(f"{key}: not applicable: {e}")
             return result
         entries = {spec.name: (spec.title, model)}
         extra["space"] = model.describe()
@@ -179,7 +181,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
               "wall_s": round(time.perf_counter() - t0, 2), **extra, "rows": rows, "curves": curves}
     write_json(result_file, result)
     maps = {n: retrieval.mean_map([r for r in rows if r["method"] == n], "paired") for n in outputs}
-    print(f"[sweep] {key}: {result['wall_s']:.1f}s, mean paired mAP@10 " + ", ".join(f"{n} {v:.3f}" for n, v in maps.items()))
+    log.info(f"{key}: {result['wall_s']:.1f}s, mean paired mAP@10 " + ", ".join(f"{n} {v:.3f}" for n, v in maps.items()))
     return result
 
 
@@ -202,7 +204,7 @@ def load_results(exp: Path) -> list[dict]:
         try:
             out.append(json.loads(f.read_text()))
         except json.JSONDecodeError:
-            print(f"[sweep] {f} is unreadable (interrupted write?); left out")
+            log.info(f"{f} is unreadable (interrupted write?); left out")
     return out
 
 
@@ -307,7 +309,7 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
     tmp.replace(exp / "results.md")
     from ushash.evaluation import plots
     pngs = plots.plot_all(out, exp)
-    print(f"[sweep] aggregated {len(results)} runs -> {exp / 'results.json'}, results.md, {len(pngs)} plots")
+    log.info(f"aggregated {len(results)} runs -> {exp / 'results.json'}, results.md, {len(pngs)} plots")
     return out
 
 

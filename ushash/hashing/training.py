@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import logging
 import os
 
 import pytorch_lightning as pl
@@ -23,6 +24,8 @@ from ushash.config import CONFIG_DIR, to_dict
 from ushash.hashing.datamodule import FeatureDataModule
 from ushash.data.extract import run_extract
 from ushash.hashing.module import USHashModule
+
+log = logging.getLogger(__name__)
 
 
 def method_config(cfg: DictConfig) -> dict:
@@ -153,7 +156,7 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     resume = str(last) if cfg.resume and last.exists() else None
     if resume:
         _check_resumable(last, dict(module.hparams))
-        print(f"[train] resuming from {resume}")
+        log.info("resuming from %s", resume)
     trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
     return {"run_dir": str(run_dir), "best": str(best.path if best.path.exists() else last), "last": str(last),
             "val_score": best.best, "val_map@10": best.best_map, "best_epoch": best.best_epoch,
