@@ -238,6 +238,8 @@ class SemanticCache:
         """Bulk-load precomputed codes uint8 [N, bits/8] (and payload records uint8 [N, nbytes]) into L1
         (benchmarks, warm starts). Returns how many were admitted. Not written to the L2."""
         codes = np.ascontiguousarray(codes, dtype=np.uint8)
+        if payloads is not None:  # L1 records are decoded unchecked on every lookup: check them once here
+            payloads = self.payload_codec[modality].check_records(payloads, "payloads")
         n = 0
         for i in range(len(codes)):
             kind, vbytes = encode_value(values[i])
