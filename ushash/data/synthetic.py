@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ushash.data.store import FeatureSplit, store_path, write_split
+from ushash.data.store import FeatureSplit, identity_path, store_identity, write_split
 
 ENCODER = {"name": "synthetic", "fingerprint": "0" * 12, "config": {}}
 
@@ -41,6 +41,6 @@ def write_synthetic(root: str | Path, dataset: str = "synthetic", sizes=None, **
     sizes = sizes or {"train": 2000, "val": 300, "test": 500}
     out = {}
     for i, (split, n) in enumerate(sizes.items()):
-        path = store_path(root, dataset, split, ENCODER["name"], ENCODER["fingerprint"])
+        path = identity_path(root, store_identity(dataset, split, ENCODER))
         out[split] = write_split(path, dataset, split, clustered(n, seed=i, **kw), ENCODER)
     return out
