@@ -65,6 +65,9 @@ class CacheSimConfig:
 
 
 def register_schema() -> None:
-    """Put the schema in Hydra's ConfigStore (idempotent): configs/cachesim.yaml names it in its defaults."""
+    """Put the schema in Hydra's ConfigStore (idempotent): configs/cachesim.yaml names it in its defaults.
+    Importing the serving cache registers `cache/schema`, which configs/cache/*.yaml extend."""
     from hydra.core.config_store import ConfigStore
+
+    import ushash.serving.cache  # noqa: F401
     ConfigStore.instance().store(name="schema_cachesim", node=CacheSimConfig)

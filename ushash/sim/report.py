@@ -30,9 +30,11 @@ def output_dir(cfg, dataset: str, revision: str) -> Path:
 
 def markdown(info: dict, rows: list[dict]) -> str:
     st = info["stream"]
+    ttl = info["cache"].get("ttl_s")
+    ttl = int(ttl) if isinstance(ttl, float) and ttl.is_integer() else ttl  # the typed cache schema makes it a float
     lines = [f"Stream: {st['n_requests']} requests over {info['classes']} classes ({info['dataset']}/{info['split']}), "
              f"Zipf s={st['zipf_s']}, pool {info['pool']} requests {info['pool_kinds']}, "
-             f"revision change at {st['revision_change_at']:.0%} of the stream, TTL {info['cache'].get('ttl_s')} s "
+             f"revision change at {st['revision_change_at']:.0%} of the stream, TTL {ttl} s "
              f"at {st['seconds_per_request']} s/request. Variants: {info['variants']}.", "",
              "| method | setting | hit rate | correct, fresh hit rate | false hits / requests | false hits / hits | "
              "oracle hit rate | misses with a correct nearest entry | stale hits | lookup p50 µs | p99 µs | peak bytes |",
