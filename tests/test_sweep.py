@@ -20,7 +20,8 @@ def _cfg(tmp_path, *extra):
     return compose("config", ["experiment=sweep_synthetic", f"paths.root={tmp_path}", *SMALL, *extra])
 
 
-def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, capsys):
+def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, caplog):
+    caplog.set_level("INFO", logger="ushash")
     cfg = _cfg(tmp_path, "method=itq", "bits=16", "seed=0")
     res = sweep.run_one(cfg)
     f = tmp_path / "experiments" / "synthetic" / "runs" / "itq-16b-s0" / "result.json"
@@ -31,7 +32,7 @@ def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, capsys):
     assert len(pr["precision"]) == 17 and pr["recall"][-1] == pytest.approx(1.0)  # radius = bits retrieves all
     mtime = f.stat().st_mtime_ns
     again = sweep.run_one(cfg)
-    assert "done already" in capsys.readouterr().out
+    assert "done already" in caplog.text
     assert f.stat().st_mtime_ns == mtime and again["digest"] == res["digest"]
     # a changed setting is a different run: it is redone, not mixed up with the stored one
     changed = sweep.run_one(_cfg(tmp_path, "method=itq", "bits=16", "seed=0", "method.args.common_dim=64"))
@@ -74,14 +75,15 @@ def test_fitted_baseline_never_sees_the_test_split(tmp_path, monkeypatch):
     assert not tr & te
 
 
-def test_trained_run_resumes_from_its_checkpoint(tmp_path, capsys):
+def test_trained_run_resumes_from_its_checkpoint(tmp_path, caplog):
+    caplog.set_level("INFO", logger="ushash")
     cfg = _cfg(tmp_path, "method=pairwise", "bits=16", "seed=0", "trainer.max_epochs=2")
     first = sweep.run_one(cfg)
     run_dir = tmp_path / "experiments" / "synthetic" / "runs" / "pairwise-16b-s0"
     assert (run_dir / "last.ckpt").exists() and first["val_map@10"] is not None
     (run_dir / "result.json").unlink()  # as if the sweep had been killed after training, before evaluation
     second = sweep.run_one(cfg)
-    assert "resuming from" in capsys.readouterr().out
+    assert "resuming from" in caplog.text
     a = {(r["direction"], r["protocol"]): r["map@10"] for r in first["rows"]}
     b = {(r["direction"], r["protocol"]): r["map@10"] for r in second["rows"]}
     assert a == b

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig
 
-from ushash.evaluation import retrieval
+from ushash.evaluation import report, retrieval
 from ushash.core.io import atomic_write, write_json
 from ushash.data.store import open_split, store_path
 from ushash.hashing.methods.space import JOINT_SPACE_ENCODERS  # image/text (or audio/text) in one space already
@@ -49,7 +49,7 @@ def run_eval(cfg: DictConfig, module=None) -> dict:
     against = f" against the {db_name} split" if database is not None else ""
     title = (f"{prov['dataset']} / {cfg.split} split{against}, encoder {enc['name']} ({enc['fingerprint']}), "
              f"{module.hparams.bits} bits")
-    table = retrieval.markdown_table(rows, k=int(cfg.k), title=title)
+    table = report.eval_tables(rows, k=int(cfg.k), title=title)
     result = {"checkpoint": str(cfg.ckpt), "dataset": prov["dataset"], "split": cfg.split,
               "database": db_name or cfg.split, "encoder": enc,
               "bits": module.hparams.bits, "k": int(cfg.k), "tie_rule": "ascending database index", "rows": rows}

@@ -208,27 +208,3 @@ def mean_map(rows: list[dict], protocol: str = "paired", k: int = 10, key: str |
     """Mean over directions of mAP@k (`key`: another row field, e.g. "tie_map@10")."""
     vals = [r[key or f"map@{k}"] for r in rows if r["protocol"] == protocol]
     return float(np.mean(vals)) if vals else 0.0
-
-
-def markdown_table(rows: list[dict], k: int = 10, title: str | None = None) -> str:
-    """A table per protocol: one line per method, mAP@k per direction, then R@1/R@10 averaged."""
-    out = []
-    if title:
-        out.append(f"### {title}\n")
-    for protocol in sorted({r["protocol"] for r in rows}, key=lambda p: p != "paired"):
-        prow = [r for r in rows if r["protocol"] == protocol]
-        dirs = list(dict.fromkeys(r["direction"] for r in prow))
-        den = prow[0]["denominator"]
-        out.append(f"Protocol: **{protocol}** relevance, mAP@{k} with {DENOMINATOR_DOC.get(den, den)}; "
-                   f"ties broken by ascending database index.\n")
-        out.append("| method | " + " | ".join(f"{d} mAP@{k}" for d in dirs) + " | mean mAP | mean R@1 | mean R@10 |")
-        out.append("|---|" + "---|" * (len(dirs) + 3))
-        for name in dict.fromkeys(r["method"] for r in prow):
-            mr = {r["direction"]: r for r in prow if r["method"] == name}
-            cells = [f"{mr[d][f'map@{k}']:.3f}" if d in mr else "–" for d in dirs]
-            vals = list(mr.values())
-            cells += [f"{np.mean([v[f'map@{k}'] for v in vals]):.3f}",
-                      f"{np.mean([v['R@1'] for v in vals]):.3f}", f"{np.mean([v['R@10'] for v in vals]):.3f}"]
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
-        out.append("")
-    return "\n".join(out)

@@ -17,8 +17,8 @@ on its own too, so a finished sweep is re-aggregated without re-running anything
 from __future__ import annotations
 
 import hashlib
-import logging
 import json
+import logging
 import shutil
 import sys
 import time
@@ -27,11 +27,12 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ushash.hashing import methods
+from ushash.config import to_dict
 from ushash.core import metrics
-from ushash.evaluation import retrieval
-from ushash.config import CONFIG_DIR, to_dict
-from ushash.data.store import FeatureSplit, open_split, store_path, write_json
+from ushash.core.io import atomic_write, write_json
+from ushash.data.store import FeatureSplit, open_split, store_path
+from ushash.evaluation import report, retrieval
+from ushash.hashing import methods
 from ushash.hashing.methods.base import NotApplicable
 
 log = logging.getLogger(__name__)
@@ -187,12 +188,6 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
 
 # ---------------------------------------------------------------------------------------------- aggregation
 
-ROW_METRICS = ("tie_map@10", "map@10", "tie_R@1", "tie_R@10", "tie_P@10")   # from retrieval.evaluate rows
-METRICS = (*ROW_METRICS, "p_h2")
-METRIC_NAMES = {"tie_map@10": "mAP@10", "map@10": "mAP@10 (tie-broken)", "tie_R@1": "R@1", "tie_R@10": "R@10",
-                "tie_P@10": "P@10", "p_h2": "P@H≤2"}
-
-
 def _entry_order(name: str) -> tuple:
     order = ["ushash", "ushash_float", "pairwise", "csq", "orthohash", "itq", "pca_rotation", "pca_sign", "lsh", "float"]
     return (order.index(name) if name in order else len(order), name)
@@ -217,7 +212,7 @@ def _per_seed(results: list[dict]) -> dict:
             for r in res["rows"]:
                 if r["method"] != name:
                     continue
-                for m in ROW_METRICS:
+                for m in report.ROW_METRICS:
                     if m in r:
                         vals[(r["protocol"], r["direction"], m)] = r[m]
             for c in res["curves"]:
@@ -302,118 +297,12 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
                                       for p in protocols} for n in r["entries"]}} for r in results],
         "not_applicable": not_applicable, "summary": summary, "curves": curves,
     }
-    _write_compact(exp / "results.json", out)
-    md = markdown(out)
-    tmp = exp / ".results.md.tmp"
-    tmp.write_text(md)
-    tmp.replace(exp / "results.md")
+    write_json(exp / "results.json", out, compact=True)
+    atomic_write(exp / "results.md", report.markdown(out))
     from ushash.evaluation import plots
     pngs = plots.plot_all(out, exp)
     log.info(f"aggregated {len(results)} runs -> {exp / 'results.json'}, results.md, {len(pngs)} plots")
     return out
-
-
-def _write_compact(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n")
-    tmp.replace(path)
-
-
-def cells(agg: dict):
-    """Flatten the nested summary: yields dicts {method, bits, protocol, metric, direction, mean, std, n}."""
-    for method, by_bits in agg["summary"].items():
-        for bits, by_p in by_bits.items():
-            for protocol, by_m in by_p.items():
-                for metric, by_d in by_m.items():
-                    for direction, (mean, std, n) in by_d.items():
-                        yield {"method": method, "bits": int(bits), "protocol": protocol, "metric": metric,
-                               "direction": direction, "mean": mean, "std": std, "n": n}
-
-
-SUMMARY_COLUMNS = (("paired", "tie_map@10"), ("label", "tie_map@10"), ("paired", "map@10"), ("paired", "tie_R@1"),
-                   ("paired", "tie_R@10"), ("label", "tie_P@10"), ("label", "p_h2"))
-
-
-def summary_table(agg: dict, flat: list | None = None) -> list[str]:
-    """One line per method and code length: the mean over directions of the headline metrics."""
-    flat = list(cells(agg)) if flat is None else flat
-    have = {(r["protocol"], r["metric"]) for r in flat}
-    cols = [c for c in SUMMARY_COLUMNS if c in have]
-    idx = {(r["method"], r["bits"], r["protocol"], r["metric"]): r for r in flat if r["direction"] == "mean"}
-    lines = ["## Summary (mean over directions)", "",
-             "| method | bits | " + " | ".join(f"{METRIC_NAMES[m]} {p}" for p, m in cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
-    for name, meta in agg["methods"].items():
-        bits_list = sorted({r["bits"] for r in flat if r["method"] == name})
-        if meta["output"] == "float" and meta["kind"] == "fitted":
-            bits_list = bits_list[:1]
-        for bits in bits_list:
-            shown = str(bits) if meta["output"] == "codes" else ("float" if meta["kind"] == "fitted" else f"float ({bits}-bit run)")
-            vals = [idx.get((name, bits, p, m)) for p, m in cols]
-            lines.append(f"| {meta['title']} | {shown} | " + " | ".join(
-                _fmt(v["mean"], v["std"], v["n"]) if v else "–" for v in vals) + " |")
-    return lines + [""]
-
-
-def _fmt(mean: float, std: float, n: int) -> str:
-    return f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}"
-
-
-def markdown(agg: dict, metrics=METRICS) -> str:
-    enc = agg["encoder"]
-    seeds = sorted({r["seed"] for r in agg["runs"]})
-    lines = [f"# Sweep `{agg['experiment']}`: {agg['dataset']}, test split, encoder {enc['name']} ({enc['fingerprint']})", ""]
-    if agg.get("command"):
-        lines.append(f"Command: `{agg['command']}`")
-    wall = agg.get("sweep_wall_s")
-    lines.append(f"Runs: {agg['n_runs']} (seeds {seeds}); compute time of the runs {agg['runs_wall_s']:.0f} s"
-                 + (f"; wall time of the sweep command {wall:.0f} s" if wall else "") + ".")
-    lines.append("No-training methods are fitted on the training split only (the shared space's settings chosen on "
-                 "the validation split); trained ones use the checkpoint chosen on the validation split. Cells: mean ± "
-                 + agg["std"] + ". mAP@10, R@K and P@K are " + agg.get("tie_doc", "tie-broken") + "; the tie-broken "
-                 "column orders ties by " + agg["tie_rule"] + ".")
-    lines.append("")
-    for p, doc in agg["protocols"].items():
-        lines.append(f"- Protocol **{p}**: {doc}.")
-    lines.append(f"- {agg['curves_doc']}")
-    if agg.get("not_applicable"):
-        reasons = sorted({r["reason"] for r in agg["not_applicable"]})
-        lines.append(f"- Not applicable ({len(agg['not_applicable'])} runs, left out of the tables): "
-                     + ", ".join(r["key"] for r in agg["not_applicable"]) + ". Why: " + " / ".join(reasons))
-    if agg.get("queries"):
-        lines.append("- Queries per direction (queries / with no relevant item, scoring 0 / database size): " + "; ".join(
-            f"{k} {q}/{z}/{n}" for k, (q, z, n) in agg["queries"].items()) + ".")
-    lines.append("")
-    names = list(agg["methods"])
-    flat = list(cells(agg))
-    lines += summary_table(agg, flat)
-    for metric in metrics:
-        for p in agg["protocols"]:
-            rows = [r for r in flat if r["metric"] == metric and r["protocol"] == p]
-            if not rows:
-                continue
-            dirs = [d for d in dict.fromkeys(r["direction"] for r in rows) if d != "mean"] + ["mean"]
-            lines.append(f"## {METRIC_NAMES[metric]}, protocol {p}")
-            lines.append("")
-            lines.append("| method | bits | " + " | ".join(dirs) + " |")
-            lines.append("|---|---|" + "---|" * len(dirs))
-            for name in names:
-                meta = agg["methods"][name]
-                bits_list = sorted({r["bits"] for r in rows if r["method"] == name})
-                if meta["output"] == "float" and meta["kind"] == "fitted":
-                    bits_list = bits_list[:1]  # no bits: the same float ranking at every swept length
-                for bits in bits_list:
-                    cell = {r["direction"]: r for r in rows if r["method"] == name and r["bits"] == bits}
-                    if meta["output"] == "codes":
-                        shown = str(bits)
-                    elif meta["kind"] == "fitted":
-                        shown = "float"
-                    else:
-                        shown = f"float ({bits}-bit run)"
-                    lines.append(f"| {meta['title']} | {shown} | " + " | ".join(
-                        _fmt(cell[d]["mean"], cell[d]["std"], cell[d]["n"]) if d in cell else "–" for d in dirs) + " |")
-            lines.append("")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------- Hydra
