@@ -26,6 +26,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # what open() would give: mkstemp makes 0600 files
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
             f.flush()
@@ -36,6 +37,12 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_json(path: str | os.PathLike, obj, compact: bool = False) -> Path:
