@@ -9,10 +9,12 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from ushash.config import CONFIG_DIR
+from ushash.config import CONFIG_DIR, quiet_third_party
 from ushash.sim.replay import run_cachesim
 
 log = logging.getLogger("ushash.cachesim")
+
+quiet_third_party()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="cachesim", version_base="1.3")
