@@ -279,4 +279,4 @@ def test_run_extract_logs_one_summary_line_per_split(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="ushash.data.extract"):
         split = extraction.run_extract(cfg)["train"]
     lines = [r.getMessage() for r in caplog.records if r.name == "ushash.data.extract"]
-    assert lines == [f"[extract] manifest/train: text 3/3 ok; 0 failed -> {split.path}"]
+    assert lines == [f"manifest/train: text 3/3 ok; 0 failed -> {split.path}"]  # the console adds "[extract] "

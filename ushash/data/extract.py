@@ -90,7 +90,7 @@ def run_extract(cfg: DictConfig, splits: list[str] | None = None, encoder=None) 
                                  max_bad_frac=cfg.extract.max_bad_frac)
         rep = out[split].report
         counts = ", ".join(f"{m} {v.get('ok', 0)}/{v['rows']}" for m, v in rep["modalities"].items())
-        log.info("[extract] %s/%s: %s ok; %d failed -> %s", name, split, counts, len(rep["failed"]), out[split].path)
+        log.info("%s/%s: %s ok; %d failed -> %s", name, split, counts, len(rep["failed"]), out[split].path)
     return out
 
 
