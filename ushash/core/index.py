@@ -28,6 +28,7 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
+from ushash.core.checks import float_rows, unit_rows
 from ushash.core.codes import check_packed, hamming_words, words
 
 #: Distance reported for padding slots when k exceeds the database size (faiss's own value).
@@ -44,25 +45,10 @@ def _check_k(k) -> int:
 
 
 def _check_float(x, name: str, dim: int | None = None) -> np.ndarray:
-    expect = f"float [N, {dim if dim is not None else 'dim'}]"
-    if not isinstance(x, np.ndarray):
-        raise ValueError(f"{name} must be a numpy array {expect}; got {type(x).__name__}")
-    if x.ndim != 2 or (dim is not None and x.shape[1] != dim):
-        raise ValueError(f"{name} must be {expect}; got shape {x.shape}")
-    if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
-        raise ValueError(f"{name} must be {expect}; got dtype {x.dtype}")
-    if x.shape[1] == 0:
-        raise ValueError(f"{name} must be {expect} with dim >= 1; got shape {x.shape}")
-    x = np.asarray(x, dtype=np.float32)
-    if not np.isfinite(x).all():
-        raise ValueError(f"{name} contains NaN or inf; expected finite values")
-    return x
+    return float_rows(x, name, dim, array_only=True)
 
 
-def _l2_normalise(x: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit L2 norm; all-zero rows stay zero (cosine 0 with everything)."""
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    return np.ascontiguousarray(x / np.where(norms > 0, norms, 1.0), dtype=np.float32)
+_l2_normalise = unit_rows
 
 
 class HammingIndex:

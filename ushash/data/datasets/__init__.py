@@ -16,11 +16,12 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from ushash.config import ROOT
 from ushash.core.registry import Registry
 from ushash.data.rows import Row, check_unique
 
 SPLITS = ("train", "val", "test")
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = ROOT  # paths in dataset configs hang off the repository
 
 Recipe = Callable[..., list[Row]]
 DATASETS = Registry("dataset", "ushash/data/datasets")
@@ -91,6 +92,16 @@ def probe_files(paths: list[str], what: str, layout: str, items: str, folder: st
     if sample and not any(os.path.isfile(p) for p in sample):
         raise FileNotFoundError(f"{what}: none of the first {len(sample)} {items} exists, e.g. {sample[0]}; "
                                 f"is the root or {folder} wrong? {layout}")
+
+
+def fetched(folder: Path, root: Path, allow_fetch: bool, fetch: Callable[[Path], object], dataset: str) -> Path:
+    """`folder` (under `root`), fetching the dataset into `root` first when it is missing and allowed."""
+    if not folder.is_dir():
+        if not allow_fetch:
+            raise FileNotFoundError(f"{folder} not found and fetch=False; run "
+                                    f"ushash.data.datasets.{dataset}.fetch({str(root)!r})")
+        fetch(root)
+    return folder
 
 
 def hash_split(key: str, seed: int, val_frac: float, test_frac: float) -> str:

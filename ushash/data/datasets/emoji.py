@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ushash.core.io import atomic_write
-from ushash.data.datasets import REPO_ROOT, SPLITS, check_fracs, hash_split, register, resolve_path
+from ushash.data.datasets import REPO_ROOT, SPLITS, check_fracs, fetched, hash_split, register, resolve_path
 from ushash.data.rows import Row
 
 if TYPE_CHECKING:
@@ -545,12 +545,7 @@ def _run(cmd: list[str], cwd: Path, what: str, pkg: str, hint: str = "") -> str:
 # --------------------------------------------------------------------------------------------- rows
 def data_dir(root: str | os.PathLike | None, allow_fetch: bool) -> Path:
     root = DEFAULT_ROOT if root is None else resolve_path(root)
-    if not (root / IMAGES).is_dir():
-        if not allow_fetch:
-            raise FileNotFoundError(
-                f"{root / IMAGES} not found and fetch=False; run ushash.data.datasets.emoji.fetch({str(root)!r})"
-            )
-        fetch(root)
+    fetched(root / IMAGES, root, allow_fetch, fetch, "emoji")
     return root
 
 

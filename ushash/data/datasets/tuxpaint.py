@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ushash.core.io import atomic_write
-from ushash.data.datasets import REPO_ROOT, SPLITS, check_fracs, hash_split, register, resolve_path
+from ushash.data.datasets import REPO_ROOT, SPLITS, check_fracs, fetched, hash_split, register, resolve_path
 from ushash.data.rows import Row
 
 PACKAGE = "tuxpaint-stamps-default"
@@ -202,14 +202,7 @@ def scan(stamps: Path) -> tuple[list[Stamp], Counter]:
 # ------------------------------------------------------------------------------------------------ rows
 def stamps_dir(root: str | os.PathLike | None, allow_fetch: bool) -> Path:
     root = DEFAULT_ROOT if root is None else resolve_path(root)
-    stamps = root / "stamps"
-    if not stamps.is_dir():
-        if not allow_fetch:
-            raise FileNotFoundError(
-                f"{stamps} not found and fetch=False; run ushash.data.datasets.tuxpaint.fetch({str(root)!r})"
-            )
-        fetch(root)
-    return stamps
+    return fetched(root / "stamps", root, allow_fetch, fetch, "tuxpaint")
 
 
 def split_of(stamp_id: str, seed: int, val_frac: float, test_frac: float) -> str:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import numpy as np
 
 from ushash.config import SpaceConfig
+from ushash.core.checks import unit_rows
 from ushash.core.groups import vocabulary
 from ushash.data.store import FeatureSplit
 
@@ -92,9 +93,7 @@ def _views(tables) -> tuple[np.ndarray, dict]:
     return vocab, views
 
 
-def _l2(x: np.ndarray) -> np.ndarray:
-    n = np.linalg.norm(x, axis=1, keepdims=True)
-    return (x / np.where(n > 0, n, 1.0)).astype(np.float32)
+_l2 = unit_rows
 
 
 _S = SpaceConfig()

@@ -18,13 +18,12 @@ import hashlib
 import numpy as np
 
 from ushash.core import codes as codes_lib
+from ushash.core.checks import unit_rows
 from ushash.serving.artifact import EncoderId
 from ushash.serving.payload import PayloadCodec
 
 
-def _l2n(x: np.ndarray) -> np.ndarray:
-    n = np.linalg.norm(x, axis=1, keepdims=True)
-    return (x / np.where(n > 0, n, 1.0)).astype(np.float32)
+_l2n = unit_rows
 
 
 class LSHHead:

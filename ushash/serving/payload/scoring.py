@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ushash.core.checks import float_rows, unit_rows
 from ushash.serving.payload.settings import PayloadError
 
 # Bound on float32 cells decoded at once by `rerank` (candidate rows x dim).
@@ -22,23 +23,10 @@ _BLOCK_CELLS = 1 << 22
 
 
 def _as_float2d(x, name: str, dim: int) -> np.ndarray:
-    x = np.asarray(x)
-    if x.ndim == 1:
-        x = x[None]
-    if x.ndim != 2 or x.shape[1] != dim:
-        raise PayloadError(f"{name} must be float [N, {dim}] (or [{dim}]); got shape {x.shape}")
-    if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
-        raise PayloadError(f"{name} must be float [N, {dim}]; got dtype {x.dtype}")
-    x = np.asarray(x, dtype=np.float32)
-    if not np.isfinite(x).all():
-        raise PayloadError(f"{name} contains NaN or inf; payloads hold finite values only")
-    return x
+    return float_rows(x, name, dim, error=PayloadError, vector_ok=True)
 
 
-def _l2n(x: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit L2 norm along the last axis; all-zero rows stay zero."""
-    n = np.linalg.norm(x, axis=-1, keepdims=True)
-    return x / np.where(n > 0, n, 1.0).astype(np.float32)
+_l2n = unit_rows
 
 
 def _norms(dec: np.ndarray) -> np.ndarray:
