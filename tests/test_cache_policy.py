@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from ushash.serving.cache.policy import LRUKDecay, make_policy
+from ushash.serving.cache.policies import make_policy
+from ushash.serving.cache.policies.lruk import LRUKDecay
 
 
 class FakeClock:

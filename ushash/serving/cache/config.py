@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ushash.serving.cache.policy import POLICIES
+from ushash.serving.cache.policies import POLICIES
 from ushash.serving.cache.search import BACKENDS
 
 
@@ -68,7 +68,7 @@ class CacheConfig:
         if self.observe_radius is not None and int(self.observe_radius) < int(self.radius):
             raise ValueError(f"observe_radius ({self.observe_radius}) must be >= radius ({self.radius})")
         if str(self.policy).lower() not in POLICIES:
-            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {POLICIES}")
+            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}")
         if str(self.backend).lower() not in BACKENDS:
             raise ValueError(f"unknown search backend {self.backend!r}; choose one of {BACKENDS}")
         if not -1.0 <= float(self.payload_threshold) <= 1.0:

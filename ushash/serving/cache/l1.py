@@ -17,7 +17,7 @@ import numpy as np
 
 from ushash.serving.cache.entries import MISS, Candidates, Entry, EntryTable, Found
 from ushash.serving.cache.freshness import ExpiryHeap
-from ushash.serving.cache.policy import make_policy
+from ushash.serving.cache.policies import make_policy
 from ushash.serving.cache.protection import BloomGuard
 from ushash.serving.cache.search import make_backend
 
