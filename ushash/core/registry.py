@@ -6,13 +6,23 @@
     DATASETS.lookup("TuxPaint")               # exact name, an alias, or case-insensitive
 
 A registry is a dict (name -> object), filled when its package's modules are imported (each package
-imports its modules at the end of its __init__); adding a dataset, an encoder or a method is one module
-that registers itself plus one config file (CONTRIBUTING.md).
+ends its __init__ with `import_all(__name__, __path__)`); adding a dataset, an encoder, a hashing method
+or an eviction policy is one module that registers itself plus one config file (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
+
+
+def import_all(package: str, path) -> None:
+    """Import every module of a package (its `__name__` and `__path__`): what fills the package's registry,
+    so that a new dataset, encoder, method or policy is one new module, with no import line to edit."""
+    import importlib
+    import pkgutil
+    for info in sorted(pkgutil.iter_modules(path), key=lambda i: i.name):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{package}.{info.name}")
 
 
 class UnknownName(KeyError, ValueError):

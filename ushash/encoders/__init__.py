@@ -10,7 +10,8 @@ open_clip / transformers / timm only when an encoder is built.
 
 from ushash.encoders.base import ENCODERS, Encoder, Part, audio_to_length, build_encoder, register
 
-# Importing the encoder modules fills ENCODERS.
-from ushash.encoders import clap, hf_clip, offline, openclip, tiny  # noqa: E402,F401  isort: skip
+# Every module of this package is imported: the ones that register themselves fill the registry.
+from ushash.core.registry import import_all  # noqa: E402
+import_all(__name__, __path__)  # noqa: E402
 
 __all__ = ["ENCODERS", "Encoder", "Part", "audio_to_length", "build_encoder", "register"]

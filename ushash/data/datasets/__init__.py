@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ushash.config import ROOT
-from ushash.core.registry import Registry
+from ushash.core.registry import Registry, import_all
 from ushash.data.rows import Row, check_unique
 
 SPLITS = ("train", "val", "test")
@@ -132,5 +132,5 @@ def _recipe(name: str) -> Recipe:
     return DATASETS[name]
 
 
-# Recipes register themselves on import.
-from ushash.data.datasets import audiocaps, cc3m, clotho, coco, emoji, hf, manifest, tuxpaint  # noqa: E402,F401
+# Every module of this package is imported: the ones that register themselves fill the registry.
+import_all(__name__, __path__)  # noqa: E402

@@ -1,8 +1,7 @@
 """Hashing methods compared in ushash: one registry, one module per method, one config per method.
 
-Adding a method = one module in this package that calls `register(MethodSpec(...))` at import, its name
-in the import line at the end of this file, and `configs/method/<name>.yaml` (`name: <name>` and its
-`args`). The registry is ushash.core.registry's, as for datasets and encoders.
+Adding a method = one module in this package that calls `register(MethodSpec(...))` at import, and
+`configs/method/<name>.yaml` (`name: <name>` and its `args`): every module of the package is imported. The registry is ushash.core.registry's, as for datasets and encoders.
 
 Kinds
 - "fitted": no training; `build(bits=, seed=, **args)` returns an object with `fit(train_split)` and
@@ -20,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ushash.core.registry import Registry
+from ushash.core.registry import Registry, import_all
 
 KINDS = ("fitted", "trained")
 
@@ -69,6 +68,5 @@ def build(name: str, bits: int, seed: int = 0, **args):
     return spec.build(bits=int(bits), seed=int(seed), **args)
 
 
-# Methods register themselves on import: one module each in this package.
-from ushash.hashing.methods import (csq, float_upper, itq, lsh, orthohash, pairwise, pca_rotation,  # noqa: E402,F401
-                                    pca_sign, ushash)
+# Every module of this package is imported: the ones that register themselves fill the registry.
+import_all(__name__, __path__)  # noqa: E402

@@ -27,7 +27,7 @@ After `insert` returns, the bytes of the keys still held never exceed `capacity_
   lose to ones referenced K times unless they are about a half-life newer (LRU-K's scan resistance).
 
 Adding a policy = one module in this package that subclasses `Policy` and registers itself with
-`@POLICIES.register("<name>")`, its name in the import line at the end of this file, and a preset in
+`@POLICIES.register("<name>")` (every module of the package is imported), and a preset in
 configs/cache/<name>.yaml (`cache=<name>`; options go to the constructor as `policy_options`).
 """
 
@@ -37,7 +37,7 @@ import inspect
 import time
 from typing import Callable
 
-from ushash.core.registry import Registry
+from ushash.core.registry import Registry, import_all
 
 POLICIES = Registry("eviction policy", "ushash/serving/cache/policies")
 
@@ -85,5 +85,5 @@ def make_policy(name: str, capacity_bytes: int, clock: Callable[[], float] = tim
     return cls(capacity_bytes, **options)
 
 
-# Policies register themselves on import: one module each in this package.
-from ushash.serving.cache.policies import lru, lruk, wtinylfu  # noqa: E402,F401
+# Every module of this package is imported: the ones that register themselves fill the registry.
+import_all(__name__, __path__)  # noqa: E402
