@@ -1,4 +1,4 @@
-"""Benchmark and measure cache-entry payloads (ushash/payload.py): fp32, fp16, int4, int4 + sparse top-k.
+"""Benchmark and measure cache-entry payloads (ushash/serving/payload/): fp32, fp16, int4, int4 + sparse top-k.
 
     python benchmarks/payload.py quality --ckpt checkpoints/<run>/best.ckpt [--candidates 32]
     python benchmarks/payload.py quality --synthetic            # trains a small head on ushash.data.synthetic data

@@ -85,7 +85,7 @@ def prototype(prototypes: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- baselines
-# Objectives of the trained baselines (ushash/methods/). Same relaxed codes h in (-1, 1), same pairing signal.
+# Objectives of the trained baselines (ushash/hashing/methods/). Same relaxed codes h in (-1, 1), same pairing signal.
 
 def pairwise_likelihood(ha: torch.Tensor, hb: torch.Tensor, ga: torch.Tensor, gb: torch.Tensor,
                         scale: float = 0.5, pos_weight: float | str = "balanced") -> torch.Tensor:

@@ -3,7 +3,7 @@ checkpoints rebuild with no config tree and load with `torch.load(weights_only=T
 
 The recipe (docs/baselines.md has the measurements behind each choice):
 - init="gcca": the linear head of each modality starts as the closed-form map into the shared space
-  (ushash/methods/space.py, its settings chosen on val) and the prototypes as the ITQ rotation of that space
+  (ushash/hashing/methods/space.py, its settings chosen on val) and the prototypes as the ITQ rotation of that space
   (`initialise`), so training starts from the codes ITQ makes and fine-tunes them; the selection on val keeps
   the initial weights when no epoch beats them. init="random": a randomly initialised MLP (layers >= 1).
 - the bit logits l = z . P^T (unit rows, |l| <= 1) are relaxed as tanh(beta * sqrt(dim) * l): a unit z spread
@@ -55,7 +55,7 @@ class USHashModule(pl.LightningModule):
         lr with init="random". temperature: the contrastive temperature, learned from that value when
         learn_temperature (a CLIP-style logit scale) or fixed.
 
-        method: the registered trained method (ushash/methods/) whose objective trains the network: "ushash"
+        method: the registered trained method (ushash/hashing/methods/) whose objective trains the network: "ushash"
         (the w_* weights above) or a baseline ("pairwise", "csq", "orthohash"), whose own hyper-parameters are
         the plain dict method_args. Every method trains the same network (per-modality heads + a linear hash
         layer, ushash.hashing.heads.USHash) from the same initialisation, so every checkpoint loads and encodes the

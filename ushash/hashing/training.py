@@ -2,7 +2,7 @@
 
 Trains US-HASH heads on cached features (extracting them first if needed). With model.init=gcca (the
 default) the heads start from the closed-form shared space chosen on the validation split and the ITQ
-rotation of it (ushash/methods/ushash.py: closed_form_start). Checkpoints go to checkpoints/<run>/:
+rotation of it (ushash/hashing/methods/ushash.py: closed_form_start). Checkpoints go to checkpoints/<run>/:
 `best.ckpt` holds the weights with the best validation score seen (retrieval.SELECTION_DOC), the initial
 weights included, and `last.ckpt` is what a rerun resumes from; training stops early after
 `early_stop.patience` epochs without a better validation score.

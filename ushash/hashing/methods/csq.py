@@ -6,7 +6,7 @@ cross-entropy, plus a quantization term.
 ushash methods train on pairs, not class labels, so the classes here are made from the training pairs only:
 - ``classes: kmeans`` (default): pseudo-classes. The training groups are clustered (spherical k-means,
   ``n_classes`` clusters, default 2*bits: one Hadamard centre each) in the GCCA space fitted on the training
-  pairs (ushash/methods/space.py), each group represented by the mean of its modalities' embeddings there;
+  pairs (ushash/hashing/methods/space.py), each group represented by the mean of its modalities' embeddings there;
   all modalities of a group share its centre, which is what aligns them.
 - ``classes: groups``: one centre per training group (instance-level centres). Measured on the synthetic
   data it generalises poorly (near-identical items are pushed to unrelated centres); kept for comparison.

@@ -1,6 +1,6 @@
 """US-HASH itself: cross-modal InfoNCE on relaxed codes and on the continuous embeddings, similarity
 distillation from the closed-form shared space it starts from, with quantization, bit balance, decorrelation
-and a near-orthogonal-prototypes regulariser (ushash/heads.py, ushash/losses.py, ushash/module.py).
+and a near-orthogonal-prototypes regulariser (ushash/hashing/heads.py, ushash/hashing/losses.py, ushash/hashing/module.py).
 Its loss weights are `model.loss.*` (configs/model/ushash.yaml), hyper-parameters `w_*` of the module.
 
 `closed_form_start` makes the initialisation: the shared space chosen on val (`choose_space`, the one the
