@@ -13,10 +13,10 @@ from ushash.data.datasets import load_rows
 from ushash.data.datasets import coco
 from ushash.encoders import build_encoder
 from ushash.evaluation.evaluate import run_eval
-from ushash.data.store import open_split, store_path
+
 from ushash.core.index import HammingIndex
 from ushash.hashing.module import load_checkpoint
-from ushash.data.extract import extract, run_extract
+from ushash.data.extract import extract, run_extract, stored_split
 from ushash.hashing.training import run_train
 
 # The fixture: 40 COCO images. Karpathy splits: 1-12 train (train2014), 13 restval, 14-25 val, 26-39 test
@@ -226,8 +226,8 @@ def test_coco_hashing_extract_train_eval(root, tmp_path):
     module = load_checkpoint(out["last"])
     prov = module.hparams.provenance
     enc = build_encoder(prov["encoder"]["config"])
-    feats = prov["features_dir"]
-    query = open_split(store_path(feats, "coco_hashing", "test", enc.name, enc.fingerprint))
+    feats = tmp_path / prov["features_dir"]  # recorded relative to the project root
+    query = stored_split(prov, "test", feats)
     db = extract(coco.hashing_rows("database", root, n_query=13, n_train=10, n_val=13), enc, feats,
                  "coco_hashing", "database", num_workers=0, progress=False)
     code = module.code_method()

@@ -156,7 +156,8 @@ def test_concurrent_extractions_of_one_store_take_turns(tmp_path):
     import threading
     rows = _rows(tmp_path, n=4, corrupt=())
     enc = CountingEncoder()
-    out = features.store_path(tmp_path / "feat", "toy", "train", enc.name, enc.fingerprint)
+    out = features.identity_path(tmp_path / "feat", features.store_identity(
+        "toy", "train", features.encoder_meta(enc), features.rows_fingerprint(rows)))
     result = {}
     with exclusive(out.with_name(out.name + ".lock")):
         t = threading.Thread(target=lambda: result.setdefault(
@@ -239,18 +240,20 @@ def test_check_bad_rows_summarises_by_reason_and_writes_the_report(tmp_path):
 
 def test_store_identity_names_the_folder_and_fills_meta(tmp_path):
     enc = CountingEncoder()
-    identity = features.store_identity("toy", "train", features.encoder_meta(enc, {"name": "counting", "k": 1}))
+    rows = _rows(tmp_path, n=3, corrupt=())
+    fp = features.rows_fingerprint(rows)
+    identity = features.store_identity("toy", "train", features.encoder_meta(enc, {"name": "counting", "k": 1}), fp)
     assert identity == {"dataset": "toy", "split": "train", "encoder": {
-        "name": "counting", "fingerprint": "abc123", "config": {"name": "counting", "k": 1}}}
+        "name": "counting", "fingerprint": "abc123", "config": {"name": "counting", "k": 1}}, "rows_fingerprint": fp}
     out = features.identity_path(tmp_path, identity)
-    assert out == features.store_path(tmp_path, "toy", "train", "counting", "abc123")
-    split = extract(_rows(tmp_path, n=3, corrupt=()), enc, tmp_path, "toy", "train",
+    assert out == tmp_path / "toy" / "train" / f"counting-abc123-r{fp}"
+    split = extract(rows, enc, tmp_path, "toy", "train",
                     encoder_cfg={"name": "counting", "k": 1}, num_workers=0, progress=False)
     assert split.path == out
-    keys = ["store_version", "ushash_version", "dataset", "split", "encoder", "modalities", "created"]
+    keys = ["store_version", "ushash_version", "dataset", "split", "encoder", "rows_fingerprint", "modalities", "created"]
     assert list(split.meta) == keys and {k: split.meta[k] for k in identity} == identity
     written = features.write_split(tmp_path / "w", "toy", "train", {"text": {"x": np.ones((1, 2)), "ids": ["a"],
-                                                                            "groups": ["g"]}}, identity["encoder"])
+                                                                            "groups": ["g"]}}, identity["encoder"], rows=fp)
     assert list(written.meta) == keys and {k: written.meta[k] for k in identity} == identity
 
 

@@ -158,7 +158,8 @@ def test_relative_manifest_path_is_taken_from_the_repo_root(tmp_path, monkeypatc
 def test_config_file_matches_the_recipe(tmp_path):
     yaml = pytest.importorskip("yaml")
     cfg = yaml.safe_load((REPO_ROOT / "configs/data/manifest.yaml").read_text())
-    assert cfg["name"] == "manifest" and cfg["path"] == "???"
-    assert set(cfg) - {"name"} == set(config_keys("manifest"))
+    assert cfg["name"] == cfg["recipe"] == "manifest" and cfg["path"] == "???"
+    assert set(cfg) - {"name", "recipe"} == set(config_keys("manifest"))
     cfg["path"] = str(write_jsonl(tmp_path / "m.jsonl", RECORDS))
+    cfg.pop("recipe")
     assert load_rows(split="train", **cfg)

@@ -37,7 +37,8 @@ from ushash.data import media
 from ushash.data.datasets import load_rows
 from ushash.data.rows import Row, check_unique
 from ushash.data.store import (FeatureSplit, FeatureStoreError, encoder_meta, finish, identity_path, open_split,
-                               partial_path, store_identity, store_lock, write_json, write_meta, write_rows)
+                               partial_path, rows_fingerprint, store_identity, store_lock, write_json, write_meta,
+                               write_rows)
 from ushash.encoders import build_encoder
 
 log = logging.getLogger(__name__)
@@ -77,9 +78,10 @@ def run_extract(cfg: DictConfig, splits: list[str] | None = None, encoder=None) 
         encoder = build_encoder(enc_cfg).to(resolve_device(cfg.extract.device))
     data = to_dict(cfg.data)
     name = data.pop("name")
+    recipe = data.pop("recipe", None) or name  # a manifest names itself (data.name=mine), the recipe stays
     out = {}
     for split in splits or list(cfg.extract.splits):
-        rows = load_rows(name, split, **data)
+        rows = load_rows(recipe, split, **data)
         if shards.wanted(cfg.extract, rows):  # extract.shards / strategy / devices, or rows read as a stream
             out[split] = shards.extract_sharded(rows, encoder, cfg.paths.features_dir, dataset=name, split=split,
                                                 encoder_cfg=enc_cfg, **shards.options(cfg.extract))
@@ -91,7 +93,80 @@ def run_extract(cfg: DictConfig, splits: list[str] | None = None, encoder=None) 
         rep = out[split].report
         counts = ", ".join(f"{m} {v.get('ok', 0)}/{v['rows']}" for m, v in rep["modalities"].items())
         log.info("%s/%s: %s ok; %d failed -> %s", name, split, counts, len(rep["failed"]), out[split].path)
+        for line in failure_summary(rep["failed"]):
+            log.warning("%s/%s: %s", name, split, line)
     return out
+
+
+def stored_split(provenance: dict, split: str, features_dir: str | Path) -> FeatureSplit:
+    """The feature store of `split` for what a checkpoint was trained on (its provenance: dataset, data
+    settings, encoder), under `features_dir`.
+
+    The rows are made again from the dataset settings the checkpoint records, so the store found is the one
+    of exactly those rows (`rows_fingerprint`): never a store of another manifest or another split seed.
+    Where the recipe cannot run here (synthetic data, media not on this machine) the one store of that
+    dataset, split and encoder is used, and several are refused."""
+    enc = provenance["encoder"]
+    dataset = provenance["dataset"]
+    data = dict(provenance.get("data") or {})
+    recipe = data.pop("recipe", None) or data.pop("name", None) or dataset
+    data.pop("name", None)
+    base = store_identity(dataset, split, {"name": enc["name"], "fingerprint": enc["fingerprint"]})
+    from ushash.data.datasets import DATASETS
+    if recipe in DATASETS:
+        try:
+            rows = load_rows(recipe, split, **data)
+        except (FileNotFoundError, ValueError, TypeError) as e:
+            log.warning("cannot list the rows of %s/%s here (%s); using the one stored split of that name", dataset,
+                        split, e)
+        else:
+            path = identity_path(features_dir, {**base, "rows_fingerprint": rows_fingerprint(rows)})
+            if not (path / "meta.json").exists():
+                sets = " ".join(f"data.{k}={v}" for k, v in data.items() if v is not None and not isinstance(v, (dict, list)))
+                raise FeatureStoreError(
+                    f"no feature store of {dataset}/{split} for the rows this checkpoint's data settings give, at {path}; "
+                    f"extract it: python -m ushash.extract data={recipe} data.name={dataset} {sets} "
+                    f"encoder={enc['name']} extract.splits=[{split}]")
+            return open_split(path)
+    folder = identity_path(features_dir, base)
+    found = sorted(p for p in folder.parent.glob(folder.name + "*")
+                   if (p / "meta.json").exists() and (p.name == folder.name or p.name.startswith(folder.name + "-r")))
+    if len(found) != 1:
+        raise FeatureStoreError(
+            f"{'no' if not found else len(found)} feature store(s) of {dataset}/{split} with encoder {enc['name']} "
+            f"({enc['fingerprint']}) under {folder.parent}" + (f": {[p.name for p in found]}; pass the folder with "
+                                                               "features_dir= or remove the others" if found else ""))
+    return open_split(found[0])
+
+
+def resolve_features_dir(provenance: dict, cfg) -> Path:
+    """Where a checkpoint's (or an export's) feature stores are: `cfg.features_dir` when set, else the folder
+    it recorded, relative to this project's root `cfg.paths.root` (a checkpoint copied to another clone uses
+    that clone's stores)."""
+    if cfg.get("features_dir"):
+        return Path(cfg.features_dir)
+    rec = Path(str(provenance.get("features_dir") or "data/features"))
+    return rec if rec.is_absolute() else Path(cfg.paths.root) / rec
+
+
+def relative_to_root(path: str | Path, root: str | Path) -> str:
+    """`path` relative to the project root when it lies inside it (what checkpoints record), else absolute."""
+    path, root = Path(path).resolve(), Path(root).resolve()
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def failure_summary(failed: list[dict], examples: int = 2) -> list[str]:
+    """One line per failure reason (its count and the first sources), for the console; report.json has all."""
+    by: dict[tuple, list[dict]] = {}
+    for f in failed:
+        by.setdefault((f.get("modality", ""), f.get("code", "unknown")), []).append(f)
+    return [f"{len(fs)} {modality} rows failed ({REASONS.get(code, code)}), e.g. "
+            + "; ".join(f"{str(f.get('source', f.get('id', '?')))[:100]}: {str(f.get('reason', ''))[:160]}"
+                        for f in fs[:examples])
+            for (modality, code), fs in sorted(by.items(), key=lambda kv: -len(kv[1]))]
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces
@@ -178,7 +253,7 @@ def extract(rows: list[Row], encoder, root: str | Path, dataset: str, split: str
             batch_size: int = 64, num_workers: int = 2, progress: bool = True, max_bad_frac: float = 0.5,
             overwrite: bool = False, flush_every: int = 20) -> FeatureSplit:
     """Extract features for `rows` once; a finished store is reused, an unfinished one resumed."""
-    identity = store_identity(dataset, split, encoder_meta(encoder, encoder_cfg))
+    identity = store_identity(dataset, split, encoder_meta(encoder, encoder_cfg), rows_fingerprint(rows))
     out = identity_path(root, identity)
     if out.exists() and not overwrite:
         return open_split(out)
@@ -205,19 +280,12 @@ class _Decode(Dataset):
         return (i, *prepare(self.encoder, row.modality, row.source))
 
 
-def _rows_digest(rows: list[Row]) -> str:
-    h = hashlib.sha256()
-    for r in rows:
-        h.update(f"{r.id}\0{r.group}\0{r.source}\n".encode())
-    return h.hexdigest()[:16]
-
-
 def _extract_modality(rows: list[Row], encoder, work: Path, modality: str, batch_size: int,
                       num_workers: int, progress: bool, flush_every: int) -> dict:
     """Fill `work/<m>.full.npy` row by row (resumable). Returns the progress record."""
     dim = encoder.dims[modality]
     prog_file, arr_file = work / f"{modality}.progress.json", work / f"{modality}.full.npy"
-    digest = _rows_digest(rows)
+    digest = rows_fingerprint(rows)
     prog = json.loads(prog_file.read_text(encoding="utf-8")) if prog_file.exists() else None
     if prog is not None and (prog["rows_digest"] != digest or not arr_file.exists()):
         warnings.warn(f"{work}: the {modality} rows changed since the interrupted run; starting this modality over")

@@ -52,7 +52,7 @@ from ushash.data.extract import (check_bad_rows, collate_list, decode_workers, e
                                  failure_of, failure_records, modality_counts, prepare, skipped)
 from ushash.data.rows import Row, check_unique
 from ushash.data.store import (FeatureSplit, FeatureStoreError, encoder_meta, identity_path, open_split,
-                               partial_path, store_identity, store_lock, write_split)
+                               partial_path, rows_fingerprint, store_identity, store_lock, write_split)
 
 SHARD_ROWS = 10_000  # rows per hash shard when the shard count is automatic
 HF_CHUNK = 10_000    # indices of a Hugging Face dataset per stream unit
@@ -132,7 +132,8 @@ class Plan:
         self.enc_modalities, self.dims = tuple(encoder.modalities), dict(encoder.dims)
         self.batch_size, self.num_workers, self.progress = batch_size, num_workers, progress
         self.max_bad_frac = max_bad_frac
-        self.out = identity_path(root, store_identity(dataset, split, self.encoder_meta))
+        self.rows_fingerprint = rows_fingerprint(rows)
+        self.out = identity_path(root, store_identity(dataset, split, self.encoder_meta, self.rows_fingerprint))
         self.work = self.out.with_name(self.out.name + ".shards")
         self.rows = {m: [r for r in rows if r.modality == m] for m in ushash.MODALITIES}
         self.rows = {m: rs for m, rs in self.rows.items() if rs}
@@ -169,7 +170,7 @@ class Plan:
 
     # -- paths and state ---------------------------------------------------------------------
     def unit_store(self, u: Unit) -> Path:
-        return identity_path(self.work, store_identity(u.name, self.split, self.encoder_meta))
+        return identity_path(self.work, store_identity(u.name, self.split, self.encoder_meta, rows_fingerprint(u.rows)))
 
     def done(self, u: Unit) -> bool:
         return (self.unit_store(u) / "meta.json").exists()
@@ -316,7 +317,8 @@ class Plan:
             ok_rows = [mrows[i] for i in ok]
             tables[m] = {"x": x, "ids": [r.id for r in ok_rows], "groups": [r.group for r in ok_rows],
                          "labels": [r.labels for r in ok_rows]}
-        split = write_split(self.out, self.dataset, self.split, tables, self.encoder_meta, report)
+        split = write_split(self.out, self.dataset, self.split, tables, self.encoder_meta, report,
+                            rows=self.rows_fingerprint)
         del tables
         shutil.rmtree(self.work, ignore_errors=True)
         return split

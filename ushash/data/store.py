@@ -17,6 +17,7 @@ identity: dataset, split, encoder) is said once, by `store_identity`; meta.json 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -43,19 +44,49 @@ def encoder_meta(encoder, config: dict | None = None) -> dict:
     return {"name": encoder.name, "fingerprint": encoder.fingerprint, "config": config or {}}
 
 
-def store_identity(dataset: str, split: str, encoder: dict) -> dict:
-    """What a store holds the features of: `dataset`'s `split` through `encoder` (an `encoder_meta` record).
+def rows_fingerprint(rows) -> str:
+    """16 hex digits over every row's modality, id, group, labels and source, in order: a caption by its
+    text, a file by its path and size (a member of a container, `tar:...#m` or `hf:...#m`, by the
+    container's path and size). Another manifest, another split seed or fraction, an edited caption or a
+    replaced image give another fingerprint, so a feature store is never reused for other rows."""
+    h = hashlib.sha256()
+    sizes: dict[str, object] = {}
+    for r in rows:
+        h.update(f"{r.modality}\0{r.id}\0{r.group}\0{'|'.join(r.labels)}\0".encode("utf-8", "surrogatepass"))
+        h.update(_source_key(r, sizes).encode("utf-8", "surrogatepass") + b"\n")
+    return h.hexdigest()[:16]
+
+
+def _source_key(row, sizes: dict) -> str:
+    if row.modality == "text":
+        return "text:" + str(row.source)
+    src = str(row.source)
+    path = src.split("#", 1)[0].split(":", 1)[1] if src.startswith(("tar:", "hf:")) and "#" in src else src
+    if path not in sizes:
+        try:
+            sizes[path] = os.stat(path).st_size
+        except OSError:
+            sizes[path] = "missing"
+    return f"{src}\0{sizes[path]}"
+
+
+def store_identity(dataset: str, split: str, encoder: dict, rows: str | None = None) -> dict:
+    """What a store holds the features of: `dataset`'s `split` through `encoder` (an `encoder_meta` record),
+    from the rows with fingerprint `rows` (`rows_fingerprint`; None for stores whose dataset name already says
+    what made them, as the synthetic ones do).
 
     meta.json records it and `identity_path` names the store's folder from it: whatever must make a
     different store belongs here, and only here.
     """
-    return {"dataset": dataset, "split": split, "encoder": encoder}
+    return {"dataset": dataset, "split": split, "encoder": encoder, "rows_fingerprint": rows}
 
 
 def identity_path(root: str | Path, identity: dict) -> Path:
-    """The folder of the store with this identity under `root`."""
+    """The folder of the store with this identity under `root`: <dataset>/<split>/<encoder>-<weights>[-r<rows>]."""
     enc = identity["encoder"]
-    return store_path(root, identity["dataset"], identity["split"], enc["name"], enc["fingerprint"])
+    path = store_path(root, identity["dataset"], identity["split"], enc["name"], enc["fingerprint"])
+    rows = identity.get("rows_fingerprint")
+    return path.with_name(f"{path.name}-r{rows}") if rows else path
 
 
 def store_path(root: str | Path, dataset: str, split: str, encoder_name: str, fingerprint: str) -> Path:
@@ -166,11 +197,11 @@ def finish(work: Path, out: Path) -> FeatureSplit:
 
 
 def write_split(out: str | Path, dataset: str, split: str, tables: dict[str, dict], encoder: dict,
-                report: dict | None = None) -> FeatureSplit:
+                report: dict | None = None, rows: str | None = None) -> FeatureSplit:
     """Write a finished store from in-memory arrays (synthetic data, merged shards), atomically.
 
     tables: modality -> {"x": float32 [N, D], "ids": [N], "groups": [N], "labels": [N] of tuples (optional)}
-    encoder: {"name", "fingerprint", "config"} (`encoder_meta`)
+    encoder: {"name", "fingerprint", "config"} (`encoder_meta`); rows: the rows' fingerprint (`store_identity`)
     """
     out = Path(out)
     work = partial_path(out)
@@ -192,5 +223,5 @@ def write_split(out: str | Path, dataset: str, split: str, tables: dict[str, dic
     write_json(work / "report.json", report or {"dataset": dataset, "split": split, "failed": [],
                                                 "modalities": {m: {"rows": v["count"], "ok": v["count"], "failed": 0}
                                                                for m, v in meta_mods.items()}})
-    write_meta(work, store_identity(dataset, split, encoder), meta_mods)
+    write_meta(work, store_identity(dataset, split, encoder, rows), meta_mods)
     return finish(work, out)

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from ushash.evaluation import report, retrieval
 from ushash.core.io import atomic_write, write_json
-from ushash.data.store import open_split, store_path
+from ushash.data.extract import resolve_features_dir, stored_split
 from ushash.hashing.methods.space import JOINT_SPACE_ENCODERS  # image/text (or audio/text) in one space already
 from ushash.hashing.module import load_checkpoint
 
@@ -36,11 +36,10 @@ def run_eval(cfg: DictConfig, module=None) -> dict:
     module = module or load_checkpoint(cfg.ckpt)
     prov = module.hparams.provenance or {}
     enc = prov["encoder"]
-    features_dir = cfg.features_dir or prov["features_dir"]
-    split = open_split(store_path(features_dir, prov["dataset"], cfg.split, enc["name"], enc["fingerprint"]))
+    features_dir = resolve_features_dir(prov, cfg)
+    split = stored_split(prov, cfg.split, features_dir)
     db_name = cfg.get("database")
-    database = (open_split(store_path(features_dir, prov["dataset"], db_name, enc["name"], enc["fingerprint"]))
-                if db_name and db_name != cfg.split else None)
+    database = stored_split(prov, db_name, features_dir) if db_name and db_name != cfg.split else None
     rows = retrieval.evaluate(split, methods_for(module, enc["name"]), k=int(cfg.k), database=database,
                               protocols=tuple(cfg.protocols), denominator=str(cfg.denominator))
     run = prov.get("run_name", Path(str(cfg.ckpt)).parent.name)

@@ -22,7 +22,7 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from ushash.config import CONFIG_DIR, to_dict
 from ushash.hashing.datamodule import FeatureDataModule
-from ushash.data.extract import run_extract
+from ushash.data.extract import relative_to_root, run_extract
 from ushash.hashing.module import USHashModule
 
 log = logging.getLogger(__name__)
@@ -131,10 +131,15 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     if cfg.model.init == "gcca":
         from ushash.hashing.methods.ushash import closed_form_start
         space, prototypes = closed_form_start(train, val, int(cfg.bits), int(cfg.seed), space_settings(cfg))
+    # what the head was trained on: the store folder relative to the project (a copied checkpoint resolves it in
+    # the clone it is used in), the rows' fingerprints, and the data settings that made them (when they did)
+    data_cfg = to_dict(cfg.data)
+    made_here = data_cfg.get("name") == train.meta["dataset"]
     provenance = {"dataset": train.meta["dataset"], "encoder": train.meta["encoder"],
-                  "features_dir": str(Path(train.path).parent.parent.parent), "run_name": str(cfg.run_name),
-                  "seed": int(cfg.seed), "data": to_dict(cfg.data), "method": method_config(cfg),
-                  "space": _space_record(space)}
+                  "features_dir": relative_to_root(Path(train.path).parents[2], cfg.paths.root),
+                  "stores": {sp: s.meta.get("rows_fingerprint") for sp, s in (("train", train), ("val", val))},
+                  "run_name": str(cfg.run_name), "seed": int(cfg.seed), "data": data_cfg if made_here else None,
+                  "method": method_config(cfg), "space": _space_record(space)}
     dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
     dm.setup("fit")
     n_groups = len(dm.train_set.groups)  # the batcher's vocabulary (ushash.core.groups): the one count

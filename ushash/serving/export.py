@@ -157,14 +157,12 @@ def _calibration_samples(module, cfg: DictConfig, codec: PayloadCodec) -> dict:
     need = [m for m, f in codec.formats.items() if f.uses_channel_scales]
     if not need:
         return {}
-    from ushash.data.store import open_split, store_path
+    from ushash.data.extract import resolve_features_dir, stored_split
     prov = module.hparams.provenance or {}
-    enc = prov.get("encoder") or {}
-    features_dir = cfg.features_dir or prov.get("features_dir")
-    if not features_dir or not prov.get("dataset"):
+    if not prov.get("dataset") or not prov.get("encoder"):
         raise ValueError(f"payload formats of {need} use channel scales, calibrated on the training split, but "
-                         f"the checkpoint does not say where its features are; set features_dir=...")
-    split = open_split(store_path(features_dir, prov["dataset"], cfg.calibration.split, enc["name"], enc["fingerprint"]))
+                         f"the checkpoint does not say what it was trained on; set features_dir=...")
+    split = stored_split(prov, cfg.calibration.split, resolve_features_dir(prov, cfg))
     out = {}
     for m in need:
         x = np.asarray(split.tables[m].x[: int(cfg.calibration.max_rows)])
@@ -188,7 +186,11 @@ def run_export(cfg: DictConfig, module=None) -> dict:
     if not out.is_absolute():
         out = Path(cfg.paths.root) / out  # relative paths hang off the repository, like the rest of ushash
     # provenance without machine paths: the export travels to other machines
-    source = {"dataset": prov.get("dataset"), "run_name": run, "checkpoint": Path(str(cfg.ckpt)).name,
+    data = {k: v for k, v in (prov.get("data") or {}).items()
+            if not (isinstance(v, str) and os.path.isabs(v))} if prov.get("data") else None  # no machine paths
+    source = {"dataset": prov.get("dataset"), "data": data, "encoder": prov.get("encoder"),
+              "features_dir": prov.get("features_dir") if not os.path.isabs(str(prov.get("features_dir") or "")) else None,
+              "stores": prov.get("stores"), "run_name": run, "checkpoint": Path(str(cfg.ckpt)).name,
               "seed": prov.get("seed"), "calibration_split": cfg.calibration.split if samples else None}
     write_export(model, out, prov.get("encoder") or {}, codec, source=source, overwrite=bool(cfg.overwrite))
     head = artifact.load_export(out)  # read back through the serving loader before declaring success

@@ -148,7 +148,7 @@ def build_pool(cfg, head) -> tuple[Pool, str]:
         encoder = QueryEncoder(head).encoder()
         return pool_from_media(rows, encoder, n_variants=int(v.perturb), jpeg_quality=int(v.jpeg_quality),
                                crop_frac=float(v.crop_frac), snr_db=float(v.snr_db), seed=int(cfg.stream.seed)), dataset
-    from ushash.data.store import open_split, store_path
-    fdir = cfg.get("features_dir") or src.get("features_dir") or cfg.paths.features_dir
-    split = open_split(store_path(fdir, dataset, str(cfg.split), head.encoder.name, head.encoder.fingerprint))
+    from ushash.data.extract import resolve_features_dir, stored_split
+    prov = {**src, "dataset": dataset, "encoder": {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint}}
+    split = stored_split(prov, str(cfg.split), resolve_features_dir(prov, cfg))
     return pool_from_split(split, perturb=int(v.perturb), noise=float(v.noise), seed=int(cfg.stream.seed)), dataset

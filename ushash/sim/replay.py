@@ -114,10 +114,8 @@ def open_head(cfg: DictConfig) -> Iterator:
     prov = module.hparams.provenance or {}
     with tempfile.TemporaryDirectory(prefix="ushash-cachesim-") as tmp:
         path = write_export(module.model.eval(), Path(tmp) / "export", prov.get("encoder") or {},
-                            source={"dataset": prov.get("dataset")})
-        head = load_export(path)
-        head.manifest.setdefault("source", {})["features_dir"] = prov.get("features_dir")
-        yield head
+                            source={k: prov.get(k) for k in ("dataset", "data", "encoder", "features_dir", "stores")})
+        yield load_export(path)
 
 
 def run_cachesim(cfg: DictConfig, head=None, pool: Pool | None = None) -> dict:
