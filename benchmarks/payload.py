@@ -85,7 +85,7 @@ def _synthetic_checkpoint(work: Path) -> str:
     splits = synthetic.write_synthetic(work / "data" / "features", sizes={"train": 3000, "val": 300, "test": 1000},
                                        n_classes=20, dims={"image": 64, "text": 48, "audio": 32}, noise=0.6)
     cfg = compose("config", [f"paths.root={work}", "trainer.accelerator=cpu", "trainer.max_epochs=12", "bits=64",
-                             "model.batch_size=256", "+trainer.enable_progress_bar=false", "seed=0"])
+                             "model.batch_size=256", "trainer.enable_progress_bar=false", "seed=0"])
     return run_train(cfg, splits=splits)["best"]
 
 

@@ -146,7 +146,7 @@ def test_trained_head_beats_exact_keys_without_false_hits(tmp_path):
     splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 600, "val": 100, "test": 200},
                                        n_classes=200, dims=DIMS, aligned=True, noise=0.5)
     cfg = compose("config", [f"paths.root={tmp_path}", "trainer.accelerator=cpu", "trainer.max_epochs=6",
-                             "model.batch_size=128", "bits=64", "+trainer.enable_progress_bar=false", "data.name=synthetic"])
+                             "model.batch_size=128", "bits=64", "trainer.enable_progress_bar=false", "data.name=synthetic"])
     best = run_train(cfg, splits=splits)["best"]
     run_export(compose("export", [f"paths.root={tmp_path}", f"ckpt={best}", f"out={tmp_path / 'export'}"]))
     scfg = compose("cachesim", [f"paths.root={tmp_path}", f"export={tmp_path / 'export'}",

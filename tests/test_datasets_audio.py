@@ -105,7 +105,7 @@ def run_all(tmp_path, data, *overrides):
     cfg = compose("config", [f"paths.root={tmp_path}", f"data={data}", "encoder=tiny", "encoder.modalities=[text,audio]",
                              "extract.num_workers=0", "extract.progress=false", "trainer.accelerator=cpu",
                              "trainer.max_epochs=2", "bits=16", "model.dim=16", "model.hidden=32",
-                             "model.batch_size=8", "+trainer.enable_progress_bar=false", *overrides])
+                             "model.batch_size=8", "trainer.enable_progress_bar=false", *overrides])
     splits = run_extract(cfg)
     out = run_train(cfg, splits={"train": splits["train"], "val": splits["val"]})
     res = run_eval(compose("eval", [f"paths.root={tmp_path}", f"ckpt={out['last']}"]))

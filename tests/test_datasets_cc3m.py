@@ -113,7 +113,7 @@ def test_extract_train_eval(root, tmp_path):
                              "encoder=tiny", "encoder.modalities=[image,text]", "extract.num_workers=0",
                              "extract.progress=false", "trainer.accelerator=cpu", "trainer.max_epochs=2", "bits=16",
                              "model.dim=16", "model.hidden=32", "model.batch_size=8",
-                             "+trainer.enable_progress_bar=false"])
+                             "trainer.enable_progress_bar=false"])
     splits = run_extract(cfg)
     test, train, val = splits["test"], splits["train"], splits["val"]
     assert test.report["modalities"] == {"image": {"rows": 13, "ok": 12, "failed": 1},

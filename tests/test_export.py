@@ -29,7 +29,7 @@ def trained(tmp_path_factory):
                                        n_classes=5, dims=DIMS)
     # an MLP head (init=random, 2 layers): the export carries every op the serving forward knows
     cfg = compose("config", [f"paths.root={root}", "trainer.accelerator=cpu", "trainer.max_epochs=2", "bits=32",
-                             "model.batch_size=128", "+trainer.enable_progress_bar=false", "model.init=random",
+                             "model.batch_size=128", "trainer.enable_progress_bar=false", "model.init=random",
                              "model.layers=2"])
     out = run_train(cfg, splits=splits)
     from ushash.serving.export import run_export

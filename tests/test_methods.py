@@ -240,7 +240,7 @@ def test_ushash_beats_itq_on_synthetic(bits, protocol, unaligned, tmp_path):
     from ushash.hashing.module import load_checkpoint
     from ushash.hashing.training import run_train
     cfg = compose("config", [f"paths.root={tmp_path}", "trainer.accelerator=cpu", "trainer.max_epochs=12",
-                             "model.batch_size=128", f"bits={bits}", "+trainer.enable_progress_bar=false"])
+                             "model.batch_size=128", f"bits={bits}", "trainer.enable_progress_bar=false"])
     module = load_checkpoint(run_train(cfg, splits=unaligned)["best"])
     test = unaligned["test"]
 

@@ -27,7 +27,7 @@ def data(tmp_path_factory):
 
 def _cfg(root, *extra):
     return compose("config", [f"paths.root={root}", "trainer.accelerator=cpu", "trainer.max_epochs=12",
-                              "+trainer.enable_progress_bar=false", "bits=32", *extra])
+                              "trainer.enable_progress_bar=false", "bits=32", *extra])
 
 
 def _test_score(module, split):
@@ -124,7 +124,7 @@ def test_train_and_sweep_give_the_same_model_for_a_seed(tmp_path):
     manifest = media / "m.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in recs))
     common = [f"paths.root={tmp_path}", "data=manifest", f"data.path={manifest}", "encoder=tiny", "encoder.audio_seconds=1.0",
-              "trainer.accelerator=cpu", "trainer.max_epochs=3", "+trainer.enable_progress_bar=false", "bits=16",
+              "trainer.accelerator=cpu", "trainer.max_epochs=3", "trainer.enable_progress_bar=false", "bits=16",
               "extract.num_workers=0", "extract.progress=false"]
     a = run_train(compose("config", common + ["run_name=direct"]))
     res = sweep.run_one(compose("config", common + ["method=ushash", "+sweep.name=seeded", "seed=0"]))

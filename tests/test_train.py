@@ -14,7 +14,7 @@ from ushash.hashing.training import run_train
 
 def _cfg(tmp_path, *extra):
     return compose("config", [f"paths.root={tmp_path}", "trainer.accelerator=cpu", "trainer.max_epochs=12",
-                              "model.batch_size=128", "bits=32", "+trainer.enable_progress_bar=false", *extra])
+                              "model.batch_size=128", "bits=32", "trainer.enable_progress_bar=false", *extra])
 
 
 def _lsh_method(dim, bits, seed=0):

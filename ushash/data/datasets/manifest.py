@@ -15,7 +15,9 @@ records of a split (an image listed once per caption, COCO style), it becomes on
 record's id. Records with an empty split value, and all records when the manifest has no split column,
 are split by a hash of their group (`val_frac`, `test_frac`, `seed`), so a group never straddles
 splits; a group given explicit splits that disagree is an error. Paths are not checked here: a file
-that is missing or fails to decode is dropped (and counted) at extraction, like any bad row.
+that is missing or fails to decode is dropped (and counted) at extraction, like any bad row. So is an
+empty caption: a `text` that is only whitespace, or `""` in JSONL, is a text row that extraction
+reports as "empty caption" (in CSV an empty cell means the record has no caption).
 
 Give an `id` column if the file will be edited: line-number ids move when lines are inserted, and
 ids key resumable feature extraction.
@@ -143,6 +145,9 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
         values = {m: _text(rec.get(m), path, ln, m) for m in MODALITIES}  # validated in every split
         if s != split:
             continue
+        raw_text = rec.get("text")
+        if values["text"] is None and isinstance(raw_text, str) and (raw_text or FORMATS[path.suffix.lower()] == "jsonl"):
+            values["text"] = ""  # an empty caption: a row, so extraction counts and reports it
         for m, v in values.items():
             if v is None:
                 continue

@@ -1,0 +1,106 @@
+"""A feature store is used only for the rows that made it, and a checkpoint finds its stores wherever the
+project is: another manifest, another split seed or an edited caption never reuse a store, and a checkpoint
+copied to another clone evaluates on that clone's stores."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ushash.config import compose
+from ushash.data.extract import run_extract
+from ushash.data.store import FeatureStoreError
+from ushash.evaluation.evaluate import run_eval
+from ushash.hashing.module import load_checkpoint
+from ushash.hashing.training import run_train
+
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white", "grey", "pink", "brown", "cyan"]
+
+
+def write_manifest(folder, n, caption="a {} square", split_col=True):
+    """n image-caption records with real PNG files; without split_col the recipe hashes groups into splits."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(n):
+        img = folder / f"{i}.png"
+        Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(img)
+        rec = {"id": str(i), "image": img.name, "text": caption.format(COLOURS[i % len(COLOURS)]) + f" {i}"}
+        if split_col:
+            rec["split"] = "train" if i < n - 4 else ("val" if i < n - 2 else "test")
+        lines.append(json.dumps(rec))
+    path = folder / "manifest.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def cfg_for(root, manifest, *overrides):
+    return compose("config", [f"paths.root={root}", "data=manifest", f"data.path={manifest}", "encoder=tiny",
+                              "extract.num_workers=0", "extract.progress=false", "trainer.accelerator=cpu",
+                              "trainer.max_epochs=1", "bits=16", "model.dim=16", "model.hidden=32",
+                              "model.batch_size=4", "trainer.enable_progress_bar=false", *overrides])
+
+
+def test_another_manifest_or_an_edited_caption_makes_another_store(tmp_path):
+    first = run_extract(cfg_for(tmp_path, write_manifest(tmp_path / "m1", 12)), splits=["train"])["train"]
+    other = run_extract(cfg_for(tmp_path, write_manifest(tmp_path / "m2", 8)), splits=["train"])["train"]
+    assert first.path != other.path and first.path.parent == other.path.parent  # same dataset name and split
+    assert len(first.tables["text"]) == 8 and len(other.tables["text"]) == 4
+    edited = run_extract(cfg_for(tmp_path, write_manifest(tmp_path / "m1", 12, caption="one {} box")),
+                         splits=["train"])["train"]
+    assert edited.path not in (first.path, other.path)
+    assert edited.tables["text"].ids == first.tables["text"].ids
+    assert first.meta["rows_fingerprint"] != edited.meta["rows_fingerprint"]
+
+
+def test_another_split_seed_makes_another_store(tmp_path):
+    m = write_manifest(tmp_path / "m", 12, split_col=False)
+    a = run_extract(cfg_for(tmp_path, m, "data.val_frac=0.3", "data.seed=0"), splits=["train"])["train"]
+    b = run_extract(cfg_for(tmp_path, m, "data.val_frac=0.3", "data.seed=5"), splits=["train"])["train"]
+    assert a.path != b.path and a.tables["text"].ids != b.tables["text"].ids
+
+
+def test_a_manifest_carries_its_own_name(tmp_path):
+    split = run_extract(cfg_for(tmp_path, write_manifest(tmp_path / "m", 8), "data.name=mine"),
+                        splits=["train"])["train"]
+    assert split.meta["dataset"] == "mine" and split.path.parts[-3] == "mine"
+
+
+def test_empty_captions_are_counted_and_reported(tmp_path):
+    m = write_manifest(tmp_path / "m", 8)
+    recs = [json.loads(line) for line in m.read_text().splitlines()]
+    recs[0]["text"], recs[1]["text"] = "", "   "
+    m.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rep = run_extract(cfg_for(tmp_path, m), splits=["train"])["train"].report
+    assert rep["modalities"]["text"] == {"rows": 4, "ok": 2, "failed": 2}
+    assert sorted((f["id"], f["reason"]) for f in rep["failed"]) == [("0", "empty caption"), ("1", "empty caption")]
+
+
+def test_eval_refuses_a_store_of_other_rows(tmp_path):
+    m = write_manifest(tmp_path / "m", 12)
+    cfg = cfg_for(tmp_path, m)
+    splits = run_extract(cfg, splits=["train", "val", "test"])
+    out = run_train(cfg, splits={"train": splits["train"], "val": splits["val"]})
+    write_manifest(tmp_path / "m", 12, caption="one {} box")  # the manifest changed after training
+    with pytest.raises(FeatureStoreError, match="no feature store of manifest/test for the rows .* extract it"):
+        run_eval(compose("eval", [f"paths.root={tmp_path}", f"ckpt={out['last']}"]))
+
+
+def test_a_copied_checkpoint_uses_the_stores_of_the_clone_it_is_in(tmp_path):
+    m = write_manifest(tmp_path / "media", 12)
+    a, b = tmp_path / "a", tmp_path / "b"
+    cfg = cfg_for(a, m)
+    splits = run_extract(cfg, splits=["train", "val", "test"])
+    out = run_train(cfg, splits={"train": splits["train"], "val": splits["val"]})
+    prov = load_checkpoint(out["last"]).hparams.provenance
+    assert prov["features_dir"] == "data/features"  # relative to the project root, not this machine's path
+    assert prov["stores"]["train"] == splits["train"].meta["rows_fingerprint"]
+    want = run_eval(compose("eval", [f"paths.root={a}", f"ckpt={out['last']}"]))["rows"]
+    shutil.copytree(a, b)
+    shutil.rmtree(a)  # the old clone is gone: only b's stores can be read
+    ckpt = b / Path(out["last"]).relative_to(a)
+    got = run_eval(compose("eval", [f"paths.root={b}", f"ckpt={ckpt}"]))
+    assert got["rows"] == want and str(b) in got["out"]
