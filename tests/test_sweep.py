@@ -24,7 +24,7 @@ def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, caplog):
     caplog.set_level("INFO", logger="ushash")
     cfg = _cfg(tmp_path, "method=itq", "bits=16", "seed=0")
     res = sweep.run_one(cfg)
-    f = tmp_path / "experiments" / "synthetic" / "runs" / "itq-16b-s0" / "result.json"
+    f = sweep.run_path(tmp_path / "experiments" / "synthetic", "itq-16b-s0", res["digest"]) / "result.json"
     assert f.exists() and res["fitted_on"] == "train" and res["split"] == "test"
     assert {r["protocol"] for r in res["rows"]} == {"paired", "label"}
     assert {r["direction"] for r in res["rows"]} == {"I→T", "T→I", "I→A", "A→I", "T→A", "A→T"}
@@ -36,7 +36,7 @@ def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, caplog):
     assert f.stat().st_mtime_ns == mtime and again["digest"] == res["digest"]
     # a changed setting is a different run: it is redone, not mixed up with the stored one
     changed = sweep.run_one(_cfg(tmp_path, "method=itq", "bits=16", "seed=0", "method.args.common_dim=64"))
-    assert changed["digest"] != res["digest"]
+    assert changed["digest"] != res["digest"] and f.exists()  # in a folder of its own: the first run is kept
 
 
 def test_fitted_baseline_never_sees_the_test_split(tmp_path, monkeypatch):
@@ -79,7 +79,7 @@ def test_trained_run_resumes_from_its_checkpoint(tmp_path, caplog):
     caplog.set_level("INFO", logger="ushash")
     cfg = _cfg(tmp_path, "method=pairwise", "bits=16", "seed=0", "trainer.max_epochs=2")
     first = sweep.run_one(cfg)
-    run_dir = tmp_path / "experiments" / "synthetic" / "runs" / "pairwise-16b-s0"
+    run_dir = sweep.run_path(tmp_path / "experiments" / "synthetic", "pairwise-16b-s0", first["digest"])
     assert (run_dir / "last.ckpt").exists() and first["val_map@10"] is not None
     (run_dir / "result.json").unlink()  # as if the sweep had been killed after training, before evaluation
     second = sweep.run_one(cfg)
@@ -101,7 +101,7 @@ def test_aggregate_tables_and_plots(tmp_path):
     agg = sweep.aggregate(exp, command="python -m ushash.sweep -m experiment=sweep_synthetic", wall_s=1.0)
     assert agg["n_runs"] == 12
     cell = agg["summary"]["lsh"]["32"]["label"]["map@10"]["mean"]
-    seeds = [json.loads((exp / "runs" / f"lsh-32b-s{s}" / "result.json").read_text()) for s in (0, 1)]
+    seeds = [json.loads(next((exp / "runs").glob(f"lsh-32b-s{s}-*/result.json")).read_text()) for s in (0, 1)]
     per_seed = [np.mean([r["map@10"] for r in res["rows"] if r["protocol"] == "label"]) for res in seeds]
     assert cell[0] == pytest.approx(np.mean(per_seed), abs=1e-5)
     assert cell[1] == pytest.approx(np.std(per_seed, ddof=1), abs=1e-5) and cell[2] == 2
@@ -115,8 +115,20 @@ def test_aggregate_tables_and_plots(tmp_path):
         assert (exp / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # re-aggregation reads the runs again and keeps the recorded command
     before = (exp / "results.md").read_text()
+    sweep.run_one(_cfg(tmp_path, "method=lsh", "bits=16", "seed=0", "sweep.synthetic.noise=0.9"))  # another run
     sweep.run_sweep(_cfg(tmp_path, "sweep.aggregate_only=true"))
-    assert (exp / "results.md").read_text() == before
+    assert (exp / "results.md").read_text() == before  # the recorded grid, not every stored run
+    (exp / "results.json").unlink()
+    with pytest.raises(ValueError, match="different settings"):  # two lsh-16b-s0 runs: which grid is meant?
+        sweep.aggregate(exp)
+
+
+def test_variant_overrides_and_their_folder(tmp_path):
+    task = ["experiment=sweep_tuxpaint64", "paths.root=/x", "sweep.threads=1", "method=ushash,itq", "seed=0"]
+    assert sweep.variant_overrides(task) == ["method=ushash,itq", "seed=0"]
+    assert sweep.variant_overrides(task[:3]) == []
+    d = sweep.variant_dir(tmp_path, ["method=ushash,itq", "seed=0"])
+    assert d.parent == tmp_path / "variants" and d.name.startswith("method=ushash,itq_seed=0-")
 
 
 @pytest.mark.slow
@@ -125,12 +137,16 @@ def test_hydra_multirun_sweep_and_resume(tmp_path):
     finished run is skipped."""
     cmd = [sys.executable, "-m", "ushash.sweep", "-m", "experiment=sweep_synthetic", f"paths.root={tmp_path}",
            *SMALL, "method=lsh,itq,pairwise", "bits=16,32", "seed=0,1", "trainer.max_epochs=2"]
+    committed = tmp_path / "experiments" / "synthetic" / "results.md"
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     exp = tmp_path / "experiments" / "synthetic"
-    agg = json.loads((exp / "results.json").read_text())
+    assert not committed.exists()  # a sub-grid with its own overrides: aggregated among the variants
+    variant, = (exp / "variants").iterdir()
+    agg = json.loads((variant / "results.json").read_text())
     assert agg["n_runs"] == 12 and agg["sweep_wall_s"] > 0
+    assert "sweep: 12/12 runs done" in out.stderr + out.stdout
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("done already") == 12

@@ -7,11 +7,14 @@
 Every run (one method, one code length, one seed) is `run_one(cfg)`: it opens the feature store (extracting it
 if needed, or writing the synthetic one), fits a no-training method on the training split or trains a method
 with the one Lightning loop (checkpoint chosen on the validation split), and evaluates on the test split with
-`ushash.evaluation.retrieval` / `ushash.eval`. It writes `experiments/<name>/runs/<method>-<bits>b-s<seed>/result.json`;
-a run whose result exists with the same settings is skipped, so an interrupted sweep resumes (a trained run
-cut mid-training resumes from its last.ckpt). At the end of a multirun (a Hydra callback) or after a single
-run, `aggregate(exp_dir)` reads every result and writes `results.json`, `results.md` and the plots; it runs
-on its own too, so a finished sweep is re-aggregated without re-running anything.
+`ushash.evaluation.retrieval` / `ushash.eval`. It writes
+`experiments/<name>/runs/<method>-<bits>b-s<seed>-<settings digest>/result.json`; a run whose result exists
+is skipped, so an interrupted sweep resumes (a trained run cut mid-training resumes from its last.ckpt), and
+a run with other settings gets a folder of its own. At the end of a multirun a Hydra callback aggregates
+the runs it launched into `results.json`, `results.md` and the plots: in `experiments/<name>/` when the
+multirun is the experiment's grid as written, else (a sub-grid, another setting) in
+`experiments/<name>/variants/<overrides>-<digest>/`, so the committed tables change only when the full
+experiment is rerun. `sweep.aggregate_only=true` re-aggregates the recorded grid without running anything.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -62,6 +64,11 @@ def exp_dir(cfg: DictConfig) -> Path:
 
 def run_key(method: str, bits: int, seed: int) -> str:
     return f"{method}-{int(bits)}b-s{int(seed)}"
+
+
+def run_path(exp: Path, key: str, dg: str) -> Path:
+    """experiments/<name>/runs/<method>-<bits>b-s<seed>-<digest>: one folder per settings."""
+    return Path(exp) / "runs" / f"{key}-{dg[:8]}"
 
 
 def run_settings(cfg: DictConfig) -> dict:
@@ -113,21 +120,15 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
         torch.set_num_threads(int(s["threads"]))
     spec = methods.get(cfg.method.name)
     key = run_key(spec.name, cfg.bits, cfg.seed)
-    run_dir = exp_dir(cfg) / "runs" / key
     settings = run_settings(cfg)
     dg = digest(settings)
+    run_dir = run_path(exp_dir(cfg), key, dg)  # named by its settings: a variant never replaces another's run
     result_file = run_dir / "result.json"
     if result_file.exists():
         done = json.loads(result_file.read_text())
         if done.get("digest") == dg:
             log.info(f"{key}: done already, skipped ({result_file})")
             return done
-        log.info(f"{key}: settings changed since the stored result; running it again")
-        shutil.rmtree(run_dir)
-    stale = run_dir / "settings.json"
-    if stale.exists() and digest(json.loads(stale.read_text())) != dg:
-        log.info(f"{key}: an unfinished run with other settings is in {run_dir}; starting it over")
-        shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "settings.json", json.loads(json.dumps(settings, default=str)))
     t0 = time.perf_counter()
@@ -155,7 +156,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
         tcfg = cfg.copy()
         with open_dict(tcfg):
             tcfg.paths.checkpoints_dir = str(run_dir.parent)
-            tcfg.run_name = key
+            tcfg.run_name = run_dir.name
         out = run_train(tcfg, splits={"train": train, "val": splits["val"]})
         module = load_checkpoint(out["best"])
         entries = {spec.name: (spec.title, module.code_method())}
@@ -244,17 +245,39 @@ def _mean_curves(results: list[dict], name: str, bits: int, protocol: str) -> di
     return out
 
 
-def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None = None) -> dict:
-    """Read experiments/<name>/runs/*/result.json; write results.json, results.md and the plots."""
+def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None = None,
+              digests: list[str] | None = None, out_dir: str | Path | None = None) -> dict:
+    """Aggregate the runs of one grid from experiments/<name>/runs/*/result.json into results.json, results.md
+    and the plots, written to `out_dir` (default: the experiment's folder).
+
+    The grid is `digests` (the runs a multirun launched); without them, the runs the existing results.json
+    of `out_dir` lists (re-aggregation reproduces the recorded grid); without that, every stored run, refused
+    when two of them are the same (method, bits, seed) with other settings."""
     exp = Path(exp)
+    out_dir = Path(out_dir) if out_dir else exp
+    prev = out_dir / "results.json"
+    old = json.loads(prev.read_text()) if prev.exists() else {}
     results = load_results(exp)
-    not_applicable = [{"key": r["key"], "reason": r["reason"]} for r in results if r.get("status") == "not_applicable"]
+    if digests is None and old.get("runs"):
+        digests = [r["digest"] for r in old["runs"] if r.get("digest")] + [r["digest"] for r in
+                                                                         old.get("not_applicable", []) if r.get("digest")]
+    if digests is not None:
+        want = set(digests)
+        results = [r for r in results if r.get("digest") in want]
+    else:
+        by_key: dict = {}
+        for r in results:
+            by_key.setdefault(r["key"], []).append(r)
+        clash = sorted(k for k, rs in by_key.items() if len(rs) > 1)
+        if clash:
+            raise ValueError(f"{exp / 'runs'} holds runs of {clash[:3]} with different settings; aggregate one grid "
+                             "by running the sweep (python -m ushash.sweep -m experiment=...), which records its runs")
+    not_applicable = [{"key": r["key"], "reason": r["reason"], "digest": r.get("digest")}
+                      for r in results if r.get("status") == "not_applicable"]
     results = [r for r in results if r.get("status") != "not_applicable"]
     if not results:
         raise FileNotFoundError(f"no run results under {exp / 'runs'}; run the sweep first")
-    prev = exp / "results.json"
-    if prev.exists() and (command is None or wall_s is None):
-        old = json.loads(prev.read_text())
+    if command is None or wall_s is None:
         command = command or old.get("command")
         wall_s = wall_s if wall_s is not None else old.get("sweep_wall_s")
     per_seed = _per_seed(results)
@@ -297,11 +320,12 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
                                       for p in protocols} for n in r["entries"]}} for r in results],
         "not_applicable": not_applicable, "summary": summary, "curves": curves,
     }
-    write_json(exp / "results.json", out, compact=True)
-    atomic_write(exp / "results.md", report.markdown(out))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "results.json", out, compact=True)
+    atomic_write(out_dir / "results.md", report.markdown(out))
     from ushash.evaluation import plots
-    pngs = plots.plot_all(out, exp)
-    log.info(f"aggregated {len(results)} runs -> {exp / 'results.json'}, results.md, {len(pngs)} plots")
+    pngs = plots.plot_all(out, out_dir)
+    log.info(f"aggregated {len(results)} runs -> {out_dir / 'results.json'}, results.md, {len(pngs)} plots")
     return out
 
 
@@ -313,15 +337,72 @@ except ImportError:  # pragma: no cover
     Callback = object
 
 
+# overrides that leave the experiment's results as they are: which experiment, where files go, CPU threads
+NEUTRAL_OVERRIDES = ("experiment", "paths.", "sweep.threads", "hydra.", "trainer.enable_progress_bar")
+
+
+def variant_overrides(overrides: list[str]) -> list[str]:
+    """The command-line overrides that make a multirun something else than its experiment's full grid."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(NEUTRAL_OVERRIDES)]
+
+
+def variant_dir(exp: Path, overrides: list[str]) -> Path:
+    """experiments/<name>/variants/<overrides, readable>-<digest>: where a sub-grid or variant is aggregated."""
+    import re
+    slug = re.sub(r"[^A-Za-z0-9.,=_-]+", "_", "_".join(overrides))[:80]
+    return exp / "variants" / f"{slug}-{digest(sorted(overrides))[:8]}"
+
+
+def grid_size(config: DictConfig) -> int | None:
+    """How many jobs a multirun launches (the sweeper's params with the command line's on top)."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        params = {k: str(v) for k, v in (OmegaConf.to_container(config.hydra.sweeper.params) or {}).items()}
+        for o in config.hydra.overrides.task:
+            k, _, v = o.partition("=")
+            params[k.lstrip("+~")] = v
+        parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+        n = 1
+        for o in parsed:
+            if o.is_sweep_override():
+                n *= len(list(o.sweep_string_iterator()))
+        return n
+    except Exception:  # a sweeper with its own search space (Optuna...) has no fixed size
+        return None
+
+
 class AggregateCallback(Callback):
-    """Hydra callback: aggregate a multirun sweep when its last job ends (configs/experiment/sweep_*.yaml)."""
+    """Hydra callback: progress per job, and the aggregation of a multirun when its last job ends
+    (configs/experiment/sweep_*.yaml). The experiment's folder gets the tables and plots only when the
+    multirun is its full grid as written; a sub-grid or a variant (any other override) goes to
+    experiments/<name>/variants/<overrides>-<digest>/, so committed results never change by accident."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self._t0 = time.perf_counter()
+        self._digests: list[str] = []
+        self._n = grid_size(config)
+
+    def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
+        try:
+            self._digests.append(digest(run_settings(config)))
+        except Exception as e:  # a job that failed to compose; Hydra reports it
+            log.debug("no digest for the job: %s", e)
+        if not hasattr(self, "_t0"):
+            return
+        done, wall = len(self._digests), time.perf_counter() - self._t0
+        eta = f", about {wall / done * (self._n - done) / 60:.0f} min left" if self._n and done < self._n else ""
+        log.info(f"sweep: {done}/{self._n or '?'} runs done in {wall / 60:.1f} min{eta}")
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         wall = time.perf_counter() - getattr(self, "_t0", time.perf_counter())
-        aggregate(exp_dir(config), command=command_line(), wall_s=round(wall, 1))
+        exp = exp_dir(config)
+        extra = variant_overrides(list(config.hydra.overrides.task))
+        out = variant_dir(exp, extra) if extra else exp
+        aggregate(exp, command=command_line(), wall_s=round(wall, 1), digests=getattr(self, "_digests", None),
+                  out_dir=out)
+        if extra:
+            log.warning(f"a sub-grid or variant of the experiment ({' '.join(extra)}): results in {out}; "
+                        f"the experiment's own tables in {exp} are unchanged")
 
 
 def command_line() -> str:
@@ -346,5 +427,5 @@ def run_sweep(cfg: DictConfig) -> dict | None:
     except ValueError:  # called outside Hydra (tests)
         multirun = False
     if not multirun:
-        aggregate(exp_dir(cfg))
+        log.info(f"one run; tables of a grid come from a multirun (python -m ushash.sweep -m experiment=...)")
     return result
