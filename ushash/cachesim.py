@@ -9,7 +9,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from ushash.config import CONFIG_DIR, quiet_third_party
+from ushash.config import CONFIG_DIR, quiet_third_party, user_errors
 from ushash.sim.replay import run_cachesim
 
 log = logging.getLogger("ushash.cachesim")
@@ -18,6 +18,7 @@ quiet_third_party()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="cachesim", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig):
     res = run_cachesim(cfg)
     if res["score"] is None:

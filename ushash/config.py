@@ -168,6 +168,38 @@ def quiet_third_party() -> None:
         pass
 
 
+def user_errors(main):
+    """Decorator of a verb's `main`: a mistake in what was asked (a bad setting, a missing or existing file,
+    data that cannot be read) prints one line that names it and the fix, and exits with status 2; a bug
+    still shows its traceback. `hydra.verbose=true` or HYDRA_FULL_ERROR=1 shows the traceback of both."""
+    import functools
+    import sys
+
+    @functools.wraps(main)
+    def wrapped(cfg):
+        from ushash.data.datasets.emoji import FetchError as EmojiFetchError
+        from ushash.data.datasets.tuxpaint import FetchError as TuxFetchError
+        from ushash.data.store import FeatureStoreError
+        mistakes = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+                    PermissionError, FeatureStoreError, TuxFetchError, EmojiFetchError)
+        try:
+            return main(cfg)
+        except mistakes as e:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1" or _hydra_verbose():
+                raise
+            logging.getLogger("ushash").error("%s (hydra.verbose=true for the traceback)", str(e) or type(e).__name__)
+            sys.exit(2)
+    return wrapped
+
+
+def _hydra_verbose() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return bool(HydraConfig.get().verbose)
+    except ValueError:
+        return False
+
+
 class ConsoleFormatter(logging.Formatter):
     """`[train] message` for ushash's INFO lines (the last part of the logger's name), `[name] WARNING: message`
     for warnings and errors of anyone (configs/hydra/job_logging/ushash.yaml)."""

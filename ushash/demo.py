@@ -12,7 +12,7 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ushash.config import CONFIG_DIR, quiet_third_party
+from ushash.config import CONFIG_DIR, quiet_third_party, user_errors
 from ushash.evaluation.evaluate import run_eval
 from ushash.data.extract import run_extract
 from ushash.hashing.training import run_train
@@ -39,6 +39,7 @@ quiet_third_party()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="demo", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig) -> None:
     run_demo(cfg)
 

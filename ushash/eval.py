@@ -7,13 +7,14 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from ushash.config import CONFIG_DIR, quiet_third_party
+from ushash.config import CONFIG_DIR, quiet_third_party, user_errors
 from ushash.evaluation.evaluate import run_eval
 
 quiet_third_party()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="eval", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig):
     return run_eval(cfg)["score"]
 

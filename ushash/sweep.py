@@ -6,13 +6,14 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from ushash.config import CONFIG_DIR, quiet_third_party
+from ushash.config import CONFIG_DIR, quiet_third_party, user_errors
 from ushash.evaluation.sweep import primary_metric, run_sweep
 
 quiet_third_party()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig):
     result = run_sweep(cfg)
     return primary_metric(result) if result and "rows" in result else None

@@ -9,7 +9,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from ushash.config import CONFIG_DIR, quiet_third_party
+from ushash.config import CONFIG_DIR, quiet_third_party, user_errors
 from ushash.hashing.training import run_train
 
 log = logging.getLogger("ushash.train")
@@ -18,6 +18,7 @@ quiet_third_party()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+@user_errors
 def main(cfg: DictConfig):
     out = run_train(cfg)
     log.info("best val score %.4f (paired mAP@10 %.4f) at epoch %s: %s", out["val_score"], out["val_map@10"],
