@@ -41,3 +41,28 @@ def test_a_bug_keeps_its_traceback_and_full_error_shows_mistakes_too(monkeypatch
 
 def test_a_verb_returns_what_main_returns():
     assert user_errors(lambda cfg: 0.5)({}) == 0.5
+
+
+@pytest.mark.parametrize("verb", ["config", "demo", "eval", "export", "serve", "cachesim"])
+def test_help_lists_exactly_the_groups_a_verb_reads(verb):
+    """`--help` names the verb's own config groups and every option of each, nothing else."""
+    import re
+
+    import yaml
+
+    from ushash.config import CONFIG_DIR
+
+    def header(name):
+        doc = yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
+        return doc, (doc.get("hydra", {}).get("help", {}).get("header"))
+
+    doc, text = header(verb)
+    parents = [d for d in doc["defaults"] if isinstance(d, str) and d not in ("_self_",) and not d.startswith("schema")]
+    groups = {next(iter(d)) for d in doc["defaults"] if isinstance(d, dict) and not next(iter(d)).startswith("override")}
+    for parent in parents:  # demo extends config
+        groups |= {next(iter(d)) for d in header(parent)[0]["defaults"]
+                   if isinstance(d, dict) and not next(iter(d)).startswith("override")}
+    listed = dict(re.findall(r"^\s+(\w+): (.+)$", text.split("== Config groups (group=option) ==")[1], re.M))
+    assert set(listed) == groups
+    for g, options in listed.items():
+        assert sorted(o.strip() for o in options.split("|")) == sorted(p.stem for p in (CONFIG_DIR / g).glob("*.yaml"))
