@@ -66,3 +66,22 @@ def test_help_lists_exactly_the_groups_a_verb_reads(verb):
     assert set(listed) == groups
     for g, options in listed.items():
         assert sorted(o.strip() for o in options.split("|")) == sorted(p.stem for p in (CONFIG_DIR / g).glob("*.yaml"))
+
+
+def test_the_console_shows_only_ushash_info_lines(monkeypatch):
+    import logging
+
+    from ushash.config import OwnInfoFilter
+
+    f = OwnInfoFilter()
+
+    def rec(name, level):
+        return logging.LogRecord(name, level, __file__, 1, "m", None, None)
+
+    monkeypatch.setattr(logging.getLogger(), "level", logging.WARNING)
+    assert f.filter(rec("ushash.train", logging.INFO)) and f.filter(rec("ushash", logging.INFO))
+    assert not f.filter(rec("pytorch_lightning.utilities.rank_zero", logging.INFO))  # "GPU available", tips
+    assert not f.filter(rec("faiss.loader", logging.INFO)) and not f.filter(rec("ushashx", logging.INFO))
+    assert f.filter(rec("pytorch_lightning", logging.WARNING))
+    monkeypatch.setattr(logging.getLogger(), "level", logging.DEBUG)  # hydra.verbose=true
+    assert f.filter(rec("faiss.loader", logging.INFO))

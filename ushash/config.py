@@ -222,6 +222,16 @@ class RankZeroFilter(logging.Filter):
         return rank == 0 or record.levelno >= logging.WARNING
 
 
+class OwnInfoFilter(logging.Filter):
+    """The console shows INFO lines of ushash only; other libraries reach it from WARNING up. A filter and not
+    a level, because Lightning sets its loggers to INFO when it is first imported, which can be after Hydra
+    configured logging (the file log keeps every INFO line; hydra.verbose=true shows all)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= logging.WARNING or record.name == "ushash" or record.name.startswith("ushash.")
+                or logging.getLogger().level <= logging.DEBUG)  # hydra.verbose=true: everything
+
+
 def to_dict(cfg: DictConfig | None) -> dict:
     """Plain, resolved containers before anything reaches a constructor or a checkpoint."""
     if cfg is None:

@@ -155,7 +155,8 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     best = BestOnVal(run_dir / "best.ckpt", patience=(cfg.get("early_stop") or {}).get("patience"))
     last_ckpt = ModelCheckpoint(dirpath=run_dir, save_top_k=0, save_last=True, enable_version_counter=False)
     kind = cfg.logger.kind
-    logger = (TensorBoardLogger if kind == "tensorboard" else CSVLogger)(save_dir=str(run_dir), name="logs", version="")
+    # logs/version_<n>/: a resumed run logs beside the first part instead of deleting its metrics
+    logger = (TensorBoardLogger if kind == "tensorboard" else CSVLogger)(save_dir=str(run_dir), name="logs")
     trainer = pl.Trainer(**to_dict(cfg.trainer), callbacks=[best, last_ckpt], logger=logger, default_root_dir=str(run_dir))
     last = run_dir / "last.ckpt"
     resume = str(last) if cfg.resume and last.exists() else None
