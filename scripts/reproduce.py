@@ -6,6 +6,7 @@ machine. Steps resume: sweeps skip finished runs, so an interrupted reproduce co
 
     ./run reproduce                 # every step, then publish
     ./run reproduce sweep_emoji     # one step, then publish
+    ./run reproduce readme          # the README's verbs in the order written (after the demo)
     ./run reproduce publish         # only rewrite the blocks from the results already on disk
 """
 
@@ -69,6 +70,42 @@ def run_step(name: str) -> None:
             raise SystemExit(f"[reproduce] {name} failed (exit {rc}); its output: {log}")
 
 
+def run_readme() -> None:
+    """The README's verbs, in the order written, for real (the sweep is its own step; serve is started,
+    asked /healthz and stopped)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## The verbs, in order", 1)[1]
+    block = next(b for b in section.split("\n\n") if b.startswith("    python -m "))
+    for line in block.splitlines():
+        words = line.split("#", 1)[0].split()
+        verb = words[2]
+        if verb == "ushash.sweep":
+            continue
+        print(f"[reproduce] readme: {' '.join(words)}", flush=True)
+        if verb == "ushash.serve":
+            import urllib.request
+            proc = subprocess.Popen([sys.executable, *words[1:]], cwd=ROOT)
+            try:
+                for _ in range(120):
+                    time.sleep(1)
+                    try:
+                        with urllib.request.urlopen("http://127.0.0.1:8470/healthz", timeout=2) as r:
+                            print(f"[reproduce] serve: /healthz {r.status}", flush=True)
+                            break
+                    except OSError:
+                        if proc.poll() is not None:
+                            raise SystemExit("[reproduce] readme: serve exited before answering /healthz")
+                else:
+                    raise SystemExit("[reproduce] readme: serve did not answer /healthz in 120 s")
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+            continue
+        rc = subprocess.call([sys.executable, *words[1:]], cwd=ROOT)
+        if rc:
+            raise SystemExit(f"[reproduce] readme: `{' '.join(words)}` failed (exit {rc})")
+
+
 def stamp_of(step: str) -> str:
     f = ROOT / "experiments" / "reproduce" / f"{step}.json"
     if not f.exists():
@@ -126,12 +163,14 @@ def publish() -> None:
 
 
 def main(argv: list[str]) -> None:
-    steps = argv or [*STEPS, "publish"]
-    unknown = [s for s in steps if s not in STEPS and s != "publish"]
+    steps = argv or ["demo", "readme", *[s for s in STEPS if s != "demo"], "publish"]
+    unknown = [s for s in steps if s not in STEPS and s not in ("readme", "publish")]
     if unknown:
-        raise SystemExit(f"unknown step(s) {unknown}; steps: {list(STEPS)} and publish")
+        raise SystemExit(f"unknown step(s) {unknown}; steps: {list(STEPS)}, readme and publish")
     for s in steps:
-        if s != "publish":
+        if s == "readme":
+            run_readme()
+        elif s != "publish":
             run_step(s)
     publish()
 

@@ -85,3 +85,43 @@ def test_the_console_shows_only_ushash_info_lines(monkeypatch):
     assert f.filter(rec("pytorch_lightning", logging.WARNING))
     monkeypatch.setattr(logging.getLogger(), "level", logging.DEBUG)  # hydra.verbose=true
     assert f.filter(rec("faiss.loader", logging.INFO))
+
+
+def readme_verbs():
+    """The README's commands, in order: (verb, overrides) from the block under "## The verbs, in order"."""
+    from ushash.config import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## The verbs, in order", 1)[1]
+    block = next(b for b in section.split("\n\n") if b.startswith("    python -m "))
+    out = []
+    for line in block.splitlines():
+        words = line.split("#", 1)[0].split()
+        assert words[:2] == ["python", "-m"] and words[2].startswith("ushash."), line
+        out.append((words[2].split(".", 1)[1], [w for w in words[3:] if w != "-m"]))
+    return out
+
+
+def test_readme_commands_compose_in_order():
+    """Every README command is a valid config of its verb, and each checkpoint or export it reads is one an
+    earlier command writes (the commands work in the order written)."""
+    from ushash.config import compose
+
+    import ushash.serving.service  # noqa: F401  (registers the serve schema)
+    import ushash.serving.export  # noqa: F401
+    import ushash.sim  # noqa: F401
+
+    names = {"extract": "config", "train": "config", "sweep": "config", "eval": "eval", "export": "export",
+             "serve": "serve", "cachesim": "cachesim"}
+    verbs = readme_verbs()
+    assert [v for v, _ in verbs] == ["extract", "train", "eval", "export", "cachesim", "serve", "sweep"]
+    made: set[str] = set()
+    for verb, overrides in verbs:
+        cfg = compose(names[verb], overrides)
+        if verb == "train":
+            made.add(f"checkpoints/{cfg.run_name}/best.ckpt")
+        for key in ("ckpt", "export"):
+            if key in cfg and cfg[key]:
+                assert cfg[key] in made, f"{verb} reads {cfg[key]} before a command writes it"
+        if verb == "export":
+            made.add(cfg.out)
