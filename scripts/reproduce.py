@@ -23,24 +23,32 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PY = [sys.executable, "-m"]
 
-# step -> the commands it runs (as the docs quote them)
+# step -> the command it runs (as the docs quote it; "python X.py" for a script, else a module)
 STEPS = {
-    "demo": [["ushash.demo"]],
-    "sweep_emoji": [["ushash.sweep", "-m", "experiment=sweep_emoji"]],
-    "sweep_tuxpaint": [["ushash.sweep", "-m", "experiment=sweep_tuxpaint"]],
-    "sweep_tuxpaint64": [["ushash.sweep", "-m", "experiment=sweep_tuxpaint64"]],
-    "sweep_emoji64": [["ushash.sweep", "-m", "experiment=sweep_emoji64"]],
-    "sweep_synthetic": [["ushash.sweep", "-m", "experiment=sweep_synthetic"]],
+    "demo": "python -m ushash.demo",
+    "sweep_emoji": "python -m ushash.sweep -m experiment=sweep_emoji",
+    "sweep_tuxpaint": "python -m ushash.sweep -m experiment=sweep_tuxpaint",
+    "sweep_tuxpaint64": "python -m ushash.sweep -m experiment=sweep_tuxpaint64",
+    "sweep_emoji64": "python -m ushash.sweep -m experiment=sweep_emoji64",
+    "sweep_synthetic": "python -m ushash.sweep -m experiment=sweep_synthetic",
+    "payload_tuxpaint": "python benchmarks/payload.py quality --ckpt checkpoints/demo-tuxpaint-offline-64b-s0/best.ckpt",
+    "payload_synthetic": "python benchmarks/payload.py quality --synthetic",
+    "payload_speed": "python benchmarks/payload.py speed",
 }
-# published block -> (file, experiment whose results.md section it shows)
+# a step whose printed markdown is published as is: step -> (file, block)
+PRINTED_BLOCKS = {
+    "payload_tuxpaint": ("docs/payloads.md", "payload-tuxpaint"),
+    "payload_synthetic": ("docs/payloads.md", "payload-synthetic"),
+    "payload_speed": ("docs/payloads.md", "payload-speed"),
+}
+# a sweep's summary: block -> (file, experiment, step)
 SWEEP_BLOCKS = {
-    "tuxpaint-64b": ("docs/baselines.md", "tuxpaint-offline-64b"),
-    "emoji-64b": ("docs/baselines.md", "emoji-offline-64b"),
-    "tuxpaint-bits": ("docs/baselines.md", "tuxpaint-offline-bits"),
-    "emoji-bits": ("docs/baselines.md", "emoji-offline-bits"),
-    "synthetic-bits": ("docs/baselines.md", "synthetic"),
+    "tuxpaint-64b": ("docs/baselines.md", "tuxpaint-offline-64b", "sweep_tuxpaint64"),
+    "emoji-64b": ("docs/baselines.md", "emoji-offline-64b", "sweep_emoji64"),
+    "tuxpaint-bits": ("docs/baselines.md", "tuxpaint-offline-bits", "sweep_tuxpaint"),
+    "emoji-bits": ("docs/baselines.md", "emoji-offline-bits", "sweep_emoji"),
+    "synthetic-bits": ("docs/baselines.md", "synthetic", "sweep_synthetic"),
 }
 
 
@@ -54,20 +62,24 @@ def machine() -> str:
     return f"{cores} {platform.machine()} cores, {gpu}"
 
 
+def argv_of(command: str) -> list[str]:
+    words = command.split()[1:]
+    return [sys.executable, *words]
+
+
 def run_step(name: str) -> None:
-    for cmd in STEPS[name]:
-        line = "python -m " + " ".join(cmd)
-        print(f"[reproduce] {name}: {line}", flush=True)
-        t0 = time.perf_counter()
-        log = ROOT / "experiments" / "reproduce" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as f:
-            rc = subprocess.call(PY + cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-        stamp = {"command": line, "date": datetime.date.today().isoformat(), "machine": machine(),
-                 "wall_s": round(time.perf_counter() - t0, 1), "returncode": rc}
-        (log.with_suffix(".json")).write_text(json.dumps(stamp, indent=1) + "\n")
-        if rc:
-            raise SystemExit(f"[reproduce] {name} failed (exit {rc}); its output: {log}")
+    line = STEPS[name]
+    print(f"[reproduce] {name}: {line}", flush=True)
+    t0 = time.perf_counter()
+    log = ROOT / "experiments" / "reproduce" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
+        rc = subprocess.call(argv_of(line), cwd=ROOT, stdout=out, stderr=err)
+    stamp = {"command": line, "date": datetime.date.today().isoformat(), "machine": machine(),
+             "wall_s": round(time.perf_counter() - t0, 1), "returncode": rc}
+    log.with_suffix(".json").write_text(json.dumps(stamp, indent=1) + "\n")
+    if rc:
+        raise SystemExit(f"[reproduce] {name} failed (exit {rc}); its output: {log}, {log.with_suffix('.err')}")
 
 
 def run_readme() -> None:
@@ -124,37 +136,43 @@ def replace_block(path: Path, name: str, body: str) -> bool:
     return True
 
 
-def sweep_body(exp: str) -> str | None:
+def sweep_body(exp: str, step: str) -> str | None:
     res = ROOT / "experiments" / exp / "results.md"
     if not res.exists():
         return None
     md = res.read_text(encoding="utf-8")
-    step = {"tuxpaint-offline-64b": "sweep_tuxpaint64", "emoji-offline-64b": "sweep_emoji64",
-            "tuxpaint-offline-bits": "sweep_tuxpaint", "emoji-offline-bits": "sweep_emoji",
-            "synthetic": "sweep_synthetic"}[exp]
     summary = md.split("## Summary", 1)[1].split("\n## ", 1)[0] if "## Summary" in md else md
-    return (f"Generated by {stamp_of(step) or '`python -m ushash.sweep -m experiment=' + step + '`'}; "
-            f"full tables and plots: `experiments/{exp}/results.md`.\n\n### Summary" + summary)
+    return (f"Generated by {stamp_of(step) or '`' + STEPS[step] + '`'}; full tables and plots: "
+            f"`experiments/{exp}/results.md`.\n\n#### Summary" + summary)
 
 
 def demo_body() -> str | None:
     log = ROOT / "experiments" / "reproduce" / "demo.log"
     if not log.exists():
         return None
-    text = log.read_text(encoding="utf-8", errors="replace")
-    tables = [b for b in re.split(r"\n(?=\s*Protocol: )", text) if "| method |" in b]
-    if not tables:
+    lines = [l.split("] ", 1)[-1] if l.startswith("[") else l
+             for l in log.read_text(encoding="utf-8", errors="replace").splitlines()]
+    keep = [l for l in lines if l.strip().startswith(("|", "Protocol", "#"))]
+    if not keep:
         return None
-    body = []
-    for t in tables:
-        lines = [l.split("] ", 1)[-1] if l.startswith("[") else l for l in t.strip().splitlines()]
-        body.append("\n".join(l for l in lines if l.strip().startswith(("|", "Protocol")) ))
-    return f"Printed by {stamp_of('demo')}:\n\n" + "\n\n".join(body)
+    return f"Printed by {stamp_of('demo')}:\n\n" + "\n".join(keep)
+
+
+def printed_body(step: str) -> str | None:
+    log = ROOT / "experiments" / "reproduce" / f"{step}.log"
+    if not log.exists() or not log.read_text().strip():
+        return None
+    text = re.sub(r"^### ", "#### ", log.read_text(encoding="utf-8").strip(), flags=re.M)
+    return f"Printed by {stamp_of(step)}:\n\n" + text
 
 
 def publish() -> None:
-    for name, (doc, exp) in SWEEP_BLOCKS.items():
-        body = sweep_body(exp)
+    for name, (doc, exp, step) in SWEEP_BLOCKS.items():
+        body = sweep_body(exp, step)
+        if body:
+            replace_block(ROOT / doc, name, body)
+    for step, (doc, name) in PRINTED_BLOCKS.items():
+        body = printed_body(step)
         if body:
             replace_block(ROOT / doc, name, body)
     body = demo_body()
