@@ -280,7 +280,7 @@ def test_capacity_is_bytes_and_evictions_are_counted(head):
         assert evicted + len(cache) == 400
         # bytes = codes + payloads + values of what is held
         t = cache.table
-        held = sum(8 + len(t.payload[s]) + len(t.value[s]) for s in t.live_slots())
+        held = sum(8 + int(t.plen[s]) + int(t.vlen[s]) for s in t.live_slots())
         assert held == cache.policy.used_bytes
     with pytest.raises(ValueError, match="unknown eviction policy"):
         CacheConfig(policy="fifo")
@@ -336,7 +336,7 @@ def test_one_entry_record_for_l1_and_redis():
 
     e = Entry(code=bytes(range(8)), payload=b"\x01\x02", modality="image", value=b'{"a":1}', kind="j",
               revision="r1", created=1.5, expires=math.inf, compute_s=0.25, id="abc")
-    t = EntryTable(8)
+    t = EntryTable(8, payload_bytes=2)
     slot = t.alloc()
     t.write(slot, e, tenant=0, modality=0, revision=0)
     assert t.read(slot, ["image"], ["r1"]) == e
@@ -414,3 +414,66 @@ def test_redis_breaker_absorbs_failures_backs_off_and_never_serialises_calls():
     time.sleep(0.22)
     assert store._call("lookup", lambda: "back") == "back"
     assert store.available and store._breaker.reset_timeout == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------------------------------ batches
+
+@pytest.mark.parametrize("opts", BACKENDS)
+def test_batches_equal_single_calls(head, opts):
+    """lookup_many / store_many give what lookup / store one at a time give, ties (equal distance and
+    equal cosine: duplicated entries) and repeated queries included, and leave the same cache."""
+    rng = np.random.default_rng(3)
+    cfg = {"radius": 4, "payload_threshold": 0.5, "ttl_s": 0, "max_candidates": 8, **opts}
+    one, many = SemanticCache(head, cfg, rng=random.Random(0)), SemanticCache(head, cfg, rng=random.Random(0))
+    centres = rng.integers(0, 256, size=(4, 8), dtype=np.uint8)
+    zc = [_unit(rng) for _ in range(4)]
+    qs = []
+    for i in range(300):
+        c = rng.integers(4)
+        code = _flip(centres[c].tobytes(), rng.integers(0, 64, size=rng.integers(0, 4)))
+        z = zc[c] + 0.5 * _unit(rng)
+        qs.append(one.query_from_code(["image", "text"][i % 2], np.frombuffer(code, np.uint8),
+                                      None if i % 7 == 0 else z))
+    qs += qs[:20]  # the same requests again: replaced in place
+    values = [f"v{i}" for i in range(len(qs))]
+    for start in range(0, 200, 50):
+        batch = slice(start, start + 50)
+        assert many.store_many(qs[batch], values[batch]) == [one.store(q, v) for q, v in zip(qs[batch], values[batch])]
+        probe = qs[200:] + qs[:10]
+        got = many.lookup_many(probe)
+        ref = [one.lookup(q) for q in probe]
+        assert [(h.value, h.distance, h.cosine, h.entry) if h else None for h in got] == \
+               [(h.value, h.distance, h.cosine, h.entry) if h else None for h in ref]
+    assert len(one) == len(many) and one.policy.used_bytes == many.policy.used_bytes
+    assert many.lookup_many([]) == []
+
+
+def test_get_many_and_put_many_with_features(head):
+    rng = np.random.default_rng(4)
+    cache = SemanticCache(head, {"radius": 2})
+    feats = rng.normal(size=(20, 24)).astype(np.float32)
+    assert cache.put_many("text", features=feats[:10], values=list(range(10))) == [True] * 10
+    hits = cache.get_many("text", features=feats)
+    assert [h.value if h else None for h in hits] == list(range(10)) + [None] * 10
+    assert [h.value if h else None for h in hits[:10]] == [cache.get("text", features=f).value for f in feats[:10]]
+    with pytest.raises(RequestError):
+        cache.get_many("text", features=feats[:, :5])
+
+
+# ------------------------------------------------------------------------------------------ memory bounds
+
+def test_expiry_records_and_tenant_indexes_are_bounded(head):
+    """300 puts per slot of capacity: the expiry heap keeps about one record per live entry, and a
+    tenant's index goes with its last entry."""
+    clock = FakeClock()
+    cache = SemanticCache(head, {"capacity_bytes": 4096, "ttl_s": 10 * 365 * 86400, "payload_check": False,
+                                 "policy": "lru"}, clock=clock)
+    rng = np.random.default_rng(5)
+    for i in range(6000):
+        code = rng.integers(0, 256, 8, dtype=np.uint8)
+        cache.store(cache.query_from_code("text", code), "x" * 24, tenant=f"t{i}")
+    assert 0 < len(cache) <= 4096 // 32
+    assert len(cache.l1._expiry) <= 2 * len(cache) + 1024
+    assert cache.l1.tenants == len({int(cache.table.tenant[s]) for s in cache.table.live_slots()}) <= len(cache)
+    assert cache.delete_tenant(cache.l1._tenant_names[int(cache.table.tenant[cache.table.live_slots()[0]])]) == 1
+    assert cache.l1.tenants == len(cache)

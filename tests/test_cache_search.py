@@ -80,3 +80,26 @@ def test_backend_rejects_bad_codes_and_kinds():
         make_backend("annoy", 64)
     with pytest.raises(ValueError, match="torch"):
         make_backend("mih", 64, device="cuda")
+
+
+@pytest.mark.parametrize("kind,device", BACKENDS)
+def test_search_many_equals_single_searches(kind, device):
+    """One call for a batch gives each query exactly what its own search gives, ties included."""
+    rng = np.random.default_rng(7)
+    b = make_backend(kind, 64, device=device, mih_min_entries=100)
+    centres = rng.integers(0, 256, size=(5, 8), dtype=np.uint8)
+    codes = centres[rng.integers(0, 5, 600)].copy()
+    flips = rng.integers(0, 64, size=(600, 2))
+    for j in range(2):
+        codes[np.arange(600), flips[:, j] // 8] ^= (1 << (flips[:, j] % 8)).astype(np.uint8)
+    b.add_many(np.arange(600), codes)
+    for s in range(0, 600, 3):
+        b.remove(s)
+    queries = np.concatenate([codes[:40], rng.integers(0, 256, size=(10, 8), dtype=np.uint8)])
+    for radius in (0, 3, 6):
+        lims, slots, dists = b.search_many(queries, radius)
+        assert len(lims) == len(queries) + 1
+        for i, q in enumerate(queries):
+            s1, d1 = b.search(q, radius)
+            np.testing.assert_array_equal(slots[lims[i]:lims[i + 1]], s1)
+            np.testing.assert_array_equal(dists[lims[i]:lims[i + 1]], d1)

@@ -220,7 +220,6 @@ class CodesCache:
 
     def nearest_value(self, i: int) -> int | None:
         from ushash.core.codes import hamming
-        from ushash.serving.cache import decode_value
 
         t = self.cache.table
         live = t.live_slots()
@@ -228,7 +227,7 @@ class CodesCache:
             return None
         d = hamming(np.frombuffer(self.queries[i].code, np.uint8)[None], t.code[live])[0]
         j = live[int(np.argmin(d))]
-        return int(decode_value(t.kind[j], t.value[j]))
+        return int(t.decoded_value(j))
 
     @property
     def nbytes(self) -> int:

@@ -173,34 +173,64 @@ class SemanticCache:
         tenant = self.check_tenant(tenant)
         return self.lookup(self.query(modality, data, features), tenant)
 
+    def get_many(self, modality: str, data: list | None = None, *, features=None,
+                 tenant: str = DEFAULT_TENANT) -> list[Hit | None]:
+        """`get` for a batch of requests of one modality: raw inputs, or encoder features [B, in_dim]
+        (encoded in one forward pass); one L1 search and hit check for the batch."""
+        tenant = self.check_tenant(tenant)
+        return self.lookup_many(self.queries(modality, data, features), tenant)
+
+    def queries(self, modality: str, data: list | None = None, features=None) -> list[Query]:
+        """Queries for a batch of raw inputs, or of encoder features [B, in_dim] (one forward pass)."""
+        if (data is None) == (features is None):
+            raise RequestError("give exactly one of: the raw inputs, or precomputed encoder features")
+        if features is not None:
+            return self.encoder.from_feature_rows(modality, features)
+        return [self.query(modality, d) for d in data]
+
     def lookup(self, q: Query, tenant: str = DEFAULT_TENANT, count: bool = True) -> Hit | None:
+        return self.lookup_many([q], tenant, count)[0]
+
+    def lookup_many(self, queries: list[Query], tenant: str = DEFAULT_TENANT, count: bool = True) -> list[Hit | None]:
+        """The hit (or None) for each Query: L1 answers the batch with one index search and one
+        vectorised hit check; its misses go to the L2 one by one. Same answers as `lookup` of each."""
         t0 = time.perf_counter()
         tenant = self.check_tenant(tenant)
-        hit, nearest, tier = None, None, "l1"
+        n = len(queries)
+        hits: list[Hit | None] = [None] * n
+        tiers = ["l1"] * n
+        nearest: list[int | None] = [None] * n
         if not self.watermark.current:
-            self.metrics.rejections.labels(reason="stale_revision").inc()
-        else:
-            for t in self.tiers:
-                tier = t.name
-                now = self.clock()
-                found = t.find(q, tenant, self.revision, self.check, now)
-                if found.nearest is not None and (nearest is None or found.nearest < nearest):
-                    nearest = found.nearest
-                if found.entry is not None:
-                    if t is not self.l1:  # promote into L1 (same expiry and revision; not written back)
-                        self.l1.put(tenant, found.entry)
-                    e = found.entry
-                    hit = Hit.of(e, found.distance, found.cosine, t.name,
-                                 self.freshness.should_refresh(now, e.expires, e.compute_s), found.ref)
-                    break
-                if found.skip_next:
-                    break
+            if n:
+                self.metrics.rejections.labels(reason="stale_revision").inc(n)
+        elif n:
+            now = self.clock()
+            found = self.l1.find_many(queries, tenant, self.revision, self.check, now)
+            for i, f in enumerate(found):
+                nearest[i] = f.nearest
+                if f.entry is not None:
+                    hits[i] = self._hit(f, "l1", now)
+                elif self.l2 is not None and not f.skip_next:
+                    tiers[i] = self.l2.name
+                    now = self.clock()
+                    f2 = self.l2.find(queries[i], tenant, self.revision, self.check, now)
+                    if f2.nearest is not None and (nearest[i] is None or f2.nearest < nearest[i]):
+                        nearest[i] = f2.nearest
+                    if f2.entry is not None:  # promote into L1 (same expiry and revision; not written back)
+                        self.l1.put(tenant, f2.entry)
+                        hits[i] = self._hit(f2, self.l2.name, now)
         if count:
             # nearest: the hit's distance; on a miss the nearest candidate seen, or bits + 1 (the +Inf
             # bucket) when nothing was within observe_radius
-            d = hit.distance if hit else (nearest if nearest is not None else self.bits + 1)
-            self.metrics.record_lookup(hit is not None, hit.tier if hit else tier, d, time.perf_counter() - t0)
-        return hit
+            dt = (time.perf_counter() - t0) / max(1, n)
+            for hit, tier, d in zip(hits, tiers, nearest):
+                d = hit.distance if hit else (d if d is not None else self.bits + 1)
+                self.metrics.record_lookup(hit is not None, hit.tier if hit else tier, d, dt)
+        return hits
+
+    def _hit(self, f, tier: str, now: float) -> Hit:
+        e = f.entry
+        return Hit.of(e, f.distance, f.cosine, tier, self.freshness.should_refresh(now, e.expires, e.compute_s), f.ref)
 
     # ------------------------------------------------------------------ store
     def put(self, modality: str, data=None, *, features=None, value, tenant: str = DEFAULT_TENANT,
@@ -210,43 +240,71 @@ class SemanticCache:
         tenant = self.check_tenant(tenant)
         return self.store(self.query(modality, data, features), value, tenant, ttl_s=ttl_s, compute_s=compute_s)
 
+    def put_many(self, modality: str, data: list | None = None, *, features=None, values: list,
+                 tenant: str = DEFAULT_TENANT, ttl_s: float | None = None) -> list[bool]:
+        """`put` for a batch of requests of one modality (raw inputs, or features [B, in_dim])."""
+        tenant = self.check_tenant(tenant)
+        return self.store_many(self.queries(modality, data, features), values, tenant, ttl_s=ttl_s)
+
     def store(self, q: Query, value, tenant: str = DEFAULT_TENANT, ttl_s: float | None = None,
               compute_s: float = 0.0) -> bool:
+        return self.store_many([q], [value], tenant, ttl_s=ttl_s, compute_s=compute_s)[0]
+
+    def store_many(self, queries: list[Query], values: list, tenant: str = DEFAULT_TENANT, ttl_s: float | None = None,
+                   compute_s: float = 0.0) -> list[bool]:
+        """Store values[i] for queries[i]; a later query of the batch equal to an earlier one replaces it.
+        The payloads of each modality are encoded in one call and L1 takes the batch in one index add."""
         t0 = time.perf_counter()
         tenant = self.check_tenant(tenant)
-        kind, vbytes = encode_value(value)
-        if self.payload_codec is not None and q.z is not None:
-            payload = self.payload_codec.encode(q.modality, q.z[None]).tobytes()
-        else:
-            payload = b""
+        if len(values) != len(queries):
+            raise ValueError(f"{len(queries)} queries but {len(values)} values")
+        encoded = [encode_value(v) for v in values]
+        payloads = [b""] * len(queries)
+        if self.payload_codec is not None:
+            by_mod: dict[str, list[int]] = {}
+            for i, q in enumerate(queries):
+                if q.z is not None:
+                    by_mod.setdefault(q.modality, []).append(i)
+            for m, idx in by_mod.items():
+                recs = self.payload_codec.encode(m, np.stack([queries[i].z for i in idx]))
+                for i, r in zip(idx, recs):
+                    payloads[i] = r.tobytes()
         now = self.clock()
-        expires = self.freshness.expiry(now, ttl_s)
         if not self.watermark.current:
-            self.metrics.rejections.labels(reason="stale_revision").inc()
-            return False
+            self.metrics.rejections.labels(reason="stale_revision").inc(len(queries))
+            return [False] * len(queries)
         shared = self.l2 is not None and self.config.l2.write
-        e = Entry(code=q.code, payload=payload, modality=q.modality, value=vbytes, kind=kind, revision=self.revision,
-                  created=now, expires=expires, compute_s=float(compute_s), id=os.urandom(8).hex() if shared else None)
-        stored = self.l1.put(tenant, e)
+        entries = [Entry(code=q.code, payload=p, modality=q.modality, value=vb, kind=kind, revision=self.revision,
+                         created=now, expires=self.freshness.expiry(now, ttl_s), compute_s=float(compute_s),
+                         id=os.urandom(8).hex() if shared else None)
+                   for q, p, (kind, vb) in zip(queries, payloads, encoded)]
+        stored = self.l1.put_many(tenant, entries)
         if shared:
-            self.l2.put(tenant, e)
-        self.metrics.put_seconds.observe(time.perf_counter() - t0)
+            for e in entries:
+                self.l2.put(tenant, e)
+        dt = (time.perf_counter() - t0) / max(1, len(queries))
+        for _ in entries:
+            self.metrics.put_seconds.observe(dt)
         return stored
 
     def store_codes(self, tenant: str, modality: str, codes: np.ndarray, values: list, payloads: np.ndarray | None = None,
-                    ttl_s: float | None = None) -> int:
+                    ttl_s: float | None = None, batch: int = 4096) -> int:
         """Bulk-load precomputed codes uint8 [N, bits/8] (and payload records uint8 [N, nbytes]) into L1
-        (benchmarks, warm starts). Returns how many were admitted. Not written to the L2."""
+        (benchmarks, warm starts), `batch` entries per L1 call. Returns how many were admitted. Not written
+        to the L2."""
         codes = np.ascontiguousarray(codes, dtype=np.uint8)
         if payloads is not None:  # L1 records are decoded unchecked on every lookup: check them once here
             payloads = self.payload_codec[modality].check_records(payloads, "payloads")
         n = 0
-        for i in range(len(codes)):
-            kind, vbytes = encode_value(values[i])
+        for s in range(0, len(codes), batch):
             now = self.clock()
-            n += self.l1.put(tenant, Entry(code=codes[i].tobytes(), payload=payloads[i].tobytes() if payloads is not None
-                                           else b"", modality=modality, value=vbytes, kind=kind, revision=self.revision,
-                                           created=now, expires=self.freshness.expiry(now, ttl_s), compute_s=0.0))
+            entries = []
+            for i in range(s, min(len(codes), s + batch)):
+                kind, vbytes = encode_value(values[i])
+                entries.append(Entry(code=codes[i].tobytes(), payload=payloads[i].tobytes() if payloads is not None
+                                     else b"", modality=modality, value=vbytes, kind=kind, revision=self.revision,
+                                     created=now, expires=self.freshness.expiry(now, ttl_s), compute_s=0.0))
+            n += sum(self.l1.put_many(tenant, entries))
         return n
 
     def delete_tenant(self, tenant: str) -> int:

@@ -147,37 +147,47 @@ class Hit:
 
 
 # ---------------------------------------------------------------------------------------------- L1 columns
+VALUE_KINDS = ("b", "s", "j")   # encode_value's tags, stored as their index
+
+
 class EntryTable:
-    """L1 entries as columns: `code` uint8 [capacity, code_bytes], one numpy column per fixed-size field of
-    `Entry` (modality and revision as small interned ids) and per bookkeeping field, lists for the rest."""
+    """L1 entries as columns indexed by slot: `code` uint8 [capacity, code_bytes], `payload` uint8
+    [capacity, payload_bytes] (fixed-width rows; `plen` says how many bytes a row holds, 0: none), one
+    numpy column per fixed-size field of `Entry` (modality, revision and kind as small interned ids) and
+    per bookkeeping field, the values in one byte arena (`voff`, `vlen`), and a list for the L2 ids.
 
-    NUMERIC = {"tenant": np.int32, "modality": np.int8, "revision": np.int32, "created": np.float64,
-               "expires": np.float64, "compute_s": np.float32, "nbytes": np.int64, "gen": np.int64,
-               "alive": np.bool_}
-    OBJECTS = ("payload", "value", "kind", "l2id")
-    # every Entry field has a column of the same name (id: l2id)
-    assert set(ENTRY_FIELDS) - {"id"} <= {"code", *NUMERIC, *OBJECTS}
+    The arena is append-only; a removed value's bytes are garbage until the arena is compacted, which
+    happens when garbage outweighs the live bytes (amortised O(1) per removal)."""
 
-    def __init__(self, code_bytes: int, capacity: int = 1024):
-        self.code_bytes = int(code_bytes)
+    NUMERIC = {"tenant": np.int32, "modality": np.int8, "revision": np.int32, "kind": np.int8,
+               "created": np.float64, "expires": np.float64, "compute_s": np.float32, "nbytes": np.int64,
+               "gen": np.int64, "alive": np.bool_, "plen": np.int16, "voff": np.int64, "vlen": np.int64}
+    OBJECTS = ("l2id",)
+    # every Entry field has a column of the same name (id: l2id; value: the arena)
+    assert set(ENTRY_FIELDS) - {"id"} <= {"code", "payload", "value", *NUMERIC, *OBJECTS}
+
+    def __init__(self, code_bytes: int, payload_bytes: int = 0, capacity: int = 16):
+        self.code_bytes, self.payload_bytes = int(code_bytes), int(payload_bytes)
         self._cap = max(16, int(capacity))
         self.code = np.zeros((self._cap, self.code_bytes), np.uint8)
+        self.payload = np.zeros((self._cap, self.payload_bytes), np.uint8)
         for name, dt in self.NUMERIC.items():
             setattr(self, name, np.zeros(self._cap, dt))
         for name in self.OBJECTS:
             setattr(self, name, [None] * self._cap)
+        self.arena = np.zeros(256, np.uint8)
+        self._top = 0            # arena bytes used (live + garbage)
+        self._live_bytes = 0     # arena bytes of live values
         self._free: list[int] = []
         self._hwm = 0
         self.live = 0
 
     def _grow(self) -> None:
         cap = self._cap * 2
-        code = np.zeros((cap, self.code_bytes), np.uint8)
-        code[: self._cap] = self.code
-        self.code = code
-        for name, dt in self.NUMERIC.items():
-            a = np.zeros(cap, dt)
-            a[: self._cap] = getattr(self, name)
+        for name in ("code", "payload", *self.NUMERIC):
+            old = getattr(self, name)
+            a = np.zeros((cap,) + old.shape[1:], old.dtype)
+            a[: self._cap] = old
             setattr(self, name, a)
         for name in self.OBJECTS:
             getattr(self, name).extend([None] * (cap - self._cap))
@@ -196,18 +206,64 @@ class EntryTable:
         self.live += 1
         return slot
 
+    def _arena_put(self, slot: int, data: bytes) -> None:
+        n = len(data)
+        if self._top + n > len(self.arena):
+            if self._top - self._live_bytes > self._live_bytes:
+                self._compact()
+            if self._top + n > len(self.arena):
+                a = np.zeros(max(2 * len(self.arena), self._top + n), np.uint8)
+                a[: self._top] = self.arena[: self._top]
+                self.arena = a
+        self.arena[self._top : self._top + n] = np.frombuffer(data, np.uint8)
+        self.voff[slot], self.vlen[slot] = self._top, n
+        self._top += n
+        self._live_bytes += n
+
+    def _compact(self) -> None:
+        """Move the live values to the front of the arena, in slot order."""
+        live = self.live_slots()
+        lens = self.vlen[live]
+        new_off = np.zeros(len(live), np.int64)
+        if len(live):
+            np.cumsum(lens[:-1], out=new_off[1:])
+        total = int(lens.sum())
+        src = np.repeat(self.voff[live] - new_off, lens) + np.arange(total)
+        self.arena[:total] = self.arena[src]
+        self.voff[live] = new_off
+        self._top = self._live_bytes = total
+
     def write(self, slot: int, e: Entry, tenant: int, modality: int, revision: int) -> None:
         """Store entry `e` in `slot` (modality and revision as the L1's interned ids)."""
+        np_ = len(e.payload)
+        if np_ > self.payload_bytes:
+            raise ValueError(f"payload record of {np_} bytes; this table's rows hold {self.payload_bytes}")
         self.code[slot] = np.frombuffer(e.code, np.uint8)
+        if np_:
+            self.payload[slot, :np_] = np.frombuffer(e.payload, np.uint8)
+        self.plen[slot] = np_
         self.tenant[slot], self.modality[slot], self.revision[slot] = tenant, modality, revision
+        self.kind[slot] = VALUE_KINDS.index(e.kind)
         self.created[slot], self.expires[slot], self.compute_s[slot] = e.created, e.expires, e.compute_s
         self.nbytes[slot] = e.nbytes
-        self.payload[slot], self.value[slot], self.kind[slot], self.l2id[slot] = e.payload, e.value, e.kind, e.id
+        self.l2id[slot] = e.id
+        self._arena_put(slot, e.value)
+
+    def payload_of(self, slot: int) -> bytes:
+        return self.payload[slot, : self.plen[slot]].tobytes()
+
+    def value_of(self, slot: int) -> bytes:
+        o = int(self.voff[slot])
+        return self.arena[o : o + int(self.vlen[slot])].tobytes()
+
+    def decoded_value(self, slot: int):
+        """The value in `slot` as it was stored (decode_value)."""
+        return decode_value(VALUE_KINDS[self.kind[slot]], self.value_of(slot))
 
     def read(self, slot: int, modalities: list[str], revisions: list[str]) -> Entry:
         """The entry in `slot` (modalities / revisions: the L1's interned names)."""
-        return Entry(code=self.code[slot].tobytes(), payload=self.payload[slot], modality=modalities[self.modality[slot]],
-                     value=self.value[slot], kind=self.kind[slot], revision=revisions[self.revision[slot]],
+        return Entry(code=self.code[slot].tobytes(), payload=self.payload_of(slot), modality=modalities[self.modality[slot]],
+                     value=self.value_of(slot), kind=VALUE_KINDS[self.kind[slot]], revision=revisions[self.revision[slot]],
                      created=float(self.created[slot]), expires=float(self.expires[slot]),
                      compute_s=float(self.compute_s[slot]), id=self.l2id[slot])
 
@@ -217,8 +273,16 @@ class EntryTable:
         self.alive[slot] = False
         for name in self.OBJECTS:
             getattr(self, name)[slot] = None
+        self._live_bytes -= int(self.vlen[slot])
+        self.vlen[slot] = 0
         self._free.append(slot)
         self.live -= 1
 
     def live_slots(self) -> np.ndarray:
         return np.flatnonzero(self.alive[: self._hwm])
+
+    @property
+    def nbytes_held(self) -> int:
+        """Bytes of every column and the arena (what the table costs, beside the index and the policy)."""
+        return int(sum(getattr(self, n).nbytes for n in ("code", "payload", *self.NUMERIC)) + self.arena.nbytes
+                   + 8 * self._cap)

@@ -68,6 +68,14 @@ class ExpiryHeap:
         if math.isfinite(expires):
             heapq.heappush(self._h, (expires, slot, gen))
 
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def replace(self, expires, slots, gens) -> None:
+        """Keep only these records (the live entries'): drops those of evicted or replaced entries."""
+        self._h = [(float(e), int(s), int(g)) for e, s, g in zip(expires, slots, gens) if math.isfinite(e)]
+        heapq.heapify(self._h)
+
     def due(self, now: float) -> Iterator[tuple[int, int]]:
         h = self._h
         while h and h[0][0] <= now:

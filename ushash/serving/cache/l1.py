@@ -1,10 +1,16 @@
 """L1: the in-process tier. Entries as columns (`EntryTable`), one Hamming index per tenant (search.py), a
-byte-capacity eviction policy (policy.py), expiry sweeps (`ExpiryHeap`) and the Bloom guard (protection.py).
+byte-capacity eviction policy (policies/), expiry sweeps (`ExpiryHeap`) and the Bloom guard (protection.py).
 
 A tier (this one and `ushash.serving.cache.redis_store.RedisStore`) offers
 
     find(q, tenant, revision, check, now) -> Found      the entry to serve for a Query, by the hit check
     put(tenant, entry) -> bool                          store an Entry (False: refused)
+
+and L1 does both for batches too (`find_many`, `put_many`: one index call and one vectorised hit check
+for the batch; `find` and `put` are batches of one).
+
+Memory: a tenant's index is freed with its last entry (so live tenants <= live entries), and the expiry
+heap is compacted when its stale records outnumber the live entries.
 
 Thread-safe: one lock guards every structure; `find` runs the hit check under it, so the chosen slot is
 the one read.
@@ -13,10 +19,12 @@ the one read.
 from __future__ import annotations
 
 import threading
+
 import numpy as np
 
-from ushash.serving.cache.entries import MISS, Candidates, Entry, EntryTable, Found
+from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found
 from ushash.serving.cache.freshness import ExpiryHeap
+from ushash.serving.cache.hitcheck import Batch
 from ushash.serving.cache.policies import make_policy
 from ushash.serving.cache.protection import BloomGuard
 from ushash.serving.cache.search import make_backend
@@ -31,7 +39,9 @@ class L1Tier:
         self.bits, self.code_bytes = int(bits), int(bits) // 8
         self.radius = int(c.radius)
         self.observe_radius = int(c.observe_radius if c.observe_radius is not None else c.radius)
-        self.table = EntryTable(self.code_bytes)
+        self.payload_codec = payload_codec
+        pw = max(payload_codec.nbytes(m) for m in modalities) if payload_codec is not None else 0
+        self.table = EntryTable(self.code_bytes, pw)
         opts = dict(c.policy_options or {})
         if str(c.policy).lower() == "wtinylfu" and "slot_bytes" not in opts:
             # theine's core costs ~170 B per slot: about one slot per small entry (code + payload + 32 B of
@@ -41,10 +51,12 @@ class L1Tier:
         self.policy = make_policy(c.policy, c.capacity_bytes, clock=clock, **opts)
         self._backends: dict[int, object] = {}
         self._tenant_ids: dict[str, int] = {}
+        self._tenant_names: dict[int, str] = {}
+        self._tenant_live: dict[int, int] = {}
+        self._free_tenant_ids: list[int] = []
         self._modalities: list[str] = []
         self._revisions: list[str] = [str(revision)]   # every L1 entry is of this revision (reload: a new tier)
         self._expiry = ExpiryHeap()
-        self._exact: dict[int, int] = {}  # hash of (tenant, modality, code, payload) -> slot
         self.bloom = None
         if c.bloom:
             min_entry = self.code_bytes + 1 + (min(payload_codec.nbytes(m) for m in modalities)
@@ -67,11 +79,17 @@ class L1Tier:
     def _tenant(self, tenant: str) -> int:
         ti = self._tenant_ids.get(tenant)
         if ti is None:
-            ti = self._tenant_ids[tenant] = len(self._tenant_ids)
+            ti = self._free_tenant_ids.pop() if self._free_tenant_ids else len(self._tenant_ids)
+            self._tenant_ids[tenant], self._tenant_names[ti], self._tenant_live[ti] = ti, tenant, 0
             c = self.config
             self._backends[ti] = make_backend(c.backend, self.bits, device=c.device, mih_nhash=c.mih_nhash,
                                               mih_min_entries=c.mih_min_entries)
         return ti
+
+    def _drop_tenant_if_empty(self, ti: int) -> None:
+        if self._tenant_live.get(ti, 1) == 0:
+            del self._tenant_ids[self._tenant_names.pop(ti)], self._backends[ti], self._tenant_live[ti]
+            self._free_tenant_ids.append(ti)
 
     def _modality_id(self, m: str) -> int:
         try:
@@ -87,10 +105,9 @@ class L1Tier:
         ti = int(t.tenant[slot])
         self._backends[ti].remove(slot)
         self.policy.remove(slot)
-        key = hash((ti, int(t.modality[slot]), t.code[slot].tobytes(), t.payload[slot]))
-        if self._exact.get(key) == slot:
-            del self._exact[key]
         t.release(slot)
+        self._tenant_live[ti] -= 1
+        self._drop_tenant_if_empty(ti)
         if reason is not None:
             self.metrics.evictions.labels(reason=reason).inc()
 
@@ -99,6 +116,9 @@ class L1Tier:
         for slot, gen in self._expiry.due(now):
             if t.alive[slot] and t.gen[slot] == gen:
                 self._remove(slot, "expired")
+        if len(self._expiry) > 2 * t.live + 1024:  # records of evicted / replaced entries: drop them
+            live = t.live_slots()
+            self._expiry.replace(t.expires[live], live, t.gen[live])
 
     def update_gauges(self) -> None:
         self.metrics.size_bytes.set(self.policy.used_bytes)
@@ -115,75 +135,143 @@ class L1Tier:
 
     # ------------------------------------------------------------------ the tier
     def find(self, q, tenant: str, revision: str, check, now: float) -> Found:
+        return self.find_many([q], tenant, revision, check, now)[0]
+
+    def find_many(self, queries: list, tenant: str, revision: str, check, now: float) -> list[Found]:
+        """`find` for a batch of Queries: one index search and one vectorised hit check for all."""
+        out = [MISS] * len(queries)
         with self.lock:
             self.expire(now)
             ti = self._tenant_ids.get(tenant)
-            if ti is None:
-                return MISS
-            if self.bloom is not None and not self.bloom.may_contain(ti, q.code):
-                self.metrics.bloom_skips.inc()
-                return Found(skip_next=self.config.bloom_guard_l2)
-            slots, dists = self._backends[ti].search(np.frombuffer(q.code, np.uint8), self.observe_radius)
-            if not len(dists):
-                return MISS
-            nearest = int(dists[0])
-            if self.observe_radius != self.radius:  # distances are sorted: keep those within the radius
-                k = int(np.searchsorted(dists, self.radius, side="right"))
-                slots, dists = slots[:k], dists[:k]
-            mc = self.config.max_candidates
-            sl = slots[:mc].tolist()
-            if not sl:
-                return Found(nearest=nearest)
+            if ti is None or not queries:
+                return out
+            todo = list(range(len(queries)))
+            if self.bloom is not None:
+                skip = Found(skip_next=self.config.bloom_guard_l2)
+                keep = []
+                for i in todo:
+                    if self.bloom.may_contain(ti, queries[i].code):
+                        keep.append(i)
+                    else:
+                        out[i] = skip
+                if len(keep) < len(todo):
+                    self.metrics.bloom_skips.inc(len(todo) - len(keep))
+                todo = keep
+            if not todo:
+                return out
+            qs = [queries[i] for i in todo]
+            codes = np.frombuffer(b"".join(q.code for q in qs), np.uint8).reshape(len(qs), self.code_bytes)
+            lims, slots, dists = self._backends[ti].search_many(codes, self.observe_radius)
+            counts = np.diff(lims)
+            nearest_d = dists[np.minimum(lims[:-1], max(0, len(dists) - 1))] if len(dists) else counts
+            # each query's candidates: within the radius (a prefix: distances are sorted), at most max_candidates
+            rank = np.arange(len(slots)) - np.repeat(lims[:-1], counts)
+            sel = np.flatnonzero((dists <= self.radius) & (rank < self.config.max_candidates))
+            slots, dists = slots[sel], dists[sel]
+            qlims = np.zeros(len(qs) + 1, np.int64)
+            np.cumsum(np.bincount(np.repeat(np.arange(len(qs)), counts)[sel], minlength=len(qs)), out=qlims[1:])
             t = self.table
-            mods, revs = self._modalities, self._revisions
-            cands = Candidates(ids=sl, dists=dists[:mc].tolist(), modalities=[mods[t.modality[s]] for s in sl],
-                               payloads=[t.payload[s] for s in sl], revisions=[revs[t.revision[s]] for s in sl],
-                               expires=[float(t.expires[s]) for s in sl], nearest=nearest)
-            best = check.choose(q, cands, revision, now, trusted=True)
-            if best is None:
-                return Found(nearest=nearest)
-            i, d, cos = best
-            slot = cands.ids[i]
-            self.policy.access(slot)
-            return Found(t.read(slot, mods, revs), d, cos, f"l1:{slot}", nearest)
+            mods = list(self._modalities)
+            qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in qs], np.int64)
+            has_z = np.array([q.z is not None for q in qs], bool)
+            qz = None
+            if has_z.any():
+                dim = next(q.z for q in qs if q.z is not None).shape[0]
+                qz = np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in qs])
+            codec = self.payload_codec
+            payload = t.payload
+
+            def records(idx, modality):
+                return np.ascontiguousarray(payload[slots[idx], : codec.nbytes(modality)])
+
+            current = np.array([r == revision for r in self._revisions], bool)
+            batch = Batch(lims=qlims, dists=dists, modality=t.modality[slots].astype(np.int64),
+                          current=current[t.revision[slots]], expires=t.expires[slots], has_payload=t.plen[slots] > 0,
+                          records=records)
+            chosen, cos = check.select(qz, has_z, qmod, mods, batch, now, trusted=True)
+            revs = self._revisions
+            for j, i in enumerate(todo):
+                if counts[j] == 0:
+                    continue
+                nearest = int(nearest_d[j])
+                c = int(chosen[j])
+                if c < 0:
+                    out[i] = Found(nearest=nearest)
+                    continue
+                slot = int(slots[c])
+                self.policy.access(slot)
+                cs = None if np.isnan(cos[j]) else float(cos[j])
+                out[i] = Found(t.read(slot, mods, revs), int(dists[c]), cs, f"l1:{slot}", nearest)
+        return out
 
     def put(self, tenant: str, e: Entry) -> bool:
-        """Store `e` (of this tier's revision) unless it is larger than the capacity or refused by
-        admission; the same (tenant, modality, code, payload) stored again replaces the older entry."""
-        nbytes = e.nbytes
+        return self.put_many(tenant, [e])[0]
+
+    def put_many(self, tenant: str, entries: list[Entry]) -> list[bool]:
+        """Store each entry (of this tier's revision) unless it is larger than the capacity or refused by
+        admission; the same (tenant, modality, code, payload) stored again replaces the older entry (a
+        later one of the batch replaces an earlier one). One index search finds the entries replaced, one
+        index add takes the batch."""
         m = self.metrics
-        if nbytes > self.config.capacity_bytes:
-            m.rejections.labels(reason="too_large").inc()
-            return False
+        cap = self.config.capacity_bytes
+        out = [False] * len(entries)
+        fits = [i for i, e in enumerate(entries) if e.nbytes <= cap]
+        if len(fits) < len(entries):
+            m.rejections.labels(reason="too_large").inc(len(entries) - len(fits))
+        if not fits:
+            return out
         with self.lock:
             self.expire(self.clock())
             ti = self._tenant(tenant)
-            mi = self._modality_id(e.modality)
-            key = hash((ti, mi, e.code, e.payload))  # a hash collision only replaces an unrelated entry
-            old = self._exact.get(key)
-            if old is not None:
-                self._remove(old, None)  # the same request stored again: replace its value
             t = self.table
-            slot = t.alloc()
-            t.write(slot, e, ti, mi, self._revisions.index(e.revision))
-            self._backends[ti].add(slot, t.code[slot])
-            self._exact[key] = slot
-            admitted = True
-            for s in self.policy.insert(slot, nbytes):
-                if s == slot:
-                    admitted = False
-                    m.rejections.labels(reason="admission").inc()
-                    self._remove(slot, None)
-                else:
-                    self._remove(s, "capacity")
-            if admitted:
-                self._expiry.push(e.expires, slot, int(t.gen[slot]))
-                if self.bloom is not None:
-                    self.bloom.add(ti, e.code)
-                    self._maybe_rebuild_bloom()
-                m.puts.inc()
+            backend = self._backends[ti]
+            codes = np.frombuffer(b"".join(entries[i].code for i in fits), np.uint8).reshape(len(fits), self.code_bytes)
+            lims, same_code, _ = backend.search_many(codes, 0)
+            placed: dict[tuple, int] = {}   # (modality, code, payload) -> slot, for this batch
+            added: dict[int, None] = {}     # slots written by this batch, in order
+            self._tenant_live[ti] += 1      # hold the tenant while the batch evicts
+            for j, i in enumerate(fits):
+                e = entries[i]
+                mi = self._modality_id(e.modality)
+                key = (mi, e.code, e.payload)
+                old = placed.get(key)
+                if old is None:
+                    for s in same_code[lims[j]:lims[j + 1]].tolist():
+                        if (t.alive[s] and t.modality[s] == mi and t.code[s].tobytes() == e.code
+                                and t.payload_of(s) == e.payload):
+                            old = s
+                            break
+                if old is not None and t.alive[old]:
+                    self._remove(old, None)  # the same request stored again: replace its value
+                    added.pop(old, None)
+                slot = t.alloc()
+                t.write(slot, e, ti, mi, self._revisions.index(e.revision))
+                self._tenant_live[ti] += 1
+                admitted = True
+                for s in self.policy.insert(slot, e.nbytes):
+                    if s == slot:
+                        admitted = False
+                        m.rejections.labels(reason="admission").inc()
+                        self._remove(slot, None)
+                    else:
+                        self._remove(s, "capacity")
+                        added.pop(s, None)
+                if admitted:
+                    placed[key] = slot
+                    added[slot] = None
+                    self._expiry.push(e.expires, slot, int(t.gen[slot]))
+                    if self.bloom is not None:
+                        self.bloom.add(ti, e.code)
+                    m.puts.inc()
+                    out[i] = True
+            live = np.array([s for s in added if t.alive[s]], np.int64)
+            if len(live):
+                backend.add_many(live, t.code[live])
+            self._tenant_live[ti] -= 1
+            self._drop_tenant_if_empty(ti)
+            self._maybe_rebuild_bloom()
             self.update_gauges()
-            return admitted
+            return out
 
     def delete_tenant(self, tenant: str) -> int:
         with self.lock:

@@ -140,7 +140,18 @@ class QueryEncoder:
         want = getattr(self.head, "in_dims", {}).get(modality)
         if f.ndim != 1 or (want is not None and f.shape[0] != want):
             raise RequestError(f"{modality} features must be a vector of {want or 'in_dim'} floats; got shape {f.shape}")
+        return self.from_feature_rows(modality, f[None])[0]
+
+    def from_feature_rows(self, modality: str, features) -> list[Query]:
+        """Queries for encoder features [B, in_dim], encoded in one forward pass."""
+        modality = self.check_modality(modality)
+        f = np.asarray(features)
+        want = getattr(self.head, "in_dims", {}).get(modality)
+        if f.ndim != 2 or (want is not None and f.shape[1] != want):
+            raise RequestError(f"{modality} features must be rows of {want or 'in_dim'} floats; got shape {f.shape}")
         if not (np.issubdtype(f.dtype, np.floating) or np.issubdtype(f.dtype, np.integer)) or not np.isfinite(f).all():
             raise RequestError(f"{modality} features must be finite numbers")
-        codes, z = self.head.encode(modality, f[None].astype(np.float32))
-        return Query(modality, codes[0].tobytes(), _unit(z[0]))
+        if len(f) == 0:
+            return []
+        codes, z = self.head.encode(modality, f.astype(np.float32))
+        return [Query(modality, codes[i].tobytes(), _unit(z[i])) for i in range(len(f))]

@@ -5,6 +5,8 @@
     b.remove(slot)
     slots, dists = b.search(code, radius)     # every live entry with distance <= radius (inclusive),
                                               # sorted by (distance, slot); int64 / int32 arrays
+    lims, slots, dists = b.search_many(codes, radius)   # codes uint8 [B, bits / 8], one index call:
+                                              # query i's results are slots[lims[i]:lims[i + 1]], same order
 
 faiss binary indexes cannot overwrite or cheaply delete a row, so the faiss backends are append-only
 with tombstones: a removed entry stays in the index, is filtered out of results, and the index is
@@ -64,6 +66,24 @@ class HammingBackend:
         raise NotImplementedError
 
     def search(self, code: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray]:
+        _, slots, dists = self.search_many(self._check_code(code)[None], radius)
+        return slots, dists
+
+    def search_many(self, codes: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(lims int64 [B + 1], slots int64, dists int32) for B queries in one call; each query's results
+        sorted by (distance, slot)."""
+        codes = np.asarray(codes)
+        if codes.dtype != np.uint8 or codes.ndim != 2 or codes.shape[1] != self.nbytes:
+            raise ValueError(f"codes must be uint8 [B, {self.nbytes}] (packed {self.bits}-bit codes); "
+                             f"got {codes.dtype} {codes.shape}")
+        codes = np.ascontiguousarray(codes)
+        if len(codes) == 0 or len(self) == 0 or radius < 0:
+            return np.zeros(len(codes) + 1, np.int64), _EMPTY[0], _EMPTY[1]
+        qid, slots, dists = self._range(codes, min(int(radius), self.bits))
+        return _grouped(len(codes), qid, slots, dists)
+
+    def _range(self, codes: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(query index, slot, distance) of every live entry within radius of each query, any order."""
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -75,7 +95,7 @@ class _SlotMap:
     of a million ints costs ~100 B an entry, this 8."""
 
     def __init__(self):
-        self._a = np.full(1024, -1, np.int64)
+        self._a = np.full(16, -1, np.int64)
         self._n = 0
 
     def __contains__(self, slot: int) -> bool:
@@ -107,11 +127,21 @@ class _SlotMap:
 _EMPTY = (np.zeros(0, np.int64), np.zeros(0, np.int32))
 
 
-def _sorted(slots: np.ndarray, dists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _grouped(n_queries: int, qid: np.ndarray, slots: np.ndarray, dists: np.ndarray):
+    """(lims, slots, dists): results grouped by query, each query's sorted by (distance, slot)."""
     if len(slots) > 1:
-        order = np.lexsort((slots, dists))
-        slots, dists = slots[order], dists[order]
-    return slots.astype(np.int64, copy=False), dists.astype(np.int32, copy=False)
+        if n_queries == 1:
+            order = np.lexsort((slots, dists))
+        elif n_queries < (1 << 12) and int(slots.max()) < (1 << 40):
+            # one int64 key: query (12 bits), distance (< 2^11), slot (< 2^40)
+            order = np.argsort((qid << 51) | (dists.astype(np.int64) << 40) | slots)
+        else:
+            order = np.lexsort((slots, dists, qid))
+        qid, slots, dists = qid[order], slots[order], dists[order]
+    lims = np.zeros(n_queries + 1, np.int64)
+    if len(qid):
+        np.cumsum(np.bincount(qid, minlength=n_queries), out=lims[1:])
+    return lims, slots.astype(np.int64, copy=False), dists.astype(np.int32, copy=False)
 
 
 class FaissBackend(HammingBackend):
@@ -195,38 +225,38 @@ class FaissBackend(HammingBackend):
         if len(slots):
             self._index.add(codes)
 
-    def search(self, code, radius: int) -> tuple[np.ndarray, np.ndarray]:
-        code = self._check_code(code)
-        radius = min(int(radius), self.bits)
-        if self._n == 0 or radius < 0:
-            return _EMPTY
+    def _range(self, codes: np.ndarray, radius: int):
+        if self._n == 0:
+            return np.zeros(0, np.int64), _EMPTY[0], _EMPTY[1]
         if self._use_mih:
             self._index.nflip = radius // self.nhash
         # One query is too little work for an OpenMP team: waking threads costs ~1 ms on a busy machine
-        # (measured: 1.5 ms vs 33 us for 500 codes on 2 shared cores). The thread count is a per-thread
-        # OpenMP setting, so this does not touch other threads' faiss calls.
+        # (measured: 1.5 ms vs 33 us for 500 codes on 2 shared cores), and a batch is served on one core
+        # too. The thread count is a per-thread OpenMP setting, so this does not touch other threads' calls.
         faiss = self._faiss
         prev = faiss.omp_get_max_threads()
         if prev != 1:
             faiss.omp_set_num_threads(1)
         try:
             # faiss's own range_search wrapper, minus the copies of empty results
-            q = np.ascontiguousarray(code)
-            res = faiss.RangeSearchResult(1)
-            self._index.range_search_c(1, faiss.swig_ptr(q), radius + 1, res)
-            nd = int(faiss.rev_swig_ptr(res.lims, 2)[1])
+            b = len(codes)
+            res = faiss.RangeSearchResult(b)
+            self._index.range_search_c(b, faiss.swig_ptr(codes), radius + 1, res)
+            lims = faiss.rev_swig_ptr(res.lims, b + 1)
+            nd = int(lims[b])
             if nd == 0:
-                return _EMPTY
+                return np.zeros(0, np.int64), _EMPTY[0], _EMPTY[1]
+            qid = np.repeat(np.arange(b, dtype=np.int64), np.diff(lims.astype(np.int64))) if b > 1 else np.zeros(nd, np.int64)
             D = faiss.rev_swig_ptr(res.distances, nd).astype(np.int32)
             I = faiss.rev_swig_ptr(res.labels, nd).copy()
         finally:
             if prev != 1:
                 faiss.omp_set_num_threads(prev)
         slots = self._pos2slot[I]
-        if nd == 1:
-            return (slots, D) if slots[0] >= 0 else _EMPTY
         keep = slots >= 0
-        return _sorted(slots[keep], D[keep])
+        if keep.all():
+            return qid, slots, D
+        return qid[keep], slots[keep], D[keep]
 
     def __len__(self) -> int:
         return len(self._slot2pos)
@@ -288,19 +318,19 @@ class TorchBackend(HammingBackend):
         self._pos2slot[pos] = -1
         self._free.append(pos)
 
-    def search(self, code, radius: int) -> tuple[np.ndarray, np.ndarray]:
-        code = self._check_code(code)
-        if self._n == 0 or radius < 0:
-            return np.zeros(0, np.int64), np.zeros(0, np.int32)
+    def _range(self, codes: np.ndarray, radius: int):
         torch = self._torch
-        q = torch.as_tensor(code.copy(), device=self.device)
-        x = torch.bitwise_xor(self._codes[: self._n], q)
-        d = self._lut[x.long()].sum(dim=1, dtype=torch.int32)
-        ok = (d <= int(radius)) & self._alive[: self._n]
-        pos = torch.nonzero(ok).flatten()
-        dists = d[pos]
-        pos, dists = pos.cpu().numpy(), dists.cpu().numpy()  # the one device -> host copy
-        return _sorted(self._pos2slot[pos], dists)
+        q = torch.as_tensor(np.array(codes), device=self.device)
+        step = max(1, (1 << 24) // max(1, self._n * self.nbytes))  # bound the [step, n, nbytes] XOR block
+        qids, poss, dists = [], [], []
+        for s in range(0, len(codes), step):
+            x = torch.bitwise_xor(self._codes[None, : self._n], q[s:s + step, None])
+            d = self._lut[x.long()].sum(dim=2, dtype=torch.int32)
+            ok = (d <= int(radius)) & self._alive[None, : self._n]
+            qi, pos = torch.nonzero(ok, as_tuple=True)
+            qids.append(qi + s), poss.append(pos), dists.append(d[qi, pos])
+        qi, pos, d = (torch.cat(v).cpu().numpy() for v in (qids, poss, dists))  # the one device -> host copy
+        return qi.astype(np.int64), self._pos2slot[pos], d.astype(np.int32)
 
     def __len__(self) -> int:
         return len(self._slot2pos)

@@ -35,12 +35,14 @@ def _norms(dec: np.ndarray) -> np.ndarray:
 
 
 def scores(fmt, q_unit: np.ndarray, records: np.ndarray, checked: bool = True) -> np.ndarray:
-    """Cosines float32 [N] of one unit-norm query float32 [dim] with the decoded records [N, nbytes].
+    """Cosines float32 [N] of one unit-norm query float32 [dim] (or one per record, [N, dim]) with the
+    decoded records [N, nbytes].
 
     checked=False skips every argument check: records must be C-contiguous uint8 [N, fmt.nbytes] and q_unit
-    float32 [dim] of unit norm (not re-normalised here)."""
+    float32 of unit norm (not re-normalised here)."""
     dec = fmt.decode(records) if checked else fmt.decode_unchecked(records)
-    return ((dec @ q_unit) / _norms(dec)).astype(np.float32, copy=False)
+    dots = dec @ q_unit if q_unit.ndim == 1 else np.einsum("nd,nd->n", dec, q_unit)
+    return (dots / _norms(dec)).astype(np.float32, copy=False)
 
 
 def cosine(fmt, query, records) -> np.ndarray:
