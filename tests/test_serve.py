@@ -191,3 +191,25 @@ def test_bearer_scheme_is_case_insensitive_and_other_schemes_are_refused(export_
         r = c.post("/v1/lookup", json=body, headers={"Authorization": f"Basic {TOKEN}"})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert r.json() == {"error": "missing or wrong bearer token"}
+
+
+def test_lookup_batch_answers_each_row_as_a_single_lookup(client):
+    rng = np.random.default_rng(0)
+    feats = rng.normal(size=(6, 16)).round(3).tolist()
+    for i, f in enumerate(feats[:3]):
+        client.post("/v1/store", json={"modality": "audio", "features": f, "value": i})
+    r = client.post("/v1/lookup_batch", json={"modality": "audio", "features": feats})
+    assert r.status_code == 200
+    singles = [client.post("/v1/lookup", json={"modality": "audio", "features": f}).json() for f in feats]
+    got = r.json()["results"]
+    # the batch's z comes from one forward pass of the head: equal to the single ones to float32 rounding
+    for g, one in zip(got, singles):
+        assert g.pop("cosine", None) == pytest.approx(one.pop("cosine", None), abs=1e-5)
+    assert got == singles and [x["hit"] for x in singles] == [True] * 3 + [False] * 3
+    assert client.post("/v1/lookup_batch", json={"modality": "audio", "features": []}).json() == {"results": []}
+    for bad, status in [({"modality": "audio", "features": [[1.0, 2.0], [1.0]]}, 400),
+                        ({"modality": "audio", "features": [[1.0] * 5]}, 400),
+                        ({"modality": "smell", "features": [[1.0] * 16]}, 400),
+                        ({"modality": "audio", "features": [[1.0] * 16], "tenant": "nobody"}, 404),
+                        ({"modality": "audio", "features": "x"}, 422)]:
+        assert client.post("/v1/lookup_batch", json=bad).status_code == status, bad

@@ -5,6 +5,8 @@ An HTTP service around one `SemanticCache` (FastAPI + uvicorn):
     POST /v1/lookup   {"tenant", "modality", one of "text" | "data_b64" | "features"}
                       -> {"hit": true, "value", "distance", "cosine", "tier", "revision", "entry_modality"}
                          or {"hit": false}
+    POST /v1/lookup_batch  {"tenant", "modality", "features": [[...], ...]} (at most 4096 rows)
+                      -> {"results": [one /v1/lookup answer per row, in order]}: one search for the batch
     POST /v1/store    the same plus "value" (any JSON) and optional "ttl_s" -> {"stored": bool}
     GET  /metrics     Prometheus text (this cache's registry)
     GET  /healthz     {"status": "ok"} (no token needed; says nothing else)
@@ -151,6 +153,13 @@ class LookupBody(BaseModel):
     features: Optional[list[float]] = None
 
 
+class LookupBatchBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: str = Field("default", pattern=TENANT_PATTERN)
+    modality: str
+    features: list[list[float]] = Field(..., max_length=4096)
+
+
 class StoreBody(LookupBody):
     value: Any
     ttl_s: Optional[float] = Field(None, gt=0, le=10 * 365 * 86400)
@@ -233,6 +242,22 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
             return {"hit": False}
         return {"hit": True, "value": hit.value, "distance": hit.distance, "cosine": hit.cosine, "tier": hit.tier,
                 "revision": hit.revision, "entry_modality": hit.modality}
+
+    @app.post("/v1/lookup_batch", dependencies=[Depends(auth)])
+    def lookup_batch(body: LookupBatchBody):
+        import numpy as np
+
+        tenant = cache.check_tenant(body.tenant)
+        try:
+            feats = np.asarray(body.features, np.float32)
+        except ValueError:
+            raise RequestError("features must be rows of equal length") from None
+        if not len(feats):
+            return {"results": []}
+        hits = cache.lookup_many(cache.encoder.from_feature_rows(body.modality, feats), tenant)
+        return {"results": [{"hit": True, "value": h.value, "distance": h.distance, "cosine": h.cosine, "tier": h.tier,
+                             "revision": h.revision, "entry_modality": h.modality} if h is not None else {"hit": False}
+                            for h in hits]}
 
     @app.post("/v1/store", dependencies=[Depends(auth)])
     def store(body: StoreBody):
