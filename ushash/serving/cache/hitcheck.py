@@ -7,8 +7,8 @@ modality with `cross_modal: false`, or, with `payload_check`, when its decoded p
 cosine, then candidate order.
 
 One vectorised step for a whole batch of queries (`select`): the candidates of every query as flat
-columns, the payloads of those that pass the cheap checks decoded and scored in one call per modality,
-and the winner of each query picked by one sort. `choose` is `select` for one query's `Candidates` list
+columns, the cheap checks in one compiled pass (numba), the payloads of those that pass decoded and
+scored in one call per modality, and the winner of each query picked in a second compiled pass. `choose` is `select` for one query's `Candidates` list
 (the L2's).
 
 The cosine is the payload codec's (ushash.serving.payload.scoring.scores): unchecked for the L1's own
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from numba import njit
 
 from ushash.serving.cache.entries import Candidates
 from ushash.serving.cache.request import Query
@@ -39,6 +40,64 @@ class Batch:
     records: Callable[[np.ndarray, str], np.ndarray]   # (candidate indices, modality) -> uint8 [k, nbytes]
 
 
+# candidate status, per query and candidate (_triage)
+_REVISION, _EXPIRED, _MODALITY, _SERVABLE, _CHECK, _NO_PAYLOAD = range(6)
+
+
+@njit(cache=True, nogil=True)
+def _triage(lims, current, expires, modality, qmod, has_z, has_payload, now, cross_modal, check):
+    """Status of every candidate (the cheap checks), and the revision / expired refusal counts."""
+    status = np.empty(len(current), np.int8)
+    n_rev = n_exp = 0
+    for qi in range(len(lims) - 1):
+        for j in range(lims[qi], lims[qi + 1]):
+            if not current[j]:
+                status[j] = _REVISION
+                n_rev += 1
+            elif expires[j] <= now:
+                status[j] = _EXPIRED
+                n_exp += 1
+            elif not cross_modal and modality[j] != qmod[qi]:
+                status[j] = _MODALITY
+            elif check and has_z[qi]:
+                status[j] = _CHECK if has_payload[j] else _NO_PAYLOAD
+            else:
+                status[j] = _SERVABLE
+    return status, n_rev, n_exp
+
+
+@njit(cache=True, nogil=True)
+def _pick(lims, dists, status, cos, threshold):
+    """Per query: the nearest servable candidate (checked ones need cosine >= threshold), ties by higher
+    cosine, then candidate order. Returns (chosen [B] or -1, its cosine or NaN, payload refusals)."""
+    b = len(lims) - 1
+    chosen = np.full(b, -1, np.int64)
+    out = np.full(b, np.nan, np.float32)
+    n_bad = 0
+    for qi in range(b):
+        best, bd, bc = -1, 0, np.float32(0.0)
+        for j in range(lims[qi], lims[qi + 1]):
+            s = status[j]
+            if s == _CHECK:
+                if np.float64(cos[j]) < threshold:
+                    n_bad += 1
+                    continue
+                cj = cos[j]
+            elif s == _NO_PAYLOAD:
+                n_bad += 1
+                continue
+            elif s == _SERVABLE:
+                cj = np.float32(0.0)
+            else:
+                continue
+            if best < 0 or dists[j] < bd or (dists[j] == bd and cj > bc):
+                best, bd, bc = j, dists[j], cj
+        chosen[qi] = best
+        if best >= 0 and status[best] == _CHECK:
+            out[qi] = cos[best]
+    return chosen, out, n_bad
+
+
 class HitCheck:
     def __init__(self, payload_codec, payload_check: bool, payload_threshold: float, cross_modal: bool, metrics):
         self.codec = payload_codec
@@ -54,43 +113,29 @@ class HitCheck:
         qmod int [B] (index into `modalities`). trusted: the payload records were written by this process
         (the unchecked decoding path is safe)."""
         b, m = len(c.lims) - 1, len(c.dists)
-        chosen = np.full(b, -1, np.int64)
-        cos = np.full(m, np.nan, np.float32)
         if m == 0:
-            return chosen, np.full(b, np.nan, np.float32)
-        qid = np.repeat(np.arange(b), np.diff(c.lims))
-        keep = c.current & (c.expires > now)
-        n_rev = m - int(c.current.sum())
-        n_exp = int(c.current.sum()) - int(keep.sum())
+            return np.full(b, -1, np.int64), np.full(b, np.nan, np.float32)
+        check = self.payload_check and self.codec is not None and qz is not None
+        status, n_rev, n_exp = _triage(c.lims, c.current, c.expires, c.modality, qmod, has_z, c.has_payload, float(now),
+                                       self.cross_modal, check)
         if n_rev:
             self.metrics.rejections.labels(reason="revision").inc(n_rev)
         if n_exp:
             self.metrics.rejections.labels(reason="expired").inc(n_exp)
-        if not self.cross_modal:
-            keep &= c.modality == qmod[qid]
-        if self.payload_check and self.codec is not None and qz is not None:
-            checking = keep & has_z[qid]
-            if checking.any():
-                good = checking & c.has_payload   # an entry without a payload cannot pass the check
-                for mi in np.unique(c.modality[good]).tolist():
-                    idx = np.flatnonzero(good & (c.modality == mi))
+        cos = np.zeros(m, np.float32)
+        if check:
+            idx = np.flatnonzero(status == _CHECK)
+            if len(idx):
+                qid = np.zeros(m, np.int64) if b == 1 else np.repeat(np.arange(b), c.lims[1:] - c.lims[:-1])
+                present = c.modality[idx]
+                groups = [(int(present[0]), idx)] if present.min() == present.max() else \
+                    [(mi, idx[present == mi]) for mi in sorted(set(present.tolist()))]
+                for mi, ix in groups:
                     name = modalities[mi]
-                    cos[idx] = self.codec.scores(name, qz[qid[idx]], c.records(idx, name), checked=not trusted)
-                passed = checking & (cos.astype(np.float64) >= self.threshold)
-                n_bad = int(checking.sum()) - int(passed.sum())
-                if n_bad:
-                    self.metrics.rejections.labels(reason="payload").inc(n_bad)
-                keep = (keep & ~checking) | passed
-        ok = np.flatnonzero(keep)
-        if len(ok):
-            # per query: nearest, then higher cosine (unchecked candidates: 0 for all), then candidate order
-            neg = -np.nan_to_num(cos[ok], nan=0.0).astype(np.float64) + 0.0
-            order = ok[np.lexsort((ok, neg, c.dists[ok], qid[ok]))]
-            first = np.unique(qid[order], return_index=True)
-            chosen[first[0]] = order[first[1]]
-        out = np.full(b, np.nan, np.float32)
-        hit = chosen >= 0
-        out[hit] = cos[chosen[hit]]
+                    cos[ix] = self.codec.scores(name, qz[qid[ix]], c.records(ix, name), checked=not trusted)
+        chosen, out, n_bad = _pick(c.lims, c.dists, status, cos, self.threshold)
+        if n_bad:
+            self.metrics.rejections.labels(reason="payload").inc(n_bad)
         return chosen, out
 
     def choose(self, q: Query, c: Candidates, revision: str, now: float,

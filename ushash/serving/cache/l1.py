@@ -162,20 +162,28 @@ class L1Tier:
             qs = [queries[i] for i in todo]
             codes = np.frombuffer(b"".join(q.code for q in qs), np.uint8).reshape(len(qs), self.code_bytes)
             lims, slots, dists = self._backends[ti].search_many(codes, self.observe_radius)
-            counts = np.diff(lims)
+            counts = lims[1:] - lims[:-1]
             nearest_d = dists[np.minimum(lims[:-1], max(0, len(dists) - 1))] if len(dists) else counts
             # each query's candidates: within the radius (a prefix: distances are sorted), at most max_candidates
-            rank = np.arange(len(slots)) - np.repeat(lims[:-1], counts)
-            sel = np.flatnonzero((dists <= self.radius) & (rank < self.config.max_candidates))
-            slots, dists = slots[sel], dists[sel]
-            qlims = np.zeros(len(qs) + 1, np.int64)
-            np.cumsum(np.bincount(np.repeat(np.arange(len(qs)), counts)[sel], minlength=len(qs)), out=qlims[1:])
+            mc = self.config.max_candidates
+            if len(qs) == 1:
+                k = min(int(np.count_nonzero(dists <= self.radius)), mc)
+                slots, dists = slots[:k], dists[:k]
+                qlims = np.array([0, k], np.int64)
+            else:
+                rank = np.arange(len(slots)) - np.repeat(lims[:-1], counts)
+                sel = np.flatnonzero((dists <= self.radius) & (rank < mc))
+                slots, dists = slots[sel], dists[sel]
+                qlims = np.zeros(len(qs) + 1, np.int64)
+                np.cumsum(np.bincount(np.repeat(np.arange(len(qs)), counts)[sel], minlength=len(qs)), out=qlims[1:])
             t = self.table
             mods = list(self._modalities)
             qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in qs], np.int64)
             has_z = np.array([q.z is not None for q in qs], bool)
             qz = None
-            if has_z.any():
+            if len(qs) == 1:
+                qz = None if qs[0].z is None else qs[0].z[None]
+            elif has_z.any():
                 dim = next(q.z for q in qs if q.z is not None).shape[0]
                 qz = np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in qs])
             codec = self.payload_codec
@@ -184,24 +192,22 @@ class L1Tier:
             def records(idx, modality):
                 return np.ascontiguousarray(payload[slots[idx], : codec.nbytes(modality)])
 
-            current = np.array([r == revision for r in self._revisions], bool)
-            batch = Batch(lims=qlims, dists=dists, modality=t.modality[slots].astype(np.int64),
-                          current=current[t.revision[slots]], expires=t.expires[slots], has_payload=t.plen[slots] > 0,
-                          records=records)
-            chosen, cos = check.select(qz, has_z, qmod, mods, batch, now, trusted=True)
             revs = self._revisions
-            for j, i in enumerate(todo):
-                if counts[j] == 0:
+            current = (t.revision[slots] == 0) if len(revs) == 1 and revs[0] == revision else \
+                np.array([r == revision for r in revs], bool)[t.revision[slots]]
+            batch = Batch(lims=qlims, dists=dists, modality=t.modality[slots], current=current,
+                          expires=t.expires[slots], has_payload=t.plen[slots] > 0, records=records)
+            chosen, cos = check.select(qz, has_z, qmod, mods, batch, now, trusted=True)
+            for j, (i, n, nearest, c, cs) in enumerate(zip(todo, counts.tolist(), nearest_d.tolist(), chosen.tolist(),
+                                                           cos.tolist())):
+                if n == 0:
                     continue
-                nearest = int(nearest_d[j])
-                c = int(chosen[j])
                 if c < 0:
                     out[i] = Found(nearest=nearest)
                     continue
                 slot = int(slots[c])
                 self.policy.access(slot)
-                cs = None if np.isnan(cos[j]) else float(cos[j])
-                out[i] = Found(t.read(slot, mods, revs), int(dists[c]), cs, f"l1:{slot}", nearest)
+                out[i] = Found(t.read(slot, mods, revs), int(dists[c]), None if cs != cs else cs, f"l1:{slot}", nearest)
         return out
 
     def put(self, tenant: str, e: Entry) -> bool:
