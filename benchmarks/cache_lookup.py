@@ -10,10 +10,14 @@ the same run, interleaved in rounds so machine noise hits both alike:
   cache:     SemanticCache.lookup(query) with radius 3: Bloom filter, search, tombstone filter, expiry and
              revision checks, policy update, metrics; without and with the payload cosine check
 
-Prints p50 / p99 per lookup, the ratio cache / bare faiss, the bytes per entry the cache accounts
-(codes + payloads + values) and the process memory per entry (RSS growth while filling).
+  batches:   SemanticCache.lookup_many on batches of `--batch` queries (with the payload check), as
+             lookups/s on one core, against the bare faiss MIH range search of the same batch in one call
 
-    python benchmarks/cache_lookup.py [--sizes 100000 1000000] [--queries 20000] [--codes uniform]
+Prints p50 / p99 per lookup, the ratio cache / bare faiss, the bytes per entry the cache accounts
+(codes + payloads + values) and the process memory per entry (RSS growth while filling); then the
+process memory per entry of a default-capacity (256 MiB) cache holding `--small` entries.
+
+    python benchmarks/cache_lookup.py [--sizes 100000 1000000] [--queries 20000] [--codes uniform] [--batch 1000]
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def percentiles(lat: list[float]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: int = 5) -> dict:
+def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: int = 5, batch: int = 1000) -> dict:
     from ushash.serving.cache import SemanticCache
     from ushash.serving.cache.lsh import LSHHead
     from ushash.serving.payload import PayloadCodec
@@ -121,11 +125,45 @@ def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: i
             s = time.perf_counter()
             cache.lookup(q, "bench")
             lat["cache_payload"].append(time.perf_counter() - s)
+    # batches: lookup_many (payload check on) vs one faiss range_search call for the same batch
+    bt = {"faiss_mih_batch": [], "cache_batch": []}
+    nb = max(1, n_queries // batch)
+    for r in range(nb):
+        sl = slice(r * batch, (r + 1) * batch)
+        s = time.perf_counter()
+        mh.range_search(np.ascontiguousarray(qcodes[sl]), RADIUS + 1)
+        bt["faiss_mih_batch"].append(time.perf_counter() - s)
+        s = time.perf_counter()
+        cache.lookup_many(q_payload[sl], "bench")
+        bt["cache_batch"].append(time.perf_counter() - s)
     res = {"n": n, "codes": kind, "fill_s": fill_s, "hit_frac": hits / (chunk * rounds),
+           "batch": batch, **{k + "_per_s": batch / float(np.median(v)) for k, v in bt.items()},
            "accounted_bytes_per_entry": cache.policy.used_bytes / n, "rss_bytes_per_entry": rss / n}
     for k, v in lat.items():
         res[k] = percentiles(v)
     return res
+
+
+def small(n: int, policy: str) -> dict:
+    """Process memory per entry of a cache at the default capacity holding n entries."""
+    from ushash.serving.cache import SemanticCache
+    from ushash.serving.cache.lsh import LSHHead
+    from ushash.serving.payload import PayloadCodec
+
+    rng = np.random.default_rng(SEED)
+    codes = make_codes(n, "clustered", rng)
+    codec = PayloadCodec.uniform(DIM, ("image",), kind="int4", scale="group", group_size=32)
+    z = rng.normal(size=(n, DIM)).astype(np.float32)
+    z /= np.linalg.norm(z, axis=1, keepdims=True)
+    payloads = codec.encode("image", z)
+    head = LSHHead({"image": DIM}, bits=BITS, dim=DIM, payload=codec)
+    values = [int(i) for i in range(n)]
+    rss0 = rss_bytes()
+    cache = SemanticCache(head, {"radius": RADIUS, "policy": policy})
+    cache.store_codes("bench", "image", codes, values, payloads=payloads)
+    rss = rss_bytes() - rss0
+    return {"n": n, "entries": len(cache), "accounted_bytes_per_entry": cache.policy.used_bytes / n,
+            "rss_bytes_per_entry": rss / n}
 
 
 def main():
@@ -134,10 +172,15 @@ def main():
     ap.add_argument("--queries", type=int, default=20_000)
     ap.add_argument("--codes", choices=["uniform", "clustered"], nargs="+", default=["uniform", "clustered"])
     ap.add_argument("--policy", default="wtinylfu", choices=["lru", "lfu", "wtinylfu", "lruk"])
+    ap.add_argument("--batch", type=int, default=1000)
+    ap.add_argument("--small", type=int, default=2500)
     ap.add_argument("--one", nargs=2, metavar=("CODES", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:  # one configuration in a fresh process, so its memory growth is its own
-        print(json.dumps(bench(int(args.one[1]), args.queries, args.one[0], args.policy)))
+        if args.one[0] == "small":
+            print(json.dumps(small(int(args.one[1]), args.policy)))
+        else:
+            print(json.dumps(bench(int(args.one[1]), args.queries, args.one[0], args.policy, batch=args.batch)))
         return
     print(f"# cache_lookup  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, faiss {faiss.__version__}")
@@ -145,8 +188,8 @@ def main():
           f"latency per single-query lookup in µs; policy {args.policy}")
     print("| entries | codes | bare faiss MIH p50 / p99 | cache p50 / p99 | ratio p50 / p99 | "
           "cache + payload check p50 / p99 | ratio p50 / p99 | faiss flat k=1 p50 | hits | bytes/entry accounted | "
-          "RSS bytes/entry | fill s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "RSS bytes/entry | fill s | lookup_many /s (batch) | bare faiss MIH batch /s | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kind in args.codes:
         for n in args.sizes:
             out = subprocess.run([sys.executable, __file__, "--one", kind, str(n), "--queries", str(args.queries),
@@ -158,7 +201,13 @@ def main():
             print(f"| {n:,} | {kind} | {f50:.1f} / {f99:.1f} | {c50:.1f} / {c99:.1f} | {c50 / f50:.2f} / {c99 / f99:.2f} | "
                   f"{p50:.1f} / {p99:.1f} | {p50 / f50:.2f} / {p99 / f99:.2f} | {r['faiss_flat_k1'][0]:.0f} | "
                   f"{r['hit_frac']:.2f} | {r['accounted_bytes_per_entry']:.0f} | {r['rss_bytes_per_entry']:.0f} | "
-                  f"{r['fill_s']:.0f} |", flush=True)
+                  f"{r['fill_s']:.0f} | {r['cache_batch_per_s']:,.0f} ({r['batch']}) | {r['faiss_mih_batch_per_s']:,.0f} | "
+                  f"{r['cache_batch_per_s'] / r['faiss_mih_batch_per_s']:.2f} |", flush=True)
+    out = subprocess.run([sys.executable, __file__, "--one", "small", str(args.small), "--policy", args.policy],
+                         capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"# default capacity (256 MiB), {r['entries']:,} entries: {r['accounted_bytes_per_entry']:.0f} B/entry accounted, "
+          f"{r['rss_bytes_per_entry']:.0f} B/entry process memory")
     print(f"# load average at the end {os.getloadavg()[0]:.1f}")
 
 
