@@ -132,6 +132,7 @@ class HitCheck:
                     [(mi, idx[present == mi]) for mi in sorted(set(present.tolist()))]
                 for mi, ix in groups:
                     name = modalities[mi]
+                    # one row of z per candidate, a batch of one included: the same arithmetic, the same cosines
                     cos[ix] = self.codec.scores(name, qz[qid[ix]], c.records(ix, name), checked=not trusted)
         chosen, out, n_bad = _pick(c.lims, c.dists, status, cos, self.threshold)
         if n_bad:

@@ -72,18 +72,20 @@ class HammingBackend:
     def search_many(self, codes: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(lims int64 [B + 1], slots int64, dists int32) for B queries in one call; each query's results
         sorted by (distance, slot)."""
-        codes = np.asarray(codes)
-        if codes.dtype != np.uint8 or codes.ndim != 2 or codes.shape[1] != self.nbytes:
+        if not isinstance(codes, np.ndarray) or codes.dtype != np.uint8 or codes.ndim != 2 or codes.shape[1] != self.nbytes:
             raise ValueError(f"codes must be uint8 [B, {self.nbytes}] (packed {self.bits}-bit codes); "
-                             f"got {codes.dtype} {codes.shape}")
-        codes = np.ascontiguousarray(codes)
-        if len(codes) == 0 or len(self) == 0 or radius < 0:
-            return np.zeros(len(codes) + 1, np.int64), _EMPTY[0], _EMPTY[1]
+                             f"got {getattr(codes, 'dtype', type(codes))} {getattr(codes, 'shape', '')}")
+        if not codes.flags.c_contiguous:
+            codes = np.ascontiguousarray(codes)
+        b = len(codes)
+        if b == 0 or len(self) == 0 or radius < 0:
+            return np.zeros(b + 1, np.int64), _EMPTY[0], _EMPTY[1]
         qid, slots, dists = self._range(codes, min(int(radius), self.bits))
-        return _grouped(len(codes), qid, slots, dists)
+        return _grouped(b, qid, slots, dists)
 
-    def _range(self, codes: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(query index, slot, distance) of every live entry within radius of each query, any order."""
+    def _range(self, codes: np.ndarray, radius: int) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """(query index, slot int64, distance int32) of every live entry within radius of each query, any
+        order; the query index is None for a single query."""
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -127,12 +129,16 @@ class _SlotMap:
 _EMPTY = (np.zeros(0, np.int64), np.zeros(0, np.int32))
 
 
-def _grouped(n_queries: int, qid: np.ndarray, slots: np.ndarray, dists: np.ndarray):
-    """(lims, slots, dists): results grouped by query, each query's sorted by (distance, slot)."""
-    if len(slots) > 1:
-        if n_queries == 1:
+def _grouped(n_queries: int, qid, slots: np.ndarray, dists: np.ndarray):
+    """(lims, slots, dists): results grouped by query, each query's sorted by (distance, slot). qid: the
+    query of each result (None: one query)."""
+    if n_queries == 1:
+        if len(slots) > 1:
             order = np.lexsort((slots, dists))
-        elif n_queries < (1 << 12) and int(slots.max()) < (1 << 40):
+            slots, dists = slots[order], dists[order]
+        return np.array([0, len(slots)], np.int64), slots, dists
+    if len(slots) > 1:
+        if n_queries < (1 << 12) and int(slots.max()) < (1 << 40):
             # one int64 key: query (12 bits), distance (< 2^11), slot (< 2^40)
             order = np.argsort((qid << 51) | (dists.astype(np.int64) << 40) | slots)
         else:
@@ -141,7 +147,7 @@ def _grouped(n_queries: int, qid: np.ndarray, slots: np.ndarray, dists: np.ndarr
     lims = np.zeros(n_queries + 1, np.int64)
     if len(qid):
         np.cumsum(np.bincount(qid, minlength=n_queries), out=lims[1:])
-    return lims, slots.astype(np.int64, copy=False), dists.astype(np.int32, copy=False)
+    return lims, slots, dists
 
 
 class FaissBackend(HammingBackend):
@@ -226,8 +232,6 @@ class FaissBackend(HammingBackend):
             self._index.add(codes)
 
     def _range(self, codes: np.ndarray, radius: int):
-        if self._n == 0:
-            return np.zeros(0, np.int64), _EMPTY[0], _EMPTY[1]
         if self._use_mih:
             self._index.nflip = radius // self.nhash
         # One query is too little work for an OpenMP team: waking threads costs ~1 ms on a busy machine
@@ -238,25 +242,24 @@ class FaissBackend(HammingBackend):
         if prev != 1:
             faiss.omp_set_num_threads(1)
         try:
-            # faiss's own range_search wrapper, minus the copies of empty results
+            # faiss's own range_search wrapper, minus its copies
             b = len(codes)
             res = faiss.RangeSearchResult(b)
             self._index.range_search_c(b, faiss.swig_ptr(codes), radius + 1, res)
             lims = faiss.rev_swig_ptr(res.lims, b + 1)
             nd = int(lims[b])
             if nd == 0:
-                return np.zeros(0, np.int64), _EMPTY[0], _EMPTY[1]
-            qid = np.repeat(np.arange(b, dtype=np.int64), np.diff(lims.astype(np.int64))) if b > 1 else np.zeros(nd, np.int64)
+                return (None if b == 1 else _EMPTY[0]), _EMPTY[0], _EMPTY[1]
             D = faiss.rev_swig_ptr(res.distances, nd).astype(np.int32)
-            I = faiss.rev_swig_ptr(res.labels, nd).copy()
+            slots = self._pos2slot[faiss.rev_swig_ptr(res.labels, nd)]
+            qid = None if b == 1 else np.repeat(np.arange(b, dtype=np.int64), np.diff(lims.astype(np.int64)))
         finally:
             if prev != 1:
                 faiss.omp_set_num_threads(prev)
-        slots = self._pos2slot[I]
-        keep = slots >= 0
-        if keep.all():
+        if slots.min() >= 0:
             return qid, slots, D
-        return qid[keep], slots[keep], D[keep]
+        keep = slots >= 0  # tombstones
+        return (None if qid is None else qid[keep]), slots[keep], D[keep]
 
     def __len__(self) -> int:
         return len(self._slot2pos)
@@ -330,7 +333,7 @@ class TorchBackend(HammingBackend):
             qi, pos = torch.nonzero(ok, as_tuple=True)
             qids.append(qi + s), poss.append(pos), dists.append(d[qi, pos])
         qi, pos, d = (torch.cat(v).cpu().numpy() for v in (qids, poss, dists))  # the one device -> host copy
-        return qi.astype(np.int64), self._pos2slot[pos], d.astype(np.int32)
+        return (None if len(codes) == 1 else qi.astype(np.int64)), self._pos2slot[pos], d.astype(np.int32)
 
     def __len__(self) -> int:
         return len(self._slot2pos)
