@@ -262,3 +262,22 @@ def test_unchecked_scores_equal_the_checked_path(settings):
     with pytest.raises(PayloadError, match="uint8"):
         f.scores(q, rec.astype(np.int16))                                 # the checked path refuses bad records
     assert f.scores(q, np.zeros((0, f.nbytes), np.uint8)).shape == (0,)
+
+
+def test_compiled_int4_group_scores_equal_decode_then_dot():
+    """The int4 group-scaled format scores in one compiled pass; it equals decoding then the dot product."""
+    from ushash.serving.payload import PayloadCodec, scoring
+
+    rng = np.random.default_rng(0)
+    for dim, group in ((128, 32), (100, 32), (7, 3)):
+        fmt = PayloadCodec.uniform(dim, ("image",), kind="int4", scale="group", group_size=group)["image"]
+        x = rng.normal(size=(40, dim)).astype(np.float32) * rng.uniform(1e-4, 50, size=(40, 1)).astype(np.float32)
+        x[0] = 0
+        recs = fmt.encode(x)
+        q = rng.normal(size=(40, dim)).astype(np.float32)
+        q /= np.linalg.norm(q, axis=1, keepdims=True)
+        ref_one = scoring.scores(fmt, q[0], recs, checked=True)
+        ref_rows = scoring.scores(fmt, q, recs, checked=True)
+        np.testing.assert_allclose(fmt.scores(q[0], recs), ref_one, atol=2e-6)
+        np.testing.assert_allclose(fmt.scores(q, recs, checked=False), ref_rows, atol=2e-6)
+        assert fmt.scores(q[0], recs)[0] == 0.0

@@ -42,28 +42,58 @@ def _nibbles_unpack(b: np.ndarray, length: int) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
+def _half(lo, hi):
+    """An fp16 from its two little-endian bytes, as float32."""
+    h = np.uint32(lo) | (np.uint32(hi) << np.uint32(8))
+    sign = -1.0 if h & 0x8000 else 1.0
+    e = (h >> 10) & 0x1F
+    f = h & 0x3FF
+    if e == 0:
+        return np.float32(sign * f * 2.0 ** -24)
+    if e == 31:
+        return np.float32(sign * np.inf) if f == 0 else np.float32(np.nan)
+    return np.float32(sign * (1.0 + f / 1024.0) * 2.0 ** (int(e) - 15))
+
+
+@njit(cache=True, nogil=True)
+def _int4_group_value(r, k, i, sc32, o_vals):
+    """Value i of record k: (nibble i - 8) * its group's scale."""
+    byte = r[k, o_vals + i // 2]
+    nib = (byte & 0x0F) if i % 2 == 0 else (byte >> 4)
+    return np.float32(np.int32(nib) - 8) * sc32
+
+
+@njit(cache=True, nogil=True)
 def _int4_group_values(r, o_scale, o_vals, length, group):
     """float32 [N, L] of int4 records with fp16 group scales (the `scale="group"` layout), in one compiled
-    pass: value i = (nibble i - 8) * scale of group i // group. The fp16 scales are widened bit by bit."""
+    pass: value i = (nibble i - 8) * scale of group i // group."""
     n = r.shape[0]
     out = np.empty((n, length), np.float32)
     for k in range(n):
         for g in range((length + group - 1) // group):
-            h = np.uint32(r[k, o_scale + 2 * g]) | (np.uint32(r[k, o_scale + 2 * g + 1]) << np.uint32(8))
-            sign = -1.0 if h & 0x8000 else 1.0
-            e = (h >> 10) & 0x1F
-            f = h & 0x3FF
-            if e == 0:
-                sc = sign * f * 2.0 ** -24
-            elif e == 31:
-                sc = sign * np.inf if f == 0 else np.nan
-            else:
-                sc = sign * (1.0 + f / 1024.0) * 2.0 ** (e - 15)
-            sc32 = np.float32(sc)
+            sc32 = _half(r[k, o_scale + 2 * g], r[k, o_scale + 2 * g + 1])
             for i in range(g * group, min(length, (g + 1) * group)):
-                byte = r[k, o_vals + i // 2]
-                nib = (byte & 0x0F) if i % 2 == 0 else (byte >> 4)
-                out[k, i] = np.float32(np.int32(nib) - 8) * sc32
+                out[k, i] = _int4_group_value(r, k, i, sc32, o_vals)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _int4_group_cosines(r, o_scale, o_vals, length, group, q, per_row):
+    """Cosines float32 [N] of int4 group-scaled records with unit-norm q (row k of q for record k when
+    per_row, else row 0), decoding on the fly: no decoded array is made."""
+    n = r.shape[0]
+    out = np.empty(n, np.float32)
+    for k in range(n):
+        qi = k if per_row else 0
+        dot = 0.0
+        nn = 0.0
+        for g in range((length + group - 1) // group):
+            sc32 = _half(r[k, o_scale + 2 * g], r[k, o_scale + 2 * g + 1])
+            for i in range(g * group, min(length, (g + 1) * group)):
+                v = _int4_group_value(r, k, i, sc32, o_vals)
+                dot += v * q[qi, i]
+                nn += v * v
+        out[k] = dot / max(np.sqrt(nn), 1e-15)
     return out
 
 
@@ -366,7 +396,16 @@ class PayloadFormat:
         return scoring.cosine(self, query, records)
 
     def scores(self, q_unit: np.ndarray, records: np.ndarray, checked: bool = True) -> np.ndarray:
-        """Cosines float32 [N] of one unit-norm query [dim] with records [N, nbytes] (scoring.scores)."""
+        """Cosines float32 [N] of one unit-norm query [dim] (or one per record, [N, dim]) with records
+        [N, nbytes] (scoring.scores). The dense int4 group-scaled format decodes and scores in one compiled
+        pass (the cache's default image payload)."""
+        if self.kind == "int4" and self.scale == "group" and self.topk is None:
+            if checked:
+                self.check_ready()
+                records = self.check_records(records)
+            q = np.asarray(q_unit, np.float32)
+            return _int4_group_cosines(records, 0, self.scale_bytes, self.length, self.group_size,
+                                       q if q.ndim == 2 else q[None], q.ndim == 2)
         return scoring.scores(self, q_unit, records, checked)
 
     def verify(self, query, records, threshold: float) -> np.ndarray:
