@@ -85,7 +85,7 @@ def test_wtinylfu_resists_a_scan_that_flushes_lru():
     hot = list(range(50))
     results = {}
     for name in ("lru", "wtinylfu"):
-        pol = make_policy(name, 100 * 64, **({"slot_bytes": 64} if name == "wtinylfu" else {}))
+        pol = make_policy(name, 100 * 64)
         for k in hot:
             pol.insert(k, 64)
         for _ in range(10):
@@ -98,14 +98,26 @@ def test_wtinylfu_resists_a_scan_that_flushes_lru():
     assert results["wtinylfu"] >= 45, results
 
 
-def test_wtinylfu_large_entries_take_several_slots():
-    pol = make_policy("wtinylfu", 1000, slot_bytes=100)
-    assert pol.slots == 10
-    pol.insert(1, 450)  # 5 slots
-    assert pol.used_bytes == 450 and len(pol) == 1
-    for k in range(2, 20):
-        pol.insert(k, 100)
-        assert pol.used_bytes <= 1000
+def test_wtinylfu_stores_large_values_and_counts_requests_not_slots():
+    pol = make_policy("wtinylfu", 1 << 20)
+    assert pol.insert(1, 600_000) == [] and 1 in pol and pol.used_bytes == 600_000
+    assert pol.insert(2, 500_000) and pol.used_bytes <= 1 << 20     # something had to go
+    # a request stored again under a new key keeps its count: it wins admission over a colder victim
+    pol = make_policy("wtinylfu", 1000)
+    for k in range(10):
+        pol.insert(k, 100, ident=1000 + k)
+    assert pol.insert(20, 100, ident=7) == [20]     # seen once, as often as the victim: refused
+    assert pol.insert(21, 100, ident=7) == [0]      # seen twice: admitted, the LRU of probation goes
+    assert 21 in pol and len(pol) == 10
+
+
+def test_wtinylfu_replays_are_identical():
+    runs = []
+    for _ in range(2):
+        pol = make_policy("wtinylfu", 5000)
+        held = _run(pol, _ops(seed=3, n=6000))
+        runs.append((sorted(held), pol.used_bytes))
+    assert runs[0] == runs[1]
 
 
 def test_lruk_decay_ranks_by_decayed_reference_count():

@@ -42,7 +42,7 @@ class CacheConfig:
     cross_modal: bool = True                 # a text request may hit an image entry (one shared space)
     max_candidates: int = 32                 # candidates within the radius checked per lookup, nearest first
     policy: str = "wtinylfu"                 # lru | lfu | wtinylfu | lruk
-    policy_options: Dict[str, Any] = field(default_factory=dict)  # wtinylfu: slot_bytes; lruk: k, half_life_s
+    policy_options: Dict[str, Any] = field(default_factory=dict)  # wtinylfu: window, protected; lruk: k, half_life_s
     backend: str = "auto"                    # auto | flat | mih (faiss, CPU) | torch (tensors on `device`)
     device: str = "cpu"                      # torch backend: cuda, cuda:1, cpu
     mih_nhash: Optional[int] = None          # multi-index hash tables; None: bits // 16

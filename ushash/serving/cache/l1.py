@@ -43,11 +43,6 @@ class L1Tier:
         pw = max(payload_codec.nbytes(m) for m in modalities) if payload_codec is not None else 0
         self.table = EntryTable(self.code_bytes, pw)
         opts = dict(c.policy_options or {})
-        if str(c.policy).lower() == "wtinylfu" and "slot_bytes" not in opts:
-            # theine's core costs ~170 B per slot: about one slot per small entry (code + payload + 32 B of
-            # value); an entry uses ceil(bytes / slot) slots, so on average half a slot per entry is unused
-            payload = min(payload_codec.nbytes(m) for m in modalities) if payload_codec else 0
-            opts["slot_bytes"] = -(-(self.code_bytes + payload + 32) // 16) * 16
         self.policy = make_policy(c.policy, c.capacity_bytes, clock=clock, **opts)
         self._backends: dict[int, object] = {}
         self._tenant_ids: dict[str, int] = {}
@@ -254,7 +249,9 @@ class L1Tier:
                 t.write(slot, e, ti, mi, self._revisions.index(e.revision))
                 self._tenant_live[ti] += 1
                 admitted = True
-                for s in self.policy.insert(slot, e.nbytes):
+                # the request's identity for the policy's frequency counts: tenant and code (deterministic)
+                ident = (int.from_bytes(e.code, "little") * 0x9E3779B97F4A7C15 + ti) & 0xFFFFFFFFFFFFFFFF
+                for s in self.policy.insert(slot, e.nbytes, ident):
                     if s == slot:
                         admitted = False
                         m.rejections.labels(reason="admission").inc()

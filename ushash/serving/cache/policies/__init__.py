@@ -2,8 +2,9 @@
 
 Every policy tracks integer keys (the cache's entry slots) and their sizes in bytes:
 
-    evicted = policy.insert(key, nbytes)   # keys to drop, oldest decision first; may contain `key`
-                                           # itself when the policy refuses to admit it (W-TinyLFU)
+    evicted = policy.insert(key, nbytes, ident)   # keys to drop, oldest decision first; may contain
+                                           # `key` itself when the policy refuses to admit it (W-TinyLFU);
+                                           # ident: the request's identity across slots (optional)
     policy.access(key)                      # a hit
     policy.remove(key)                      # the cache dropped it (expiry, revision change, replacement)
 
@@ -11,14 +12,9 @@ After `insert` returns, the bytes of the keys still held never exceed `capacity_
 
 - "lru", "lfu": cachetools' LRUCache / LFUCache (both O(1); sizes through `getsizeof`), with their
   `popitem` captured to report what they evict. cachetools' LFU counts hits since insertion, with no aging.
-- "wtinylfu": theine's Rust core (`theine_core.TlfuCore`: a 1% LRU window, a segmented-LRU main space and
-  a count-min-sketch TinyLFU admission filter). It bounds a number of entries, not bytes, and exposes
-  no sketch or victim hook; it does expose what it evicts on `set`, including a refused candidate. So an
-  entry of `nbytes` occupies ceil(nbytes / slot_bytes) slots (its own key plus "ballast" keys, all touched
-  together on a hit), the core holds capacity_bytes // slot_bytes slots, and losing any slot drops the
-  whole entry. Bytes held <= slots held * slot_bytes <= capacity. Capacities beyond 2^24 slots use
-  coarser slots (slot_bytes = capacity / 2^24). cachebox (the other maintained
-  candidate) has LRU/LFU/TTL/RR/FIFO caches but no TinyLFU.
+- "wtinylfu": W-TinyLFU (this package's wtinylfu.py): a 1% LRU window, a segmented-LRU main space and a
+  count-min TinyLFU admission filter over byte sizes, in numpy arrays, deterministic, its sketch sized from
+  the entries held.
 - "lruk": LRU-K with exponential time decay (this module). An entry's score is the decayed count of
   its last K references, sum_i 2^(-(now - t_i) / half_life); the lowest score is evicted. Because
   every score decays by the same factor, the ranking is kept as log(sum_i 2^(t_i / half_life)), which
@@ -50,7 +46,9 @@ class Policy:
             raise ValueError(f"capacity_bytes must be a positive int; got {capacity_bytes!r}")
         self.capacity_bytes = int(capacity_bytes)
 
-    def insert(self, key: int, nbytes: int) -> list[int]:
+    def insert(self, key: int, nbytes: int, ident: int | None = None) -> list[int]:
+        """Hold `key` of `nbytes`; returns the keys evicted. ident: the request's identity, for policies
+        that count requests across entries (W-TinyLFU's sketch); others ignore it."""
         raise NotImplementedError
 
     def access(self, key: int) -> None:
@@ -71,7 +69,7 @@ class Policy:
 
 
 def make_policy(name: str, capacity_bytes: int, clock: Callable[[], float] = time.monotonic, **options) -> Policy:
-    """Build a registered policy by name with its options (wtinylfu: slot_bytes; lruk: k, half_life_s); `clock`
+    """Build a registered policy by name with its options (wtinylfu: window, protected; lruk: k, half_life_s); `clock`
     reaches the policies that take one."""
     cls = POLICIES.lookup(str(name).lower())
     params = inspect.signature(cls.__init__).parameters

@@ -33,7 +33,7 @@ class _CachetoolsPolicy(Policy):
         self._c = self.impl(maxsize=self.capacity_bytes, getsizeof=lambda nbytes: nbytes)
         self._c.evicted = []
 
-    def insert(self, key: int, nbytes: int) -> list[int]:
+    def insert(self, key: int, nbytes: int, ident: int | None = None) -> list[int]:
         if nbytes > self.capacity_bytes:
             return [key]
         self._c.evicted = []

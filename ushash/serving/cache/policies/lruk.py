@@ -61,7 +61,7 @@ class LRUKDecay(Policy):
             self._heap = [(s, k) for k, s in self._score.items()]
             heapq.heapify(self._heap)
 
-    def insert(self, key: int, nbytes: int) -> list[int]:
+    def insert(self, key: int, nbytes: int, ident: int | None = None) -> list[int]:
         if nbytes > self.capacity_bytes:
             return [key]
         if key in self._hist:

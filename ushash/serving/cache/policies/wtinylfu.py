@@ -1,88 +1,209 @@
-"""W-TinyLFU: theine's Rust core (`theine_core.TlfuCore`: a 1% LRU window, a segmented-LRU main space and
-a count-min-sketch TinyLFU admission filter). It bounds a number of entries, not bytes, and exposes
-no sketch or victim hook; it does expose what it evicts on `set`, including a refused candidate. So an
-entry of `nbytes` occupies ceil(nbytes / slot_bytes) slots (its own key plus "ballast" keys, all touched
-together on a hit), the core holds capacity_bytes // slot_bytes slots, and losing any slot drops the
-whole entry. Bytes held <= slots held * slot_bytes <= capacity. Capacities beyond 2^24 slots use
-coarser slots (slot_bytes = capacity / 2^24). cachebox (the other maintained
-candidate) has LRU/LFU/TTL/RR/FIFO caches but no TinyLFU.
+"""W-TinyLFU (Einziger, Friedman, Manes, "TinyLFU: A Highly Efficient Cache Admission Policy", 2017; the
+layout of Caffeine) with a capacity in bytes, its state in numpy arrays:
+
+- a window LRU (`window` of the bytes, default 1%) that every new entry enters;
+- a segmented LRU main space: probation, and protected (`protected` of the main bytes, default 80%); a
+  hit in probation promotes to protected, protected overflow is demoted to probation's MRU end;
+- admission: when the window overflows, its LRU entries become candidates for the main space; while the
+  cache is over capacity, a candidate evicts probation's LRU entry (the victim) only if the frequency
+  sketch counts the candidate more often than the victim, else the candidate is dropped. Ties keep the
+  victim. No random admission (Caffeine admits warm candidates at random against hash flooding): a
+  replay of the same calls gives the same evictions.
+- the frequency sketch: a count-min sketch of 4-bit saturating counters (4 hashes), halved every
+  10 x width increments (aging); its width follows the number of entries held (a power of two >= 2x the
+  entries, reset when it grows), not the configured capacity, so a small cache in a large budget stays
+  small. It counts an entry's `ident` (the cache passes a hash of tenant and code, so a request stored
+  again is known), or the key when none is given.
+
+Per entry: two int32 links, a segment byte, its size and ident (~25 B), plus about 4 B of sketch.
+Entries of any size up to the capacity are stored.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from ushash.serving.cache.policies import POLICIES, Policy
+
+_NONE, _WINDOW, _PROBATION, _PROTECTED = 0, 1, 2, 3
+_MASK = (1 << 64) - 1
+
+
+class _Sketch:
+    """Count-min sketch, 4 rows folded into one uint8 table, counters saturating at 15."""
+
+    def __init__(self, width: int = 64):
+        self.width = int(width)
+        self.table = np.zeros(self.width, np.uint8)
+        self.additions = 0
+
+    def _index(self, ident: int) -> list[int]:
+        h = (ident * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK
+        h ^= h >> 29
+        h = (h * 0xBF58476D1CE4E5B9) & _MASK
+        h ^= h >> 32
+        step = (h >> 17) | 1
+        w = self.width - 1
+        return [(h + i * step) & w for i in range(4)]
+
+    def frequency(self, ident: int) -> int:
+        t = self.table
+        return min(int(t[i]) for i in self._index(ident))
+
+    def increment(self, ident: int) -> None:
+        t = self.table
+        for i in self._index(ident):
+            if t[i] < 15:
+                t[i] += 1
+        self.additions += 1
+        if self.additions >= 10 * self.width:
+            self.table >>= 1
+            self.additions //= 2
+
+    def ensure(self, entries: int) -> None:
+        if 2 * entries > self.width:
+            self.width = 1 << max(6, (2 * entries - 1).bit_length())
+            self.table = np.zeros(self.width, np.uint8)
+            self.additions = 0
 
 
 @POLICIES.register("wtinylfu")
 class WTinyLFU(Policy):
-    """theine_core.TlfuCore over slots of `slot_bytes` (see the module docstring)."""
+    """W-TinyLFU over byte sizes (see the module docstring)."""
 
     name = "wtinylfu"
-    MAX_SLOTS_PER_ENTRY = 1 << 12
-    MAX_SLOTS = 1 << 24
 
-    def __init__(self, capacity_bytes: int, slot_bytes: int = 64):
+    def __init__(self, capacity_bytes: int, window: float = 0.01, protected: float = 0.8):
         super().__init__(capacity_bytes)
-        from theine_core import TlfuCore, spread
+        if not 0.0 < float(window) < 1.0:
+            raise ValueError(f"window must be in (0, 1); got {window!r}")
+        if not 0.0 < float(protected) < 1.0:
+            raise ValueError(f"protected must be in (0, 1); got {protected!r}")
+        self.window_bytes = max(1, int(self.capacity_bytes * float(window)))
+        self.protected_bytes = max(1, int((self.capacity_bytes - self.window_bytes) * float(protected)))
+        self.sketch = _Sketch()
+        cap = 64
+        self._prev = np.full(cap, -1, np.int32)
+        self._next = np.full(cap, -1, np.int32)
+        self._seg = np.zeros(cap, np.int8)
+        self._size = np.zeros(cap, np.int64)
+        self._ident = np.zeros(cap, np.uint64)
+        self._head = [-1, -1, -1, -1]   # per segment: LRU end
+        self._tail = [-1, -1, -1, -1]   # per segment: MRU end
+        self._bytes = [0, 0, 0, 0]
+        self._n = 0
 
-        if int(slot_bytes) <= 0:
-            raise ValueError(f"slot_bytes must be positive; got {slot_bytes!r}")
-        # theine's core grows with its size (about 100 B per slot once used, and a 2^28-slot core fails
-        # to allocate), so very large capacities get coarser slots rather than more of them.
-        self.slot_bytes = max(int(slot_bytes), -(-self.capacity_bytes // self.MAX_SLOTS))
-        self.slots = max(1, self.capacity_bytes // self.slot_bytes)
-        self._core = TlfuCore(self.slots)
-        self._spread = spread
-        self._owner: dict[int, int] = {}          # slot hash -> key
-        self._hashes: dict[int, list[int]] = {}   # key -> its slot hashes
-        self._bytes: dict[int, int] = {}
-        self._used = 0
+    # ------------------------------------------------------------------ lists
+    def _grow(self, key: int) -> None:
+        cap = len(self._seg)
+        if key < cap:
+            return
+        new = max(2 * cap, key + 1)
+        for name, fill in (("_prev", -1), ("_next", -1), ("_seg", 0), ("_size", 0), ("_ident", 0)):
+            old = getattr(self, name)
+            a = np.full(new, fill, old.dtype)
+            a[:cap] = old
+            setattr(self, name, a)
 
-    def _slot_hashes(self, key: int, nbytes: int) -> list[int]:
-        n = max(1, -(-int(nbytes) // self.slot_bytes))
-        base = key * self.MAX_SLOTS_PER_ENTRY
-        return [self._spread(base + j) for j in range(n)]
+    def _link(self, seg: int, k: int) -> None:
+        """Append k at seg's MRU end."""
+        t = self._tail[seg]
+        self._prev[k], self._next[k], self._seg[k] = t, -1, seg
+        if t >= 0:
+            self._next[t] = k
+        else:
+            self._head[seg] = k
+        self._tail[seg] = k
+        self._bytes[seg] += int(self._size[k])
 
-    def insert(self, key: int, nbytes: int) -> list[int]:
-        n_slots = max(1, -(-int(nbytes) // self.slot_bytes))
-        if n_slots > min(self.slots, self.MAX_SLOTS_PER_ENTRY):
+    def _unlink(self, k: int) -> int:
+        seg = int(self._seg[k])
+        p, n = int(self._prev[k]), int(self._next[k])
+        if p >= 0:
+            self._next[p] = n
+        else:
+            self._head[seg] = n
+        if n >= 0:
+            self._prev[n] = p
+        else:
+            self._tail[seg] = p
+        self._seg[k] = _NONE
+        self._bytes[seg] -= int(self._size[k])
+        return seg
+
+    def _freq(self, k: int) -> int:
+        return self.sketch.frequency(int(self._ident[k]))
+
+    # ------------------------------------------------------------------ the policy
+    def insert(self, key: int, nbytes: int, ident: int | None = None) -> list[int]:
+        nbytes, key = int(nbytes), int(key)
+        if nbytes > self.capacity_bytes:
             return [key]
-        if key in self._hashes:
+        if key in self:
             self.remove(key)
-        hs = self._slot_hashes(key, nbytes)
-        for h in hs:
-            self._owner[h] = key
-        self._hashes[key], self._bytes[key] = hs, int(nbytes)
-        self._used += int(nbytes)
-        dropped = []
-        for h in self._core.set([(h, 0) for h in hs]):
-            k = self._owner.get(h)
-            if k is not None and k in self._hashes and k not in dropped:
-                dropped.append(k)
-        for k in dropped:
-            self.remove(k)
-        return dropped
+        self._grow(key)
+        self._size[key] = nbytes
+        self._ident[key] = key if ident is None else int(ident) & _MASK
+        self._n += 1
+        self.sketch.ensure(self._n)
+        self.sketch.increment(int(self._ident[key]))
+        self._link(_WINDOW, key)
+        # window overflow: its LRU entries move to probation as candidates for the main space
+        cands = []
+        while self._bytes[_WINDOW] > self.window_bytes and self._head[_WINDOW] >= 0:
+            c = self._head[_WINDOW]
+            self._unlink(c)
+            self._link(_PROBATION, c)
+            cands.append(c)
+        return self._evict(cands)
+
+    def _evict(self, cands: list[int]) -> list[int]:
+        evicted = []
+        ci = 0
+        while self.used_bytes > self.capacity_bytes:
+            victim = next((self._head[s] for s in (_PROBATION, _PROTECTED, _WINDOW) if self._head[s] >= 0), -1)
+            while ci < len(cands) and self._seg[cands[ci]] != _PROBATION:
+                ci += 1
+            cand = cands[ci] if ci < len(cands) else -1
+            if cand < 0 or victim == cand:
+                drop = victim
+            elif self._freq(cand) > self._freq(victim):
+                drop = victim          # admitted: the candidate stays in probation
+            else:
+                drop = cand
+                ci += 1
+            self.remove(drop)
+            evicted.append(drop)
+        return evicted
 
     def access(self, key: int) -> None:
-        hs = self._hashes.get(key)
-        if hs:
-            self._core.access(hs)
+        key = int(key)
+        if key not in self:
+            return
+        self.sketch.increment(int(self._ident[key]))
+        seg = self._unlink(key)
+        if seg == _WINDOW:
+            self._link(_WINDOW, key)
+            return
+        self._link(_PROTECTED, key)
+        while self._bytes[_PROTECTED] > self.protected_bytes and self._head[_PROTECTED] != key:
+            d = self._head[_PROTECTED]
+            self._unlink(d)
+            self._link(_PROBATION, d)
 
     def remove(self, key: int) -> None:
-        hs = self._hashes.pop(key, None)
-        if hs is None:
+        key = int(key)
+        if key not in self:
             return
-        for h in hs:
-            self._core.remove(h)
-            self._owner.pop(h, None)
-        self._used -= self._bytes.pop(key)
+        self._unlink(key)
+        self._n -= 1
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._bytes[_WINDOW] + self._bytes[_PROBATION] + self._bytes[_PROTECTED]
 
     def __len__(self) -> int:
-        return len(self._hashes)
+        return self._n
 
     def __contains__(self, key: int) -> bool:
-        return key in self._hashes
+        return 0 <= key < len(self._seg) and self._seg[key] != _NONE
