@@ -128,7 +128,7 @@ def test_train_and_sweep_give_the_same_model_for_a_seed(tmp_path):
               "extract.num_workers=0", "extract.progress=false"]
     a = run_train(compose("config", common + ["run_name=direct"]))
     res = sweep.run_one(compose("config", common + ["method=ushash", "+sweep.name=seeded", "seed=0"]))
-    b = tmp_path / "experiments" / "seeded" / "runs" / res["key"] / "best.ckpt"
+    b = sweep.run_path(tmp_path / "experiments" / "seeded", res["key"], res["digest"]) / "best.ckpt"
     sa = torch.load(a["best"], weights_only=True)["state_dict"]
     sb = torch.load(b, weights_only=True)["state_dict"]
     assert sa.keys() == sb.keys()
