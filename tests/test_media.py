@@ -327,3 +327,108 @@ def test_bytes_errors_name_the_source_never_a_buffer():
         media.decode_bytes("audio", b"RIFF....WAVEfmt garbage", None, 16000)
     assert e.value.code == media.UNDECODABLE and e.value.source is None and str(e.value) == e.value.reason
     assert e.value.reason.startswith("cannot decode audio") and "BytesIO" not in e.value.reason
+
+
+# ------------------------------------------------------------------------------- limits (hostile media)
+import time  # noqa: E402
+
+import hostile_corpus as hc  # noqa: E402
+
+SERVICE = media.MediaLimits()
+
+
+@pytest.mark.parametrize("name,data", hc.image_cases(), ids=[n for n, _ in hc.image_cases()])
+def test_hostile_images_are_refused_or_small_and_cheap(name, data):
+    t0 = time.process_time()
+    try:
+        img = media.decode_bytes("image", data, None, limits=SERVICE)
+    except MediaError as e:
+        assert e.code in media.CODES and e.reason and "\n" not in e.reason
+        assert "BytesIO" not in e.reason and "/tmp" not in e.reason  # no buffer or path in the message
+    else:  # rendered at the requested size, never at its own
+        assert img.mode == "RGB" and max(img.size) <= media.SVG_SIZE and img.width * img.height <= SERVICE.max_pixels
+    assert time.process_time() - t0 < 1.0
+
+
+@pytest.mark.parametrize("name", ["png_1x30000", "png_1x2000", "png_10000x10000", "svg_1x5000",
+                                  "svg_flat_entity_bomb", "svg_use_bomb", "svg_embedded_png_bomb", "svg_style_bomb"])
+def test_bombs_are_over_limit(name):
+    data = dict(hc.image_cases())[name]
+    with pytest.raises(MediaError) as e:
+        media.decode_bytes("image", data, None, limits=SERVICE)
+    assert e.value.code == media.OVER_LIMIT
+
+
+@pytest.mark.parametrize("name", ["eps", "eps_binary_header", "pdf", "tiff", "psd_magic"])
+def test_only_the_encoders_formats_are_opened(name, monkeypatch):
+    import PIL.EpsImagePlugin
+
+    def ghostscript(*a, **k):
+        raise AssertionError("Ghostscript reached")
+
+    monkeypatch.setattr(PIL.EpsImagePlugin, "Ghostscript", ghostscript, raising=False)
+    with pytest.raises(MediaError, match="accepted formats") as e:
+        media.decode_bytes("image", dict(hc.image_cases())[name], None, limits=SERVICE)
+    assert e.value.code == media.UNDECODABLE
+
+
+def test_svg_renders_at_the_output_size_never_its_own():
+    img = media.decode_bytes("image", hc.svg_sized(10000, 10000), None, limits=SERVICE)
+    assert img.size == (media.SVG_SIZE, media.SVG_SIZE)
+
+
+@pytest.mark.parametrize("name,data", hc.image_ok_but_external(), ids=[n for n, _ in hc.image_ok_but_external()])
+def test_svg_references_are_never_fetched(name, data, monkeypatch):
+    import socket
+    import urllib.request
+
+    def no(*a, **k):
+        raise AssertionError("a reference was fetched")
+
+    monkeypatch.setattr(socket, "create_connection", no)
+    monkeypatch.setattr(urllib.request, "urlopen", no)  # data: URIs are decoded without it as well
+    img = media.decode_bytes("image", data, None, limits=SERVICE)
+    assert img.size == (media.SVG_SIZE, media.SVG_SIZE)
+
+
+def test_file_limits_still_read_what_datasets_hold(tmp_path):
+    big = tmp_path / "wide.png"
+    Image.new("RGB", (3000, 100), (1, 2, 3)).save(big)  # a banner: aspect 30, fine in a dataset
+    assert load_image(big).size == (3000, 100)
+    with pytest.raises(MediaError, match="max_aspect"):
+        load_image(big, limits=SERVICE)
+
+
+@pytest.mark.parametrize("name,data", hc.audio_cases(), ids=[n for n, _ in hc.audio_cases()])
+def test_hostile_audio_is_refused(name, data):
+    t0 = time.process_time()
+    with pytest.raises(MediaError) as e:
+        media.decode_bytes("audio", data, None, 16000, None, limits=SERVICE)
+    assert e.value.code in media.CODES and "\n" not in e.value.reason
+    assert time.process_time() - t0 < 1.0
+
+
+def test_audio_longer_than_the_limit_is_refused_unless_cropped():
+    data = hc.long_wav()
+    with pytest.raises(MediaError, match="max_audio_seconds") as e:
+        media.decode_bytes("audio", data, None, 8000, None, limits=SERVICE)
+    assert e.value.code == media.OVER_LIMIT
+    assert media.decode_bytes("audio", data, None, 8000, 2.0, limits=SERVICE).shape == (16000,)
+
+
+@pytest.mark.parametrize("name,text", hc.text_cases(), ids=[n for n, _ in hc.text_cases()])
+def test_hostile_captions(name, text):
+    try:
+        out = load_text(text, SERVICE)
+    except MediaError as e:
+        assert e.code in (media.EMPTY, media.NOT_TEXT, media.OVER_LIMIT)
+    else:
+        assert out and len(out) <= SERVICE.max_text_chars
+        out.encode("utf-8")
+
+
+@pytest.mark.parametrize("bad", [{"max_pixels": 0}, {"max_aspect": 0.5}, {"max_svg_cpu_s": float("nan")},
+                                 {"max_text_chars": "10"}, {"max_audio_seconds": True}])
+def test_media_limits_are_checked(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        media.MediaLimits(**bad)

@@ -8,10 +8,22 @@
                                                inside a Hugging Face dataset, a request body), same rules
     decode_text(data)                       -> str from UTF-8 bytes, invalid bytes replaced
 
-Every decoding failure (missing, unreadable, corrupt, truncated, empty, non-finite) raises
+Every decoding failure (missing, unreadable, corrupt, truncated, empty, non-finite, over a limit) raises
 `MediaError(source, reason, code)`: `source` names what was decoded, `reason` says what went wrong for
 people and `code` for programs (one of `CODES`), so a caller can drop the row and count it: a row that
 fails to decode is simply absent from its modality's table (see docs/design.md).
+
+What a decode may cost is bounded before the expensive part (`MediaLimits`; every loader takes `limits=`):
+raster images are opened with Pillow restricted to `IMAGE_FORMATS` (no EPS, which would reach Ghostscript)
+and their width x height and aspect ratio are checked from the header, before any pixel is decoded; SVG is
+bounded in bytes (after gunzip and entity expansion), in XML elements and stylesheet size before it is
+parsed, and in nodes drawn and CPU seconds while cairosvg renders it (`<use>`, patterns and markers expand
+to more draws), at the output size only (the intrinsic size is read, never rendered); it never fetches
+anything but `data:` URIs, whose raster images are checked like any image. Audio is bounded in channels,
+sample rate and samples read; captions in characters. Decoding is from memory (`io.BytesIO`): no
+temporary files, and no buffer address or path of the caller's in an error message. `FILE_LIMITS` is what
+the dataset loaders use (generous: only the bombs are refused); `MediaLimits()` is the stricter default of
+a service (the cache's `cache.media`).
 """
 
 from __future__ import annotations
@@ -20,7 +32,12 @@ import io
 import math
 import os
 import re
+import threading
+import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -42,6 +59,7 @@ NEEDS_DEPENDENCY = "needs_dependency"
 NOT_TEXT = "not_text"
 NOT_IN_CONTAINER = "not_in_container"
 UNREADABLE_CONTAINER = "unreadable_container"
+OVER_LIMIT = "over_limit"
 CODES = {
     NOT_FOUND: "file not found",
     NOT_A_FILE: "not a regular file",
@@ -52,7 +70,53 @@ CODES = {
     NOT_TEXT: "caption is not a string",
     NOT_IN_CONTAINER: "not found in its container",   # a tar member or dataset cell that is not there
     UNREADABLE_CONTAINER: "unreadable container",     # a truncated tar: its remaining members
+    OVER_LIMIT: "over a size or cost limit",          # MediaLimits: pixels, aspect, SVG cost, audio length
 }
+
+#: Raster formats Pillow may open (Image.open(formats=...)): what datasets and clients send. Anything else
+#: (EPS and PDF, which Pillow hands to Ghostscript; PSD, ICNS, TIFF, ...) is refused as undecodable.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+#: libsndfile container formats accepted (checked from the header, before any sample is read).
+AUDIO_FORMATS = ("WAV", "WAVEX", "RF64", "W64", "FLAC", "OGG", "MP3", "AIFF")
+
+
+@dataclass
+class MediaLimits:
+    """What decoding one input may cost. None: no limit. The defaults are a service's (the cache's
+    `cache.media` settings): every bound is checked before the work it bounds."""
+    max_pixels: Optional[int] = 4_194_304      # raster width x height, from the header (2048 x 2048)
+    max_aspect: Optional[float] = 16.0         # longer side / shorter side (encoders resize the shorter side up)
+    max_svg_bytes: Optional[int] = 1 << 20     # SVG source after gunzip and entity expansion
+    max_svg_elements: Optional[int] = 20_000   # XML elements of an SVG (stylesheets are matched against each)
+    max_svg_style_bytes: Optional[int] = 65_536  # <style> text of an SVG
+    max_svg_draws: Optional[int] = 50_000      # nodes cairosvg draws (<use>, patterns, markers draw again)
+    max_svg_cpu_s: Optional[float] = 0.5       # CPU seconds to parse and rasterise an SVG
+    max_audio_seconds: Optional[float] = 600.0  # samples decoded when the encoder does not crop
+    max_audio_channels: Optional[int] = 16
+    max_sample_rate: Optional[int] = 384_000
+    max_text_chars: Optional[int] = 20_000     # caption length
+
+    def __post_init__(self):
+        for name in ("max_pixels", "max_svg_bytes", "max_svg_elements", "max_svg_style_bytes", "max_svg_draws",
+                     "max_audio_channels", "max_sample_rate", "max_text_chars"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"media limit {name} must be a positive integer or None; got {v!r}")
+        for name in ("max_aspect", "max_svg_cpu_s", "max_audio_seconds"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ValueError(f"media limit {name} must be a positive finite number or None; got {v!r}")
+        if self.max_aspect is not None and self.max_aspect < 1:
+            raise ValueError(f"media limit max_aspect is longer / shorter side, >= 1; got {self.max_aspect!r}")
+
+
+#: The dataset loaders' limits: only what no dataset needs is refused (Pillow's own decompression-bomb
+#: size, SVG bombs); nothing a real data set holds (tested on every Tux Paint SVG).
+FILE_LIMITS = MediaLimits(max_pixels=2 * Image.MAX_IMAGE_PIXELS, max_aspect=None, max_svg_bytes=16 << 20,
+                          max_svg_elements=1_000_000, max_svg_style_bytes=4 << 20, max_svg_draws=5_000_000,
+                          max_svg_cpu_s=60.0, max_audio_seconds=None, max_audio_channels=64,
+                          max_sample_rate=768_000, max_text_chars=None)
 
 
 class MediaError(Exception):
@@ -74,25 +138,25 @@ class MediaError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------- image
-def load_image(path: str | os.PathLike, svg_size: int = SVG_SIZE) -> Image.Image:
+def load_image(path: str | os.PathLike, svg_size: int = SVG_SIZE, limits: MediaLimits = FILE_LIMITS) -> Image.Image:
     """Decode an image file to RGB, fully (not lazily).
 
     Transparency (RGBA, LA, palette with a transparent index) is composited on white. SVG files are
     rasterised with cairosvg (an optional dependency) so that the longer side is `svg_size` pixels.
-    JPEG EXIF orientation is applied.
+    JPEG EXIF orientation is applied. Formats other than IMAGE_FORMATS and SVG are refused.
     """
     p = Path(path)
     _check_file(p)
     if p.suffix.lower() in SVG_SUFFIXES:
-        return _flatten(_rasterise_svg(_read(p), p, svg_size), p)
-    return _decode_image(p, p)
+        return _flatten(_rasterise_svg(_read(p), p, svg_size, limits), p)
+    return _decode_image(p, p, limits)
 
 
-def _image_from_bytes(data: bytes, source, svg_size: int = SVG_SIZE) -> Image.Image:
+def _image_from_bytes(data: bytes, source, svg_size: int = SVG_SIZE, limits: MediaLimits = FILE_LIMITS) -> Image.Image:
     """load_image for encoded bytes; SVG is recognised by the source's suffix or by its first bytes."""
     if Path(str(source or "")).suffix.lower() in SVG_SUFFIXES or _looks_like_svg(data):
-        return _flatten(_rasterise_svg(data, source, svg_size), source)
-    return _decode_image(io.BytesIO(data), source)
+        return _flatten(_rasterise_svg(data, source, svg_size, limits), source)
+    return _decode_image(io.BytesIO(data), source, limits)
 
 
 def _looks_like_svg(data: bytes) -> bool:
@@ -101,13 +165,39 @@ def _looks_like_svg(data: bytes) -> bool:
     return head.startswith(b"<?xml") or (head.startswith(b"<") and b"<svg" in head)
 
 
-def _decode_image(fp, source) -> Image.Image:
+def check_image_size(width: int, height: int, source, limits: MediaLimits) -> None:
+    """Refuse a width x height (read from a header, or of a rendering to be made) over `limits`."""
+    if width <= 0 or height <= 0:
+        raise MediaError(source, f"empty image ({width}x{height})", EMPTY)
+    if limits.max_pixels is not None and width * height > limits.max_pixels:
+        raise MediaError(source, f"image of {width}x{height} = {width * height} pixels is over "
+                                 f"max_pixels={limits.max_pixels}", OVER_LIMIT)
+    if limits.max_aspect is not None and max(width, height) > limits.max_aspect * min(width, height):
+        raise MediaError(source, f"image of {width}x{height} has an aspect ratio of "
+                                 f"{max(width, height) / min(width, height):.1f}, over max_aspect={limits.max_aspect:g}",
+                         OVER_LIMIT)
+
+
+def _open_raster(fp, source, limits: MediaLimits) -> Image.Image:
+    """Image.open restricted to IMAGE_FORMATS (the header only), with the size checked before decoding."""
     try:
-        img = Image.open(fp)
+        img = Image.open(fp, formats=IMAGE_FORMATS)
+    except Image.UnidentifiedImageError as e:  # its message names a temporary path or a BytesIO address
+        raise MediaError(source, f"cannot decode image (not one of the accepted formats: {', '.join(IMAGE_FORMATS)}, "
+                                 f"SVG)") from e
+    except Image.DecompressionBombError as e:
+        raise MediaError(source, f"cannot decode image ({e})", OVER_LIMIT) from e
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...
+        raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})") from e
+    check_image_size(img.width, img.height, source, limits)
+    return img
+
+
+def _decode_image(fp, source, limits: MediaLimits = FILE_LIMITS) -> Image.Image:
+    img = _open_raster(fp, source, limits)
+    try:
         img.load()  # force a full decode: truncated data fails here, not later in a worker
         img = ImageOps.exif_transpose(img)
-    except Image.UnidentifiedImageError as e:  # its message names a temporary path or a BytesIO address
-        raise MediaError(source, "cannot decode image (UnidentifiedImageError: not a known image format)") from e
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...
         raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})") from e
     return _flatten(img, source)
@@ -126,9 +216,119 @@ def _flatten(img: Image.Image, source) -> Image.Image:
     return img.convert("RGB")
 
 
-def _rasterise_svg(data: bytes, source, size: int) -> Image.Image:
+# ------------------------------------------------------------------------------------------------ SVG
+class _SvgBudget:
+    """Nodes drawn and CPU seconds spent by this thread's rasterisation (see `_count_draws`)."""
+
+    def __init__(self, source, limits: MediaLimits):
+        self.source, self.limits = source, limits
+        self.draws, self.t0 = 0, time.thread_time()
+
+    def check_cpu(self) -> None:
+        cpu = self.limits.max_svg_cpu_s
+        if cpu is not None and time.thread_time() - self.t0 > cpu:
+            raise MediaError(self.source, f"SVG took more than max_svg_cpu_s={cpu:g} s of CPU to render", OVER_LIMIT)
+
+    def tick(self) -> None:
+        self.draws += 1
+        if self.limits.max_svg_draws is not None and self.draws > self.limits.max_svg_draws:
+            raise MediaError(self.source, f"SVG draws more than max_svg_draws={self.limits.max_svg_draws} nodes "
+                                          f"(<use>, patterns and markers each draw their content again)", OVER_LIMIT)
+        if not self.draws & 63:
+            self.check_cpu()
+
+
+_budget = threading.local()
+_draw_guard_lock = threading.Lock()
+
+
+def _count_draws(cairosvg) -> None:
+    """Make cairosvg's one drawing entry point (`Surface.draw`: every node, every <use> and marker
+    instance, the content of every pattern and mask, nested SVG images) charge this thread's budget, if
+    one is set. cairosvg has no such limit of its own; the wrapper is installed once and does nothing for
+    renderings made outside `_rasterise_svg`."""
+    surface = cairosvg.surface.Surface
+    with _draw_guard_lock:
+        if getattr(surface.draw, "_ushash_budget", False):
+            return
+        draw = surface.draw
+
+        def counted(self, node):
+            b = getattr(_budget, "current", None)
+            if b is not None:
+                b.tick()
+            return draw(self, node)
+
+        counted._ushash_budget = True
+        surface.draw = counted
+
+
+def _gunzip(data: bytes, source, limit: int | None) -> bytes:
+    """An .svgz body, decompressed to at most `limit` bytes (cairosvg's own gunzip has no bound)."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(data, (limit + 1) if limit is not None else 0)
+    except zlib.error as e:
+        raise MediaError(source, f"cannot decompress SVGZ ({e})") from e
+    if limit is not None and (len(out) > limit or d.unconsumed_tail):
+        raise MediaError(source, f"SVG is over max_svg_bytes={limit} bytes once decompressed", OVER_LIMIT)
+    return out
+
+
+def _data_url_fetcher(source, limits: MediaLimits):
+    """cairosvg's url_fetcher: `data:` URIs only, as cairosvg's own `safe_fetch` (anything else renders as
+    an empty 1x1 SVG, so nothing is ever read from a file or the network), and a raster image inside one
+    must be of IMAGE_FORMATS and within `limits` (cairosvg would hand anything else to Pillow unchecked)."""
+    from urllib.request import urlopen
+
+    def fetch(url, resource_type):
+        if not (url and url.startswith("data:")):
+            return b'<svg width="1" height="1"></svg>'
+        data = urlopen(url).read()  # a data: URI decodes in memory
+        if data.startswith(b"\x1f\x8b"):
+            raise MediaError(source, "SVG embeds a compressed data: URI (refused: no bound on its size)", OVER_LIMIT)
+        if not (data.startswith((b"<svg ", b"<?xml", b"<!DOC")) or b"<svg" in data) and len(data) >= 5:
+            with _open_raster(io.BytesIO(data), source, limits):
+                pass
+        return data
+
+    return fetch
+
+
+def _check_svg_source(data: bytes, source, limits: MediaLimits) -> None:
+    """Parse with defusedxml (no entities, no external references) and count what cairosvg will work
+    through: elements and stylesheet text."""
+    import defusedxml.ElementTree as DET
+    from defusedxml import DefusedXmlException
+
+    try:
+        root = DET.fromstring(data, forbid_dtd=False, forbid_entities=True, forbid_external=True)
+    except DefusedXmlException as e:
+        raise MediaError(source, f"cannot rasterise SVG (it declares XML entities or external references: "
+                                 f"{type(e).__name__})") from e
+    except Exception as e:  # xml.etree.ElementTree.ParseError ...
+        raise MediaError(source, f"cannot rasterise SVG ({type(e).__name__}: {e})") from e
+    n, style = 0, 0
+    for el in root.iter():
+        n += 1
+        if isinstance(el.tag, str) and el.tag.rpartition("}")[2] == "style":
+            style += len(el.text or "")
+    if limits.max_svg_elements is not None and n > limits.max_svg_elements:
+        raise MediaError(source, f"SVG has {n} elements, over max_svg_elements={limits.max_svg_elements}", OVER_LIMIT)
+    if limits.max_svg_style_bytes is not None and style > limits.max_svg_style_bytes:
+        raise MediaError(source, f"SVG has {style} characters of <style>, over max_svg_style_bytes="
+                                 f"{limits.max_svg_style_bytes}", OVER_LIMIT)
+
+
+class _IntrinsicSize(Exception):
+    pass
+
+
+def _rasterise_svg(data: bytes, source, size: int, limits: MediaLimits = FILE_LIMITS) -> Image.Image:
     try:
         import cairosvg
+        import cairosvg.surface
+        from cairosvg.parser import Tree
     except ImportError as e:  # cairosvg itself, or the cairo C library it loads
         raise MediaError(source, f"SVG needs cairosvg (pip install cairosvg; it uses the cairo library): {e}",
                          NEEDS_DEPENDENCY) from e
@@ -136,19 +336,54 @@ def _rasterise_svg(data: bytes, source, size: int) -> Image.Image:
         raise ValueError(f"svg_size must be positive, got {size}")
     if not data.strip():
         raise MediaError(source, "empty SVG file", EMPTY)
+    cap = limits.max_svg_bytes
+    if data.startswith(b"\x1f\x8b"):
+        data = _gunzip(data, source, cap)
+    if cap is not None and len(data) > cap:
+        raise MediaError(source, f"SVG of {len(data)} bytes is over max_svg_bytes={cap}", OVER_LIMIT)
+    data = _inline_entities(data, source, cap)
+    _check_svg_source(data, source, limits)
+    _count_draws(cairosvg)
+
+    class Measure(cairosvg.surface.PNGSurface):
+        """Reads the intrinsic size cairosvg would render at, and stops before allocating or drawing."""
+        def _create_surface(self, width, height):
+            raise _IntrinsicSize(int(round(width)), int(round(height)))
+
+    class Render(cairosvg.surface.PNGSurface):
+        def _create_surface(self, width, height):
+            w, h = int(round(width)), int(round(height))
+            if w > 0 and h > 0:
+                check_image_size(w, h, source, limits)
+            return super()._create_surface(width, height)
+
     url = str(source) if isinstance(source, Path) else None  # resolves references relative to a file
+    fetch = _data_url_fetcher(source, limits)
+    budget = _budget.current = _SvgBudget(source, limits)
     try:
-        data = _inline_entities(data)
-        # First pass at the intrinsic size gives the aspect ratio; the second renders at `size`.
-        img = Image.open(io.BytesIO(cairosvg.svg2png(bytestring=data, url=url)))
+        try:
+            Measure(Tree(bytestring=data, url=url, url_fetcher=fetch), None, 96)
+            raise MediaError(source, "cannot rasterise SVG (no size)")
+        except _IntrinsicSize as e:
+            width, height = e.args
+        if 0 in (width, height):
+            raise MediaError(source, "cannot rasterise SVG (ValueError: The SVG size is undefined)")
+        if limits.max_aspect is not None and max(width, height) > limits.max_aspect * min(width, height):
+            check_image_size(width, height, source, limits)  # raises: the aspect ratio
+        # rendered once, so that the longer side is `size` pixels (the intrinsic size is never rendered)
+        longest = max(width, height)
+        scale = size / longest if longest != size else 1
+        budget.check_cpu()
+        out = io.BytesIO()
+        Render(Tree(bytestring=data, url=url, url_fetcher=fetch), out, 96, scale=scale).finish()
+        img = Image.open(io.BytesIO(out.getvalue()), formats=["PNG"])
         img.load()
-        longest = max(img.size)
-        if longest and longest != size:
-            scale = size / longest
-            img = Image.open(io.BytesIO(cairosvg.svg2png(bytestring=data, url=url, scale=scale)))
-            img.load()
+    except MediaError:
+        raise
     except Exception as e:  # XML syntax errors, cairo errors, bad units ...
         raise MediaError(source, f"cannot rasterise SVG ({type(e).__name__}: {e})") from e
+    finally:
+        _budget.current = None
     return img
 
 
@@ -157,12 +392,13 @@ _ENTITY = re.compile(rb"""<!ENTITY\s+([A-Za-z_][\w.-]*)\s+(["'])([^"'&<%]*)\2\s*
 _COMMENT = re.compile(rb"<!--.*?-->", re.S)
 
 
-def _inline_entities(data: bytes) -> bytes:
+def _inline_entities(data: bytes, source=None, limit: int | None = None) -> bytes:
     """Expand plain internal entities (`<!ENTITY ns_svg "http://...">`, as Illustrator writes them).
 
     cairosvg parses with entities forbidden (XXE / entity-expansion safety) and rejects such files.
     Only literal values without markup or references are expanded, once, and the DOCTYPE is dropped;
     a DOCTYPE holding anything else (external or parameter entities) is left for the parser to refuse.
+    The expanded document must stay within `limit` bytes (computed before expanding anything).
     """
     m = _DOCTYPE_SUBSET.search(data)
     if m is None:
@@ -171,13 +407,20 @@ def _inline_entities(data: bytes) -> bytes:
     if _COMMENT.sub(b"", _ENTITY.sub(b"", m.group(1))).strip():
         return data
     body = data[: m.start()] + data[m.end():]
+    if limit is not None:
+        grown = len(body) + sum(body.count(b"&" + name + b";") * (len(value) - len(name) - 2)
+                                for name, value in entities.items())
+        if grown > limit:
+            raise MediaError(source, f"SVG entities expand it to {grown} bytes, over max_svg_bytes={limit}",
+                             OVER_LIMIT)
     for name, value in entities.items():
         body = body.replace(b"&" + name + b";", value)
     return body
 
 
 # ---------------------------------------------------------------------------------------------- audio
-def load_audio(path: str | os.PathLike, sample_rate: int, seconds: float | None = None) -> np.ndarray:
+def load_audio(path: str | os.PathLike, sample_rate: int, seconds: float | None = None,
+               limits: MediaLimits = FILE_LIMITS) -> np.ndarray:
     """Decode an audio file (anything libsndfile reads: ogg/vorbis, wav, flac, ...) to mono float32.
 
     Channels are averaged; the signal is resampled to `sample_rate` with librosa when the file's rate
@@ -187,7 +430,7 @@ def load_audio(path: str | os.PathLike, sample_rate: int, seconds: float | None 
     _check_audio_args(sample_rate, seconds)
     p = Path(path)
     _check_file(p)
-    return _decode_audio(str(p), p, sample_rate, seconds)
+    return _decode_audio(str(p), p, sample_rate, seconds, limits)
 
 
 def _check_audio_args(sample_rate, seconds) -> None:
@@ -197,18 +440,36 @@ def _check_audio_args(sample_rate, seconds) -> None:
         raise ValueError(f"load_audio: seconds must be positive or None, got {seconds!r}")
 
 
-def _decode_audio(file, source, sample_rate: int, seconds: float | None) -> np.ndarray:
-    """`file`: a path or a file object (libsndfile reads both)."""
+def _decode_audio(file, source, sample_rate: int, seconds: float | None,
+                  limits: MediaLimits = FILE_LIMITS) -> np.ndarray:
+    """`file`: a path or a file object (libsndfile reads both). The container format, channels and sample
+    rate are checked from the header, and at most max_audio_seconds (or the crop) of samples are read."""
     import soundfile as sf
 
     try:
         with sf.SoundFile(file) as f:
             native = int(f.samplerate)
+            if f.format not in AUDIO_FORMATS:
+                raise MediaError(source, f"audio container {f.format} is not accepted (accepted: "
+                                         f"{', '.join(AUDIO_FORMATS)})")
+            if limits.max_audio_channels is not None and f.channels > limits.max_audio_channels:
+                raise MediaError(source, f"audio has {f.channels} channels, over max_audio_channels="
+                                         f"{limits.max_audio_channels}", OVER_LIMIT)
+            if native <= 0 or (limits.max_sample_rate is not None and native > limits.max_sample_rate):
+                raise MediaError(source, f"audio sample rate {native} Hz is outside 1..max_sample_rate="
+                                         f"{limits.max_sample_rate}", OVER_LIMIT)
             frames = -1
             if seconds is not None:
                 # Read only what the crop needs (plus a little for the resampler's edge).
                 frames = int(math.ceil(seconds * native)) + 64
+            elif limits.max_audio_seconds is not None:
+                frames = int(math.ceil(limits.max_audio_seconds * native)) + 1
             data = f.read(frames=frames, dtype="float32", always_2d=True)
+            if seconds is None and limits.max_audio_seconds is not None and len(data) == frames:
+                raise MediaError(source, f"audio is longer than max_audio_seconds={limits.max_audio_seconds:g}",
+                                 OVER_LIMIT)
+    except MediaError:
+        raise
     except Exception as e:  # soundfile.LibsndfileError (RuntimeError), TypeError on odd headers ...
         # libsndfile's own words, without the path or file object it prefixes them with
         why = getattr(e, "error_string", None) or e
@@ -240,10 +501,19 @@ def fit_length(wave: np.ndarray, n: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------- text
-def load_text(s: str) -> str:
-    """A caption, stripped of surrounding whitespace; empty captions raise MediaError."""
+def load_text(s: str, limits: MediaLimits = FILE_LIMITS) -> str:
+    """A caption, stripped of surrounding whitespace; empty captions, lone surrogates (not encodable as
+    UTF-8) and captions over max_text_chars raise MediaError."""
     if not isinstance(s, str):
         raise MediaError(None, f"caption is not a string: {type(s).__name__} {s!r:.80}", NOT_TEXT)
+    if limits.max_text_chars is not None and len(s) > limits.max_text_chars:
+        raise MediaError(None, f"caption of {len(s)} characters is over max_text_chars={limits.max_text_chars}",
+                         OVER_LIMIT)
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise MediaError(None, f"caption holds a lone surrogate at character {e.start} (not valid Unicode text)",
+                         NOT_TEXT) from None
     t = s.strip()
     if not t:
         raise MediaError(None, "empty caption", EMPTY)
@@ -256,21 +526,22 @@ def decode_text(data: bytes) -> str:
 
 
 # ------------------------------------------------------------------------------------------- dispatch
-def load(modality: str, source, sample_rate: int | None = None, seconds: float | None = None):
+def load(modality: str, source, sample_rate: int | None = None, seconds: float | None = None,
+         limits: MediaLimits = FILE_LIMITS):
     """Decode a row's `source` for `modality` ("image", "text" or "audio"): a file path, or the caption."""
     if modality == "image":
-        return load_image(source)
+        return load_image(source, limits=limits)
     if modality == "text":
-        return load_text(source)
+        return load_text(source, limits)
     if modality == "audio":
         if sample_rate is None:
             raise ValueError("load('audio', ...) needs sample_rate")
-        return load_audio(source, sample_rate, seconds)
+        return load_audio(source, sample_rate, seconds, limits)
     raise ValueError(f"unknown modality {modality!r}; expected 'image', 'text' or 'audio'")
 
 
 def decode_bytes(modality: str, data: bytes, source=None, sample_rate: int | None = None,
-                 seconds: float | None = None):
+                 seconds: float | None = None, limits: MediaLimits = FILE_LIMITS):
     """Decode encoded file bytes for `modality` with the same rules (and errors) as `load` on a file.
 
     `source` names the bytes in errors (a tar member's row source; None for a request body); an image
@@ -282,13 +553,13 @@ def decode_bytes(modality: str, data: bytes, source=None, sample_rate: int | Non
     if not data:
         raise MediaError(source, "no data (0 bytes)", EMPTY)
     if modality == "image":
-        return _image_from_bytes(data, source)
+        return _image_from_bytes(data, source, limits=limits)
     if modality == "text":
-        return load_text(decode_text(data))
+        return load_text(decode_text(data), limits)
     if sample_rate is None:
         raise ValueError("decode_bytes('audio', ...) needs sample_rate")
     _check_audio_args(sample_rate, seconds)
-    return _decode_audio(io.BytesIO(data), source, sample_rate, seconds)
+    return _decode_audio(io.BytesIO(data), source, sample_rate, seconds, limits)
 
 
 def _read(p: Path) -> bytes:

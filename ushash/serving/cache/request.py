@@ -35,12 +35,14 @@ class Query:
     z: np.ndarray | None        # float32 [dim], unit L2 norm, shared-space embedding (payload check)
 
 
-def _decode_bytes(modality: str, data: bytes, sample_rate: int | None, seconds: float | None):
-    """Encoded file bytes -> the raw value the encoder preprocesses, through ushash.data.media's decoder."""
+def _decode_bytes(modality: str, data: bytes, sample_rate: int | None, seconds: float | None,
+                  limits: media.MediaLimits):
+    """Encoded file bytes -> the raw value the encoder preprocesses, through ushash.data.media's decoder,
+    from memory and within `limits` (checked before anything expensive is decoded)."""
     if not data:
         raise RequestError(f"empty {modality} input (0 bytes)")
     try:
-        return media.decode_bytes(modality, data, None, sample_rate, seconds)
+        return media.decode_bytes(modality, data, None, sample_rate, seconds, limits=limits)
     except media.MediaError as e:
         raise RequestError(f"undecodable {modality}: {e.reason}") from None
 
@@ -52,9 +54,10 @@ def _unit(z) -> np.ndarray:
 
 
 class QueryEncoder:
-    def __init__(self, head, encoder=None):
+    def __init__(self, head, encoder=None, limits: media.MediaLimits | None = None):
         self.head = head
         self._encoder = encoder
+        self.limits = limits if limits is not None else media.MediaLimits()
         self._lock = threading.Lock()
 
     @property
@@ -109,20 +112,30 @@ class QueryEncoder:
                 except UnicodeDecodeError as e:
                     raise RequestError(f"text is not valid UTF-8 ({e})") from None
             try:
-                raw = media.load_text(data)
+                raw = media.load_text(data, self.limits)
             except media.MediaError as e:
-                raise RequestError(f"bad text: {e}") from None
+                raise RequestError(f"bad text: {e.reason}") from None
         elif isinstance(data, (bytes, bytearray, memoryview)):
-            raw = _decode_bytes(modality, bytes(data), enc.sample_rate, enc.audio_seconds)
+            raw = _decode_bytes(modality, bytes(data), enc.sample_rate, enc.audio_seconds, self.limits)
         elif modality == "image":
             from PIL import Image
             if not isinstance(data, Image.Image):
                 raise RequestError(f"image input must be encoded file bytes or a PIL image; got {type(data).__name__}")
+            try:
+                media.check_image_size(data.width, data.height, None, self.limits)
+            except media.MediaError as e:
+                raise RequestError(f"bad image: {e.reason}") from None
             raw = data.convert("RGB")
         else:
-            raw = np.asarray(data, dtype=np.float32)
-            if raw.ndim != 1 or not np.isfinite(raw).all() or raw.size == 0:
+            try:
+                raw = np.asarray(data, dtype=np.float32)
+            except (TypeError, ValueError):
+                raw = np.zeros(0, np.float32)
+            if raw.ndim != 1 or raw.size == 0 or not np.isfinite(raw).all():
                 raise RequestError("audio input must be encoded file bytes or a finite mono float wave [samples]")
+            most = self.limits.max_audio_seconds
+            if most is not None and raw.size > most * enc.sample_rate:
+                raise RequestError(f"audio wave of {raw.size} samples is longer than max_audio_seconds={most:g}")
         x = enc.preprocess(modality, raw)
         return enc.encode(modality, enc.collate(modality, [x])).float().cpu().numpy()[0]
 

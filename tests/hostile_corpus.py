@@ -1,0 +1,242 @@
+"""Hostile inputs, generated in code (no binary fixtures): media that costs more than it weighs, malformed
+files, and bad JSON request bodies. `tests/test_hostile.py` sends each through the Python API and over
+HTTP; `tests/test_media.py` decodes the media ones under the service limits."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import math
+import struct
+import zlib
+
+import numpy as np
+from PIL import Image
+
+
+def png_header_only(width: int, height: int, mode: int = 0, depth: int = 1) -> bytes:
+    """A valid PNG of width x height (colour type `mode`, `depth` bits a sample) whose pixels are all zero,
+    compressed: tiny on the wire, width * height pixels once decoded (a decompression bomb when large)."""
+    raw_row = b"\x00" + b"\x00" * (((width * (3 if mode == 2 else 1)) * depth + 7) // 8)
+    comp = zlib.compressobj(9)
+    idat = b""
+    # compress row by row so that building the bomb stays cheap for big sizes
+    chunk = raw_row * max(1, min(height, (1 << 20) // len(raw_row)))
+    rows_per = len(chunk) // len(raw_row)
+    left = height
+    while left > 0:
+        n = min(rows_per, left)
+        idat += comp.compress(chunk if n == rows_per else raw_row * n)
+        left -= n
+    idat += comp.flush()
+
+    def part(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, mode, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + part(b"IHDR", ihdr) + part(b"IDAT", idat) + part(b"IEND", b"")
+
+
+def png(width=8, height=8, seed=0) -> bytes:
+    arr = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(arr).save(out, "PNG")
+    return out.getvalue()
+
+
+def saved(fmt: str, width=8, height=8, **kw) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 20, 30)).save(out, fmt, **kw)
+    return out.getvalue()
+
+
+def wav(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
+    import soundfile as sf
+
+    out = io.BytesIO()
+    sf.write(out, np.zeros((int(seconds * rate), channels), np.float32), rate, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
+def wav_header(rate: int, channels: int, frames: int) -> bytes:
+    """A WAV header claiming `frames` frames (and no data behind it)."""
+    block = 2 * channels
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, rate * block, block, 16)
+    return (b"RIFF" + struct.pack("<I", 36 + frames * block) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
+            + b"data" + struct.pack("<I", frames * block))
+
+
+SVG_NS = 'xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink"'
+
+
+def svg_entity_bomb(levels=6, fan=10) -> bytes:
+    ents = ['<!ENTITY e0 "' + "x" * 50 + '">']
+    for i in range(1, levels):
+        ents.append(f'<!ENTITY e{i} "' + f"&e{i - 1};" * fan + '">')
+    return (f'<?xml version="1.0"?>\n<!DOCTYPE svg [\n' + "\n".join(ents) + f"\n]>\n"
+            f'<svg {SVG_NS} width="10" height="10"><text>&e{levels - 1};</text></svg>').encode()
+
+
+def svg_flat_entity_bomb(copies=20000) -> bytes:
+    """Plain internal entities (the kind the decoder expands itself) referenced many times."""
+    return (f'<?xml version="1.0"?>\n<!DOCTYPE svg [\n<!ENTITY big "' + "y" * 1000 + '">\n]>\n'
+            f'<svg {SVG_NS} width="10" height="10"><text>' + "&big;" * copies + "</text></svg>").encode()
+
+
+def svg_use_bomb(levels=5, fan=10) -> bytes:
+    defs = ['<rect id="l0" width="1" height="1"/>']
+    for i in range(1, levels + 1):
+        defs.append(f'<g id="l{i}">' + "".join(f'<use xlink:href="#l{i - 1}"/>' for _ in range(fan)) + "</g>")
+    return (f'<svg {SVG_NS} width="64" height="64"><defs>' + "".join(defs) + f'</defs><use xlink:href="#l{levels}"/>'
+            "</svg>").encode()
+
+
+def svg_sized(width, height) -> bytes:
+    return f'<svg {SVG_NS} width="{width}" height="{height}"><rect width="10" height="10"/></svg>'.encode()
+
+
+def svg_many_elements(n=40000) -> bytes:
+    return (f'<svg {SVG_NS} width="10" height="10">' + '<rect width="1" height="1"/>' * n + "</svg>").encode()
+
+
+def svg_embedded_bomb() -> bytes:
+    b64 = base64.b64encode(png_header_only(10000, 10000)).decode()
+    return (f'<svg {SVG_NS} width="10" height="10"><image width="10" height="10" '
+            f'xlink:href="data:image/png;base64,{b64}"/></svg>').encode()
+
+
+def svg_external(url: str) -> bytes:
+    return f'<svg {SVG_NS} width="10" height="10"><image width="10" height="10" xlink:href="{url}"/></svg>'.encode()
+
+
+def svg_xxe() -> bytes:
+    return (b'<?xml version="1.0"?>\n<!DOCTYPE svg [<!ENTITY x SYSTEM "file:///etc/passwd">]>\n'
+            b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><text>&x;</text></svg>')
+
+
+def svgz(data: bytes) -> bytes:
+    import gzip
+
+    return gzip.compress(data)
+
+
+def svgz_bomb(mb=64) -> bytes:
+    import gzip
+
+    body = f'<svg {SVG_NS} width="10" height="10"><desc>'.encode() + b" " * (mb << 20) + b"</desc></svg>"
+    return gzip.compress(body, 1)
+
+
+EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nnewpath 0 0 moveto 10 10 lineto stroke\n"
+       b"showpage\n%%EOF\n")
+
+
+@functools.lru_cache(maxsize=None)
+def image_cases() -> list[tuple[str, bytes]]:
+    """(name, bytes) of image bodies a service must refuse with a clear error, quickly and cheaply."""
+    ok_png = png()
+    return [
+        ("png_1x30000", png_header_only(1, 30000)),
+        ("png_30000x1", png_header_only(30000, 1)),
+        ("png_1x2000", png_header_only(1, 2000)),
+        ("png_10000x10000", png_header_only(10000, 10000)),
+        ("png_5000x5000_rgb", png_header_only(5000, 5000, mode=2, depth=8)),
+        ("png_truncated", ok_png[: len(ok_png) // 2]),
+        ("png_header_only", ok_png[:33]),
+        ("png_bad_crc", ok_png[:29] + b"\x00\x00\x00\x00" + ok_png[33:]),
+        ("png_zero_width", png_header_only(1, 1)[:16] + struct.pack(">II", 0, 1) + png_header_only(1, 1)[24:]),
+        ("eps", EPS),
+        ("eps_binary_header", b"\xc5\xd0\xd3\xc6" + b"\x00" * 28 + EPS),
+        ("pdf", b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF"),
+        ("tiff", saved("TIFF")),
+        ("ico", saved("ICO")),
+        ("psd_magic", b"8BPS" + b"\x00" * 64),
+        ("random_bytes", bytes(np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8))),
+        ("zeros", b"\x00" * 1024),
+        ("text_not_image", b"hello, this is not an image"),
+        ("html", b"<html><body>hi</body></html>"),
+        ("gif_huge_screen", b"GIF89a" + struct.pack("<HH", 65535, 65535) + b"\x00\x00\x00" + b";"),
+        ("jpeg_truncated", saved("JPEG")[:40]),
+        ("bmp_huge_header", b"BM" + struct.pack("<IHHI", 0, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, 50000, 50000, 1, 24,
+                                                                                      0, 0, 0, 0, 0, 0)),
+        ("webp_garbage", b"RIFF\x10\x00\x00\x00WEBPVP8 " + b"\x00" * 8),
+        ("svg_entity_bomb", svg_entity_bomb()),
+        ("svg_flat_entity_bomb", svg_flat_entity_bomb()),
+        ("svg_10000x10000", svg_sized(10000, 10000)),
+        ("svg_1x5000", svg_sized(1, 5000)),
+        ("svg_huge_units", svg_sized("1e9", "1e9")),
+        ("svg_negative", svg_sized(-10, -10)),
+        ("svg_zero", svg_sized(0, 0)),
+        ("svg_use_bomb", svg_use_bomb()),
+        ("svg_use_bomb_wide", svg_use_bomb(levels=3, fan=60)),
+        ("svg_many_elements", svg_many_elements()),
+        ("svg_embedded_png_bomb", svg_embedded_bomb()),
+        ("svg_xxe", svg_xxe()),
+        ("svgz_bomb", svgz_bomb()),
+        ("svgz_truncated", svgz(svg_sized(10, 10))[:20]),
+        ("svg_unclosed", f"<svg {SVG_NS} width='10' height='10'><rect".encode()),
+        ("svg_style_bomb", (f'<svg {SVG_NS} width="10" height="10"><style>' + "rect{fill:red}" * 20000
+                            + "</style><rect width='1' height='1'/></svg>").encode()),
+    ]
+
+
+def image_ok_but_external() -> list[tuple[str, bytes]]:
+    """SVGs that reference files or the network: rendered without fetching anything (an empty image in
+    their place), so these may succeed, but must never read a file or open a socket."""
+    return [("svg_file_href", svg_external("file:///etc/passwd")),
+            ("svg_http_href", svg_external("http://10.255.255.1/x.png"))]
+
+
+def audio_cases() -> list[tuple[str, bytes]]:
+    return [
+        ("wav_header_only", wav_header(16000, 1, 0)),
+        ("wav_claims_hours", wav_header(16000, 1, 16000 * 3600 * 10)),
+        ("wav_too_many_channels", wav_header(16000, 1000, 10)),
+        ("wav_absurd_rate", wav_header(2_000_000_000, 1, 10)),
+        ("wav_zero_rate", wav_header(0, 1, 10)),
+        ("riff_garbage", b"RIFF....WAVEfmt garbage"),
+        ("not_audio", b"\x00" * 2048),
+        ("png_as_audio", png()),
+        ("ogg_magic_garbage", b"OggS" + b"\x00" * 200),
+        ("flac_magic_garbage", b"fLaC" + b"\x00" * 200),
+    ]
+
+
+def long_wav() -> bytes:
+    """A real, valid WAV of 20 minutes of silence at 8 kHz (~19 MB): over the service's max_audio_seconds."""
+    return wav(20 * 60, 8000)
+
+
+def text_cases() -> list[tuple[str, str]]:
+    """Captions that must be refused (or served) without a 5xx."""
+    return [
+        ("lone_surrogate", "a \ud800 b"),
+        ("lone_low_surrogate", "\udfff"),
+        ("only_whitespace", " \t\n "),
+        ("empty", ""),
+        ("nul_bytes", "a\x00b"),
+        ("very_long", "word " * 50_000),
+        ("rtl_override", "\u202eabc"),
+        ("combining_flood", "a" + "\u0301" * 5000),
+        ("emoji", "\U0001f600" * 100),
+        ("private_use", "\ue000\uf8ff"),
+    ]
+
+
+def nonfinite_features(dim: int) -> list[tuple[str, list]]:
+    base = [0.1] * dim
+    return [
+        ("overflow_3e38", [3e38] * dim),
+        ("one_3e38", [3e38] + base[1:]),
+        ("huge_mixed", [3.4e38, -3.4e38] * (dim // 2) + [0.0] * (dim % 2)),
+        ("tiny_denormal", [1e-45] * dim),
+        ("all_zero", [0.0] * dim),
+        ("wrong_dim_short", base[:-1]),
+        ("wrong_dim_long", base + [0.1]),
+        ("empty", []),
+    ]
+
+
+def finite(x: float) -> bool:
+    return math.isfinite(x)
