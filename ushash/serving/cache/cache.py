@@ -100,13 +100,14 @@ class SemanticCache:
 
     def _install(self, head, encoder=None) -> None:
         c = self.config
+        c.check_head(int(head.bits))
         if c.l2 is not None and (self.l2 is None or self.l2.bits != int(head.bits)):
             self.l2 = self._make_l2(int(head.bits))
         self.head = head
         self.bits = int(head.bits)
         self.code_bytes = self.bits // 8
         self.payload_codec = getattr(head, "payload", None)
-        self.encoder = QueryEncoder(head, encoder)
+        self.encoder = QueryEncoder(head, encoder, c.media)
         self.l1 = L1Tier(self.bits, c, self.metrics, self.clock, self.payload_codec, head.modalities, str(head.revision))
         self.tiers = [self.l1] + ([self.l2] if self.l2 is not None else [])
         self.check = HitCheck(self.payload_codec, c.payload_check, c.payload_threshold, c.cross_modal, self.metrics)

@@ -6,9 +6,13 @@ module is imported); configs/cache/default.yaml extends it and configs/cache/red
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ushash.data.media import MediaLimits
+from ushash.serving.cache.entries import valid_tenant
 from ushash.serving.cache.policies import POLICIES
 from ushash.serving.cache.search import BACKENDS
 
@@ -56,25 +60,78 @@ class CacheConfig:
     bloom_guard_l2: bool = False             # also skip the L2 on a Bloom miss (single writer per tenant only)
     tenants: Optional[List[str]] = None      # allowed tenants; None: any valid name
     singleflight_timeout_s: float = 30.0     # followers wait at most this long for the leader
+    media: MediaLimits = field(default_factory=MediaLimits)  # what decoding one raw request may cost
+                                             # (pixels, aspect, SVG size and render time, audio, caption)
     l2: Optional[L2Config] = None            # Redis; None: L1 only
 
     def __post_init__(self):
         if isinstance(self.l2, dict):
             self.l2 = _build(L2Config, self.l2, "cache.l2")
-        if int(self.capacity_bytes) <= 0:
-            raise ValueError(f"capacity_bytes must be positive; got {self.capacity_bytes}")
-        if int(self.radius) < 0:
-            raise ValueError(f"radius must be >= 0; got {self.radius}")
-        if self.observe_radius is not None and int(self.observe_radius) < int(self.radius):
-            raise ValueError(f"observe_radius ({self.observe_radius}) must be >= radius ({self.radius})")
+        if isinstance(self.media, dict):
+            self.media = _build(MediaLimits, self.media, "cache.media")
+        check_types(self, "cache")
+        _positive(self, "cache", "capacity_bytes", "max_candidates", "mih_min_entries", "singleflight_timeout_s",
+                  "bloom_fp_rate")
+        if self.mih_nhash is not None:
+            _positive(self, "cache", "mih_nhash")
+        if self.radius < 0:
+            raise ValueError(f"cache.radius must be an integer >= 0 (bits of Hamming distance); got {self.radius}")
+        if self.observe_radius is not None and self.observe_radius < self.radius:
+            raise ValueError(f"cache.observe_radius ({self.observe_radius}) must be >= cache.radius ({self.radius}), "
+                             f"or null")
+        if self.bloom_chunks is not None:
+            _positive(self, "cache", "bloom_chunks")
         if str(self.policy).lower() not in POLICIES:
-            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+            raise ValueError(f"cache.policy: unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}")
         if str(self.backend).lower() not in BACKENDS:
-            raise ValueError(f"unknown search backend {self.backend!r}; choose one of {BACKENDS}")
-        if not -1.0 <= float(self.payload_threshold) <= 1.0:
-            raise ValueError(f"payload_threshold is a cosine in [-1, 1]; got {self.payload_threshold}")
+            raise ValueError(f"cache.backend: unknown search backend {self.backend!r}; choose one of {BACKENDS}")
+        if not -1.0 <= self.payload_threshold <= 1.0:
+            raise ValueError(f"cache.payload_threshold is a cosine in [-1, 1]; got {self.payload_threshold}")
+        if self.ttl_s is not None and self.ttl_s < 0:
+            raise ValueError(f"cache.ttl_s must be >= 0 seconds (0 or null: no expiry); got {self.ttl_s}")
+        if not 0.0 <= self.ttl_jitter < 1.0:
+            raise ValueError(f"cache.ttl_jitter is a fraction in [0, 1); got {self.ttl_jitter}")
+        if self.xfetch_beta < 0:
+            raise ValueError(f"cache.xfetch_beta must be >= 0 (0: off); got {self.xfetch_beta}")
+        if not 0.0 < self.bloom_fp_rate < 1.0:
+            raise ValueError(f"cache.bloom_fp_rate is a probability in (0, 1); got {self.bloom_fp_rate}")
         if self.tenants is not None:
-            self.tenants = [str(t) for t in self.tenants]
+            bad = [t for t in self.tenants if not valid_tenant(t)]
+            if bad or not self.tenants:
+                raise ValueError(f"cache.tenants must be a non-empty list of names of 1-64 characters of "
+                                 f"[A-Za-z0-9_.-] (or null: any name); bad: {bad or self.tenants}")
+        if self.l2 is not None:
+            l2 = self.l2
+            check_types(l2, "cache.l2")
+            _positive(l2, "cache.l2", "timeout_s", "connect_timeout_s", "breaker_failures", "breaker_backoff_s",
+                      "breaker_max_backoff_s")
+            if l2.chunks is not None:
+                _positive(l2, "cache.l2", "chunks")
+            if l2.watermark_check_s < 0:
+                raise ValueError(f"cache.l2.watermark_check_s must be >= 0 (0: every lookup); got {l2.watermark_check_s}")
+            if not str(l2.url).startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(f"cache.l2.url must start with redis://, rediss:// or unix://; got {l2.url!r}")
+            if not l2.prefix or not all(ch.isalnum() or ch in "_.-" for ch in l2.prefix):
+                raise ValueError(f"cache.l2.prefix must be letters, digits or _.- ; got {l2.prefix!r}")
+
+    def check_head(self, bits: int) -> None:
+        """The settings that depend on the head, checked when one is loaded (before serving anything):
+        the multi-index hash tables must divide the code, radii fit in it, and the torch device exist."""
+        nhash = self.mih_nhash or max(1, bits // 16)
+        if str(self.backend).lower() in ("auto", "mih") and bits % nhash:
+            raise ValueError(f"cache.mih_nhash={nhash} must divide the head's {bits} bits (e.g. {bits // 16 or 1})")
+        if self.radius > bits or (self.observe_radius or 0) > bits:
+            raise ValueError(f"cache.radius / observe_radius must be <= the head's {bits} bits")
+        device = str(self.device)
+        if str(self.backend).lower() != "torch":
+            if device != "cpu":
+                raise ValueError(f"cache.device={device!r} needs cache.backend=torch (the other backends run on the CPU)")
+        elif device.startswith("cuda"):
+            import torch
+
+            index = int(device.split(":", 1)[1]) if ":" in device else 0
+            if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+                raise ValueError(f"cache.device={device!r}: no such CUDA device here; use cache.device=cpu")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "CacheConfig":
@@ -85,11 +142,80 @@ class CacheConfig:
 
 
 def _build(cls, d: dict, where: str) -> Any:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be a mapping of settings; got {type(d).__name__} {d!r:.60}")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:
         raise ValueError(f"{where}: unknown setting(s) {unknown}; known: {sorted(names)}")
     return cls(**d)
+
+
+def _type_ok(value, tp) -> tuple[bool, Any]:
+    """(does `value` fit the annotation `tp`, the value normalised: int for float fields, list copies)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return True, None
+        for a in args:
+            if a is not type(None):
+                ok, v = _type_ok(value, a)
+                if ok:
+                    return True, v
+        return False, value
+    if tp is Any:
+        return True, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False, value
+        return True, float(value)
+    if tp is str:
+        return isinstance(value, str), value
+    if origin in (list, List):
+        (item,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+            return False, value
+        out = []
+        for x in value:
+            ok, v = _type_ok(x, item)
+            if not ok:
+                return False, value
+            out.append(v)
+        return True, out
+    if origin in (dict, Dict):
+        return (hasattr(value, "keys"), dict(value)) if hasattr(value, "keys") else (False, value)
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, tp), value
+    return True, value
+
+
+def _describe(tp) -> str:
+    return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def check_types(obj, where: str) -> None:
+    """Every field of the dataclass `obj` has its annotated type (ints are not floats rounded, a string is
+    not a list, NaN and inf are no float setting), else ValueError naming `where.key`."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        ok, norm = _type_ok(value, hints[f.name])
+        if not ok:
+            raise ValueError(f"{where}.{f.name} must be {_describe(hints[f.name])}; got {value!r:.80} "
+                             f"({type(value).__name__})")
+        setattr(obj, f.name, norm)
+
+
+def _positive(obj, where: str, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not v > 0:
+            raise ValueError(f"{where}.{name} must be > 0; got {v!r}")
 
 
 def register_schemas() -> None:
