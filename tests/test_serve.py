@@ -213,3 +213,43 @@ def test_lookup_batch_answers_each_row_as_a_single_lookup(client):
                         ({"modality": "audio", "features": [[1.0] * 16], "tenant": "nobody"}, 404),
                         ({"modality": "audio", "features": "x"}, 422)]:
         assert client.post("/v1/lookup_batch", json=bad).status_code == status, bad
+
+
+def test_bytes_values_from_a_python_replica_come_back_as_base64(export_dir):
+    cache = SemanticCache.from_export(export_dir, {"radius": 4})
+    cache.put("text", "raw bytes", value=b"\x00\xff")
+    with TestClient(create_app(cache)) as c:
+        body = c.post("/v1/lookup", json={"modality": "text", "text": "raw bytes"}).json()
+    assert body["value_encoding"] == "base64" and base64.b64decode(body["value"]) == b"\x00\xff"
+
+
+@pytest.mark.parametrize("kw,match", [({"max_body_bytes": 0}, "max_body_bytes"), ({"max_body_bytes": -5}, "max_body_bytes"),
+                                      ({"tokens": {"short": ["acme"]}}, "16 printable"),
+                                      ({"tokens": {"x" * 20: "acme"}}, "list of tenant"),
+                                      ({"tokens": {"x" * 20: ["initech"]}}, "not served"),
+                                      ({"tokens": {"x" * 20: []}}, "not served"),
+                                      ({"token": TOKEN, "tokens": {TOKEN: ["acme"]}}, "also listed")])
+def test_serve_settings_are_checked_when_the_app_is_made(export_dir, kw, match):
+    cache = SemanticCache.from_export(export_dir, {"tenants": ["default", "acme"]})
+    with pytest.raises(ValueError, match=match):
+        create_app(cache, **kw)
+
+
+def test_a_scoped_token_uses_only_its_tenants(export_dir):
+    cache = SemanticCache.from_export(export_dir, {"radius": 4, "tenants": ["default", "acme", "globex"]})
+    acme, both = "acme-only-0123456789", "acme-and-globex-0123"
+    with TestClient(create_app(cache, token=TOKEN, tokens={acme: ["acme"], both: ["acme", "globex"]})) as c:
+        def post(route, tok, tenant, **kw):
+            return c.post(route, json={"modality": "text", "text": "q", "tenant": tenant, **kw},
+                          headers={"Authorization": f"Bearer {tok}"})
+        assert post("/v1/store", TOKEN, "default", value="d").json()["stored"]
+        r = post("/v1/lookup", acme, "default")
+        assert r.status_code == 403 and r.json() == {"error": "this token may not use tenant 'default'"}
+        assert post("/v1/store", acme, "default", value="poison").status_code == 403
+        assert post("/v1/store", acme, "acme", value="a").json()["stored"]
+        assert post("/v1/lookup", both, "acme").json()["value"] == "a"
+        assert post("/v1/store", both, "globex", value="g").json()["stored"]
+        assert post("/v1/lookup", acme, "globex").status_code == 403
+        assert post("/v1/lookup", TOKEN, "default").json()["value"] == "d"
+        assert post("/v1/lookup", TOKEN, "globex").json()["value"] == "g"
+        assert post("/v1/lookup", "acme-only-012345678X", "acme").status_code == 401

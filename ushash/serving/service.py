@@ -13,9 +13,12 @@ An HTTP service around one `SemanticCache` (FastAPI + uvicorn):
 
 `data_b64` is an encoded image or audio file (PNG, JPEG, SVG, WAV, OGG, FLAC ...), base64; `text` a
 caption; `features` precomputed encoder features. Binds to 127.0.0.1 by default; bound anywhere else it
-refuses to start without a bearer token (`token=` or USHASH_SERVE_TOKEN), and every route but /healthz
-then needs `Authorization: Bearer <token>`. Bad input gets a 4xx with {"error": "..."}: 400 bad media
-or modality or features, 401 no/wrong token, 404 unknown tenant, 413 body too large, 422 malformed JSON.
+refuses to start without a bearer token, and every route but /healthz then needs
+`Authorization: Bearer <token>`. `token=` (or USHASH_SERVE_TOKEN) may use every tenant; `tokens=` maps
+more tokens each to the tenants it may use (see docs/cache.md, threat model). Bad input gets a 4xx with
+{"error": "..."}: 400 bad media or modality or features, 401 no/wrong token, 403 a tenant the token may
+not use, 404 unknown tenant, 413 body too large, 422 malformed JSON. A fault of the server is a 500 with
+{"error": "internal error"} (the traceback goes to the log), and the connection stays usable.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route annotations at runtime.
@@ -26,7 +29,7 @@ import ipaddress
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -54,7 +57,9 @@ class ServeConfig:
                                       # hang off the repository
     host: str = "127.0.0.1"           # anything but loopback needs a bearer token
     port: int = 8470
-    token: Optional[str] = None       # bearer token; the environment variable USHASH_SERVE_TOKEN takes precedence
+    token: Optional[str] = None       # bearer token for every tenant; the environment variable USHASH_SERVE_TOKEN
+                                      # takes precedence
+    tokens: Optional[Dict[str, List[str]]] = None  # more bearer tokens, each -> the tenants it may use
     max_body_bytes: int = 8 << 20     # larger request bodies get 413
     device: str = "cpu"               # where the head (and the encoder for raw inputs) runs
     log_level: str = "warning"        # uvicorn's
@@ -81,13 +86,37 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_binding(host: str, token: Optional[str]) -> None:
+def check_binding(host: str, token: Optional[str], tokens: Optional[dict] = None) -> None:
     """Refuse to serve beyond loopback without a bearer token."""
-    if not is_loopback(host) and not token:
+    if not is_loopback(host) and not token and not tokens:
         raise SystemExit(f"refusing to bind {host!r} without a bearer token: set token=... or {TOKEN_ENV} "
                          f"(or bind 127.0.0.1)")
     if token is not None and len(token) < 16:
         raise SystemExit("the bearer token must be at least 16 characters")
+
+
+def check_tokens(tokens, tenants: Optional[list] = None) -> dict[str, frozenset]:
+    """`tokens` (token -> tenants it may use) checked: tokens of >= 16 printable ASCII characters, each
+    with a non-empty list of valid tenant names, all of them served (`cache.tenants`) when that is set."""
+    from ushash.serving.cache.entries import valid_tenant
+
+    if tokens is None:
+        return {}
+    if not hasattr(tokens, "items"):
+        raise ValueError(f"tokens must map each bearer token to a list of tenants; got {type(tokens).__name__}")
+    out = {}
+    for i, (tok, ts) in enumerate(tokens.items()):
+        if not isinstance(tok, str) or len(tok) < 16 or not tok.isascii() or not tok.isprintable() or " " in tok:
+            raise ValueError(f"tokens: token #{i + 1} must be at least 16 printable ASCII characters, no spaces")
+        if isinstance(ts, str) or not hasattr(ts, "__iter__"):
+            raise ValueError(f"tokens: token #{i + 1} must map to a list of tenant names; got {ts!r:.60}")
+        ts = list(ts)
+        bad = [t for t in ts if not valid_tenant(t) or (tenants is not None and t not in tenants)]
+        if bad or not ts:
+            raise ValueError(f"tokens: token #{i + 1} names tenants that are not served or not valid names: "
+                             f"{bad or 'none'} (served: {tenants if tenants is not None else 'any valid name'})")
+        out[tok] = frozenset(ts)
+    return out
 
 
 class _BodyLimit:
@@ -169,21 +198,89 @@ class AuthError(Exception):
     pass
 
 
-def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeConfig.max_body_bytes) -> FastAPI:
-    """The FastAPI app serving `cache`. Tests call this directly."""
+class Forbidden(Exception):
+    pass
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON as ASCII: a value or a message holding a lone surrogate still encodes (as \\udXXX)."""
+
+    def render(self, content) -> bytes:
+        import json
+
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+class _ServerFaults:
+    """ASGI middleware: an exception no handler turned into a response becomes a 500 with a JSON body
+    (traceback to the log). Starlette's own last resort re-raises after answering, and uvicorn then
+    closes the connection, failing the client's next request on it; this one does not re-raise."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception:
+            log.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # nothing else can be said on this connection
+            await _send_json(send, 500, {"error": "internal error (logged by the server)"})
+
+
+def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeConfig.max_body_bytes,
+               tokens: Optional[dict] = None) -> FastAPI:
+    """The FastAPI app serving `cache`. Tests call this directly. `token` may use every tenant; `tokens`
+    maps further tokens to the tenants each may use."""
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes <= 0:
+        raise ValueError(f"max_body_bytes must be a positive integer (bytes); got {max_body_bytes!r}")
+    scoped = check_tokens(tokens, cache.config.tenants)
+    if token is not None and token in scoped:
+        raise ValueError("tokens: the all-tenants token is also listed as a scoped one")
+    keys = [(token.encode(), None)] if token is not None else []
+    keys += [(t.encode(), ts) for t, ts in scoped.items()]
     bearer = HTTPBearer(auto_error=False)  # parses "Authorization: Bearer <token>"; None when absent or another scheme
 
-    def auth(creds: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> None:
-        if token is None:
-            return
-        if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
+    def auth(creds: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> Optional[frozenset]:
+        """The tenants this caller may use (None: every tenant)."""
+        if not keys:
+            return None
+        given = creds.credentials.encode("utf-8", "surrogateescape") if creds is not None else b""
+        allowed, ok = None, False
+        for key, ts in keys:  # every key compared, in constant time each
+            if hmac.compare_digest(given, key):
+                allowed, ok = ts, True
+        if not ok:
             raise AuthError()
+        return allowed
 
-    app = FastAPI(title="ushash semantic cache", docs_url=None, redoc_url=None, openapi_url=None)
+    def tenant_of(body, allowed: Optional[frozenset]) -> str:
+        tenant = cache.check_tenant(body.tenant)
+        if allowed is not None and tenant not in allowed:
+            raise Forbidden(f"this token may not use tenant {tenant!r}")
+        return tenant
+
+    app = FastAPI(title="ushash semantic cache", docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=SafeJSONResponse)
+
+    @app.exception_handler(Forbidden)
+    async def _forbidden(request, exc):
+        return SafeJSONResponse({"error": str(exc)}, status_code=403)
 
     @app.exception_handler(AuthError)
     async def _auth(request, exc):
-        return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401,
+        return SafeJSONResponse({"error": "missing or wrong bearer token"}, status_code=401,
                             headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(RequestValidationError)
@@ -192,19 +289,19 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         for e in exc.errors()[:5]:
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        return JSONResponse({"error": "invalid request: " + "; ".join(parts)}, status_code=422)
+        return SafeJSONResponse({"error": "invalid request: " + "; ".join(parts)}, status_code=422)
 
     @app.exception_handler(RequestError)
     async def _bad(request, exc):
-        return JSONResponse({"error": str(exc)}, status_code=400)
+        return SafeJSONResponse({"error": str(exc)}, status_code=400)
 
     @app.exception_handler(UnknownTenant)
     async def _tenant(request, exc):
-        return JSONResponse({"error": str(exc)}, status_code=404)
+        return SafeJSONResponse({"error": str(exc)}, status_code=404)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc):
-        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+        return SafeJSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
 
     def _query(body: LookupBody):
         given = [k for k in ("text", "data_b64", "features") if getattr(body, k) is not None]
@@ -225,6 +322,14 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
             raise RequestError("data_b64 is not valid base64") from None
         return cache.query(body.modality, data)
 
+    def _hit_json(hit) -> dict:
+        out = {"hit": True, "value": hit.value, "distance": hit.distance, "cosine": hit.cosine, "tier": hit.tier,
+               "revision": hit.revision, "entry_modality": hit.modality}
+        if isinstance(hit.value, bytes):  # stored as bytes (by a Python caller sharing the L2): base64
+            out["value"] = base64.b64encode(hit.value).decode("ascii")
+            out["value_encoding"] = "base64"
+        return out
+
     @app.get("/healthz")
     def healthz():
         return {"status": "ok"}
@@ -234,34 +339,30 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(cache.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/lookup", dependencies=[Depends(auth)])
-    def lookup(body: LookupBody):
-        tenant = cache.check_tenant(body.tenant)
+    @app.post("/v1/lookup")
+    def lookup(body: LookupBody, allowed: Optional[frozenset] = Depends(auth)):
+        tenant = tenant_of(body, allowed)
         hit = cache.lookup(_query(body), tenant)
-        if hit is None:
-            return {"hit": False}
-        return {"hit": True, "value": hit.value, "distance": hit.distance, "cosine": hit.cosine, "tier": hit.tier,
-                "revision": hit.revision, "entry_modality": hit.modality}
+        return {"hit": False} if hit is None else _hit_json(hit)
 
-    @app.post("/v1/lookup_batch", dependencies=[Depends(auth)])
-    def lookup_batch(body: LookupBatchBody):
+    @app.post("/v1/lookup_batch")
+    def lookup_batch(body: LookupBatchBody, allowed: Optional[frozenset] = Depends(auth)):
         import numpy as np
 
-        tenant = cache.check_tenant(body.tenant)
+        tenant = tenant_of(body, allowed)
         try:
-            feats = np.asarray(body.features, np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):
+                feats = np.asarray(body.features, np.float32)
         except ValueError:
             raise RequestError("features must be rows of equal length") from None
         if not len(feats):
             return {"results": []}
         hits = cache.lookup_many(cache.encoder.from_feature_rows(body.modality, feats), tenant)
-        return {"results": [{"hit": True, "value": h.value, "distance": h.distance, "cosine": h.cosine, "tier": h.tier,
-                             "revision": h.revision, "entry_modality": h.modality} if h is not None else {"hit": False}
-                            for h in hits]}
+        return {"results": [_hit_json(h) if h is not None else {"hit": False} for h in hits]}
 
-    @app.post("/v1/store", dependencies=[Depends(auth)])
-    def store(body: StoreBody):
-        tenant = cache.check_tenant(body.tenant)
+    @app.post("/v1/store")
+    def store(body: StoreBody, allowed: Optional[frozenset] = Depends(auth)):
+        tenant = tenant_of(body, allowed)
         try:
             stored = cache.store(_query(body), body.value, tenant, ttl_s=body.ttl_s)
         except TypeError as e:
@@ -272,6 +373,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     def stats():
         return cache.stats()
 
+    app.add_middleware(_ServerFaults)
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     return app
 
@@ -284,13 +386,18 @@ def build(cfg: DictConfig):
     from ushash.serving.cache import SemanticCache
 
     token = os.environ.get(TOKEN_ENV) or (str(cfg.token) if cfg.get("token") else None)
+    tokens = to_dict(cfg.get("tokens")) if cfg.get("tokens") else None
     host = str(cfg.host)
-    check_binding(host, token)
+    check_binding(host, token, tokens)
+    mb = cfg.get("max_body_bytes")
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0:
+        raise SystemExit(f"max_body_bytes must be a positive integer (bytes); got {mb!r}")
+    check_tokens(tokens, list(cfg.cache.tenants) if cfg.cache.get("tenants") is not None else None)
     export = Path(str(cfg.export))
     if not export.is_absolute():
         export = Path(cfg.paths.root) / export
     cache = SemanticCache.from_export(export, to_dict(cfg.cache), device=str(cfg.device))
-    app = create_app(cache, token=token, max_body_bytes=int(cfg.max_body_bytes))
+    app = create_app(cache, token=token, max_body_bytes=int(cfg.max_body_bytes), tokens=tokens)
     app.state.cache = cache
     return app, host, int(cfg.port), token
 

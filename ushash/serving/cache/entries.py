@@ -41,11 +41,13 @@ def encode_value(value) -> tuple[str, bytes]:
     an L2 shared with other processes must never be able to run code in this one)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "b", bytes(value)
-    if isinstance(value, str):
-        return "s", value.encode("utf-8")
     try:
-        return "j", json.dumps(value, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError) as e:
+        if isinstance(value, str):
+            return "s", value.encode("utf-8")
+        return "j", json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 for it, and no reader could use it
+        raise TypeError(f"cache values must be valid Unicode text; this one holds a lone surrogate at {e.start}") from e
+    except (TypeError, ValueError, RecursionError) as e:
         raise TypeError(f"cache values must be bytes, str or JSON-serialisable; got {type(value).__name__} ({e})") from e
 
 

@@ -166,5 +166,13 @@ class QueryEncoder:
             raise RequestError(f"{modality} features must be finite numbers")
         if len(f) == 0:
             return []
-        codes, z = self.head.encode(modality, f.astype(np.float32))
+        with np.errstate(over="ignore", invalid="ignore"):
+            f32 = f.astype(np.float32)
+        if not np.isfinite(f32).all():
+            raise RequestError(f"{modality} features must be finite float32 numbers (|x| < 3.4e38)")
+        codes, z = self.head.encode(modality, f32)
+        z = np.asarray(z, np.float64)
+        if not np.isfinite(z).all() or not np.any(z, axis=1).all():
+            raise RequestError(f"{modality} features are out of the range the head encodes (its embedding "
+                               f"overflows or vanishes); send the encoder's features unscaled")
         return [Query(modality, codes[i].tobytes(), _unit(z[i])) for i in range(len(f))]
