@@ -31,7 +31,7 @@ import numpy as np
 
 from ushash.serving.cache.config import CacheConfig
 from ushash.serving.cache.entries import Entry, Hit, decode_value, encode_value, valid_tenant
-from ushash.serving.cache.freshness import Freshness, RevisionWatermark
+from ushash.serving.cache.freshness import Freshness, RevisionWatermark, revision_rank
 from ushash.serving.cache.hitcheck import HitCheck
 from ushash.serving.cache.l1 import L1Tier
 from ushash.serving.cache.protection import AsyncSingleFlight, SingleFlight
@@ -112,10 +112,16 @@ class SemanticCache:
         self.tiers = [self.l1] + ([self.l2] if self.l2 is not None else [])
         self.check = HitCheck(self.payload_codec, c.payload_check, c.payload_threshold, c.cross_modal, self.metrics)
         self.radius, self.observe_radius = self.l1.radius, self.l1.observe_radius
-        self.watermark = RevisionWatermark(str(head.revision), check_s=c.l2.watermark_check_s if c.l2 else 1.0,
-                                           clock=time.monotonic)
+        old = getattr(self, "watermark", None)
+        self.watermark = RevisionWatermark(str(head.revision), revision_rank(head),
+                                           check_s=c.l2.watermark_check_s if c.l2 else 1.0, clock=time.monotonic)
+        if old is not None and (old.newest_rank, old.newest or "") > (self.watermark.newest_rank,
+                                                                       self.watermark.revision):
+            self.watermark.newest, self.watermark.newest_rank = old.newest, old.newest_rank  # still known newer
         if self.l2 is not None:
             self.watermark.attach(self.l2.announce, self.l2.newest_revision)
+        # what a lookup or a store reads at once: the L1 tier, the tiers and their revision (a reload swaps it)
+        self._serving = (self.l1, self.tiers, str(head.revision))
         self.l1.update_gauges()
 
     def reload(self, head, encoder=None) -> None:
@@ -194,32 +200,44 @@ class SemanticCache:
 
     def lookup_many(self, queries: list[Query], tenant: str = DEFAULT_TENANT, count: bool = True) -> list[Hit | None]:
         """The hit (or None) for each Query: L1 answers the batch with one index search and one
-        vectorised hit check; its misses go to the L2 one by one. Same answers as `lookup` of each."""
+        vectorised hit check; its misses go to the L2 one by one. Same answers as `lookup` of each. Only
+        entries of the revision that encoded a query are served, while that is the one served: a query
+        encoded before a reload() misses, and a hit found while one happened is not served."""
         t0 = time.perf_counter()
         tenant = self.check_tenant(tenant)
         n = len(queries)
         hits: list[Hit | None] = [None] * n
         tiers = ["l1"] * n
         nearest: list[int | None] = [None] * n
+        l1, tier_list, rev = self._serving
+        l2 = tier_list[1] if len(tier_list) > 1 else None
+        live = [i for i, q in enumerate(queries) if q.revision is None or q.revision == rev]
+        if len(live) < n:
+            self.metrics.rejections.labels(reason="query_revision").inc(n - len(live))
         if not self.watermark.current:
-            if n:
-                self.metrics.rejections.labels(reason="stale_revision").inc(n)
-        elif n:
+            if live:
+                self.metrics.rejections.labels(reason="stale_revision").inc(len(live))
+        elif live:
             now = self.clock()
-            found = self.l1.find_many(queries, tenant, self.revision, self.check, now)
-            for i, f in enumerate(found):
+            found = l1.find_many([queries[i] for i in live], tenant, rev, self.check, now)
+            for i, f in zip(live, found):
                 nearest[i] = f.nearest
                 if f.entry is not None:
                     hits[i] = self._hit(f, "l1", now)
-                elif self.l2 is not None and not f.skip_next:
-                    tiers[i] = self.l2.name
+                elif l2 is not None and not f.skip_next:
+                    tiers[i] = l2.name
                     now = self.clock()
-                    f2 = self.l2.find(queries[i], tenant, self.revision, self.check, now)
+                    f2 = l2.find(queries[i], tenant, rev, self.check, now)
                     if f2.nearest is not None and (nearest[i] is None or f2.nearest < nearest[i]):
                         nearest[i] = f2.nearest
-                    if f2.entry is not None:  # promote into L1 (same expiry and revision; not written back)
-                        self.l1.put(tenant, f2.entry)
-                        hits[i] = self._hit(f2, self.l2.name, now)
+                    if f2.entry is not None and self._serving[0] is l1:
+                        l1.put(tenant, f2.entry)  # promote into L1 (same expiry and revision; not written back)
+                        hits[i] = self._hit(f2, l2.name, now)
+            if self._serving[0] is not l1:  # reloaded meanwhile: these are of an older revision now
+                dropped = sum(h is not None for h in hits)
+                if dropped:
+                    self.metrics.rejections.labels(reason="query_revision").inc(dropped)
+                hits = [None] * n
         if count:
             # nearest: the hit's distance; on a miss the nearest candidate seen, or bits + 1 (the +Inf
             # bucket) when nothing was within observe_radius
@@ -271,18 +289,28 @@ class SemanticCache:
                 for i, r in zip(idx, recs):
                     payloads[i] = r.tobytes()
         now = self.clock()
+        l1, tier_list, rev = self._serving
+        fresh = [q.revision is None or q.revision == rev for q in queries]  # others: encoded before a reload()
+        if not all(fresh):
+            self.metrics.rejections.labels(reason="query_revision").inc(len(queries) - sum(fresh))
         if not self.watermark.current:
-            self.metrics.rejections.labels(reason="stale_revision").inc(len(queries))
+            self.metrics.rejections.labels(reason="stale_revision").inc(sum(fresh))
             return [False] * len(queries)
-        shared = self.l2 is not None and self.config.l2.write
-        entries = [Entry(code=q.code, payload=p, modality=q.modality, value=vb, kind=kind, revision=self.revision,
-                         created=now, expires=self.freshness.expiry(now, ttl_s), compute_s=float(compute_s),
-                         id=os.urandom(8).hex() if shared else None)
-                   for q, p, (kind, vb) in zip(queries, payloads, encoded)]
-        stored = self.l1.put_many(tenant, entries)
+        l2 = tier_list[1] if len(tier_list) > 1 else None
+        shared = l2 is not None and self.config.l2.write
+        # filed under the revision that made the code: a reload() from here on leaves them in the old tiers
+        keep = [i for i in range(len(queries)) if fresh[i]]
+        entries = [Entry(code=queries[i].code, payload=payloads[i], modality=queries[i].modality, value=encoded[i][1],
+                         kind=encoded[i][0], revision=rev, created=now, expires=self.freshness.expiry(now, ttl_s),
+                         compute_s=float(compute_s), id=os.urandom(8).hex() if shared else None)
+                   for i in keep]
+        put = l1.put_many(tenant, entries) if entries else []
+        stored = [False] * len(queries)
+        for i, ok in zip(keep, put):
+            stored[i] = ok
         if shared:
             for e in entries:
-                self.l2.put(tenant, e)
+                l2.put(tenant, e)
         dt = (time.perf_counter() - t0) / max(1, len(queries))
         for _ in entries:
             self.metrics.put_seconds.observe(dt)

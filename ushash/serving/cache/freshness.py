@@ -16,8 +16,10 @@ served; beta > 1 favours earlier refreshes, beta = 0 disables it.
 Revision watermark: every entry carries the revision (``ExportedHead.revision``) of the head that made its
 code and payload. A cache serves only entries of its current revision; `RevisionWatermark` is that
 revision plus, with an L2, the newest revision any replica has announced (a Redis sorted set of revision
--> first-seen time). A replica whose revision is no longer the newest is stale: it serves and stores
-nothing until it is reloaded with the new export (see docs/cache.md).
+-> its export's creation time). A replica whose revision is no longer the newest is stale: it serves and
+stores nothing until it is reloaded with the new export (see docs/cache.md). A `Query` carries the revision
+that encoded it, and is looked up and stored only under it, so computes in flight across a `reload()` are
+never filed under the new revision with the old head's code.
 """
 
 from __future__ import annotations
@@ -83,27 +85,56 @@ class ExpiryHeap:
             yield slot, gen
 
 
+def revision_rank(head) -> float | None:
+    """The rank of a head's revision in the watermark: when its export was made (ms since the epoch, from
+    the manifest's `created`), so that the newest export wins whatever order replicas (re)announce in.
+    None for heads without one: they are ranked by the time they are first announced."""
+    created = (getattr(head, "manifest", None) or {}).get("created")
+    if created:
+        import calendar
+
+        try:
+            return float(calendar.timegm(time.strptime(str(created), "%Y-%m-%dT%H:%M:%SZ")) * 1000)
+        except ValueError:
+            pass
+    return None
+
+
 class RevisionWatermark:
     """The revision this cache serves and whether a newer one has been announced elsewhere.
 
-    `announce`/`newest` are callables into the L2 (None without one): announce(revision) registers it,
-    newest() returns the newest announced revision (or None when unknown / L2 unreachable). `check()` is
-    cheap: it asks the L2 at most every `check_s` seconds (0: on every call).
+    `announce`/`fetch` are callables into the L2 (None without one): announce(revision, rank) registers
+    it, fetch() returns (revision, rank) of the newest announced one, (None, None) when none is, or None
+    when the L2 cannot be asked. `check()` is cheap: it asks the L2 at most every `check_s` seconds (0:
+    on every call).
+
+    The watermark survives the L2 losing its keys (a restart without persistence, FLUSHALL, an
+    `allkeys-lru` eviction of the revisions key): ranks are the exports' own creation times, not the
+    time of announcing, and every replica remembers the newest (revision, rank) it has seen and announces
+    it again whenever the L2 shows an older one or none. So an old replica that starts again first does
+    not win: it serves until a replica that knows the newer revision checks (within `check_s`), or one is
+    started on it; then it is stale again, whatever the order of restarts.
     """
 
-    def __init__(self, revision: str, check_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, revision: str, rank: float | None = None, check_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.revision = str(revision)
+        self.rank = None if rank is None else float(rank)   # None: ranked by when it is first announced
         self.check_s = float(check_s)
-        self.clock = clock
+        self.clock, self.wall = clock, wall
         self.newest: str | None = self.revision
+        self.newest_rank = self.rank if self.rank is not None else -math.inf   # as the L2 last showed it
         self._last = -math.inf
-        self.announce: Callable[[str], None] | None = None
-        self.fetch: Callable[[], str | None] | None = None
+        self.announce: Callable[[str, float], None] | None = None
+        self.fetch: Callable[[], tuple | None] | None = None
 
-    def attach(self, announce: Callable[[str], None], fetch: Callable[[], str | None]) -> None:
+    def attach(self, announce: Callable[[str, float], None], fetch: Callable[[], tuple | None]) -> None:
         self.announce, self.fetch = announce, fetch
-        announce(self.revision)
+        self._announce_own()
         self.refresh(force=True)
+
+    def _announce_own(self) -> None:
+        self.announce(self.revision, self.rank if self.rank is not None else float(int(self.wall() * 1000)))
 
     def refresh(self, force: bool = False) -> None:
         if self.fetch is None:
@@ -112,9 +143,18 @@ class RevisionWatermark:
         if not force and now - self._last < self.check_s:
             return
         self._last = now
-        newest = self.fetch()
-        if newest is not None:  # unknown (L2 down): keep the last view
-            self.newest = newest
+        top = self.fetch()
+        if top is None:  # unknown (L2 down): keep the last view
+            return
+        rev, rank = top
+        if rev is None or (rank, rev) < (self.newest_rank, self.newest):
+            # the L2 lost what this replica knows: announce it again (its own revision too, if older)
+            if math.isfinite(self.newest_rank):
+                self.announce(self.newest, self.newest_rank)
+            if self.newest != self.revision or not math.isfinite(self.newest_rank):
+                self._announce_own()
+            return
+        self.newest, self.newest_rank = rev, rank
 
     @property
     def current(self) -> bool:

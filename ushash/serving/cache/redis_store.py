@@ -3,8 +3,9 @@
 Layout (prefix "ushash"; {t} is the tenant, a Redis Cluster hash tag, so all of a tenant's keys live in
 one hash slot and multi-key commands and scripts work on a cluster too; a tenant is the sharding unit):
 
-    ushash:revisions                        ZSET  revision -> first time any replica announced it (ms);
-                                                  the highest score is the watermark
+    ushash:revisions                        ZSET  revision -> when its export was made (ms); the highest
+                                                  score is the watermark (replicas announce what they
+                                                  know again when it is lost: freshness.py)
     ushash:{t}:e:<id>                       HASH  c code, p payload, m modality, v value, k value kind,
                                                   r revision, t created, x expires, d compute seconds
                                                   (REDIS_FIELDS);
@@ -222,18 +223,21 @@ class RedisStore:
         return out
 
     # ------------------------------------------------------------------ revisions
-    def announce(self, revision: str) -> None:
+    def announce(self, revision: str, rank: float) -> None:
+        """Register `revision` with its rank (when its export was made, ms); a known one keeps its rank."""
         try:
-            self._call("announce", lambda: self.r.zadd(self.rev_key(), {revision: int(self.clock() * 1000)}, nx=True))
+            self._call("announce", lambda: self.r.zadd(self.rev_key(), {revision: float(rank)}, nx=True))
         except L2Unavailable:
             pass
 
-    def newest_revision(self) -> str | None:
+    def newest_revision(self) -> tuple[str, float] | tuple[None, None] | None:
+        """(revision, rank) of the newest announced revision; (None, None) when none is (the key was lost);
+        None when the L2 cannot be asked."""
         try:
-            top = self._call("watermark", lambda: self.r.zrevrange(self.rev_key(), 0, 0))
+            top = self._call("watermark", lambda: self.r.zrevrange(self.rev_key(), 0, 0, withscores=True))
         except L2Unavailable:
             return None
-        return top[0].decode() if top else None
+        return (top[0][0].decode(), float(top[0][1])) if top else (None, None)
 
     # ------------------------------------------------------------------ the tier
     def put(self, tenant: str, e: Entry) -> bool:

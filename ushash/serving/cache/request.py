@@ -33,6 +33,8 @@ class Query:
     modality: str
     code: bytes                 # packed code, bits / 8 bytes (ushash.core.codes bit order)
     z: np.ndarray | None        # float32 [dim], unit L2 norm, shared-space embedding (payload check)
+    revision: str | None = None  # the head revision that encoded it: it is looked up and stored only under
+                                 # that revision (None: the cache's current one, for codes made elsewhere)
 
 
 def _decode_bytes(modality: str, data: bytes, sample_rate: int | None, seconds: float | None,
@@ -175,4 +177,5 @@ class QueryEncoder:
         if not np.isfinite(z).all() or not np.any(z, axis=1).all():
             raise RequestError(f"{modality} features are out of the range the head encodes (its embedding "
                                f"overflows or vanishes); send the encoder's features unscaled")
-        return [Query(modality, codes[i].tobytes(), _unit(z[i])) for i in range(len(f))]
+        rev = str(getattr(self.head, "revision", "")) or None
+        return [Query(modality, codes[i].tobytes(), _unit(z[i]), rev) for i in range(len(f))]

@@ -1,0 +1,161 @@
+"""Revisions under concurrency and data loss: a stream with reload() mid-flight and computes in flight
+serves 0 stale hits, over L1 and over Redis with two instances; the revision watermark survives FLUSHALL,
+a lost revisions key and replica restarts in any order."""
+
+import random
+import threading
+import time
+from itertools import permutations
+
+import numpy as np
+import pytest
+from test_cache_redis import REDIS, RedisServer
+
+from ushash.serving.cache import SemanticCache
+from ushash.serving.cache.lsh import LSHHead
+
+REVS = ["rev-a", "rev-b", "rev-c", "rev-d"]
+
+
+def _head(revision, created=None, seed=None):
+    h = LSHHead({"image": 16, "text": 16}, bits=64, dim=32, aligned=True,
+                seed=REVS.index(revision) if seed is None and revision in REVS else (seed or 0), revision=revision)
+    if created is not None:
+        h.manifest["created"] = created
+    return h
+
+
+def _stream(caches, reload_plan, n_workers=4, per_worker=400, seed=0):
+    """Workers look up one of 24 requests on one of `caches`; a miss 'computes' (sleeps, so computes are in
+    flight when reloads happen) and stores {"rev": the revision that encoded the request}. A hit is stale
+    when its value was computed under another revision than the one it is filed and served under, or under
+    another than the request's. Returns (hits, stale hits)."""
+    xs = np.random.default_rng(seed).standard_normal((24, 16)).astype(np.float32)
+    hits, stale = [0], [0]
+    lock = threading.Lock()
+    start = threading.Barrier(n_workers + 1)
+
+    def worker(w):
+        rng = random.Random(seed * 100 + w)
+        start.wait()
+        for _ in range(per_worker):
+            cache = caches[rng.randrange(len(caches))]
+            q = cache.query("text", features=xs[rng.randrange(len(xs))])
+            hit = cache.lookup(q, "t")
+            if hit is None:
+                time.sleep(rng.random() * 0.002)  # a compute in flight
+                cache.store(q, {"rev": q.revision}, "t")
+                continue
+            with lock:
+                hits[0] += 1
+                if hit.value["rev"] != hit.revision or hit.revision != q.revision:
+                    stale[0] += 1
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(n_workers)]
+    for t in threads:
+        t.start()
+    start.wait()
+    for delay, cache, head in reload_plan:
+        time.sleep(delay)
+        cache.reload(head)
+    for t in threads:
+        t.join()
+    return hits[0], stale[0]
+
+
+def test_reload_mid_stream_serves_no_stale_hit_from_l1():
+    cache = SemanticCache(_head("rev-a"), {"radius": 3, "payload_check": False})
+    plan = [(0.05, cache, _head("rev-b")), (0.05, cache, _head("rev-c")), (0.05, cache, _head("rev-d"))]
+    hits, stale = _stream([cache], plan)
+    assert hits > 200 and stale == 0, (hits, stale)
+    assert cache.metrics.value("cache_rejections_total", reason="query_revision") > 0  # the race did happen
+
+
+def test_a_query_encoded_before_a_reload_is_neither_stored_nor_served():
+    cache = SemanticCache(_head("rev-a"), {"radius": 3})
+    x = np.ones(16, np.float32)
+    q_old = cache.query("text", features=x)
+    cache.reload(_head("rev-b"))
+    assert not cache.store(q_old, "computed by rev-a", "t")
+    assert cache.lookup(q_old, "t") is None
+    q_new = cache.query("text", features=x)
+    assert cache.store(q_new, "computed by rev-b", "t")
+    assert cache.lookup(q_new, "t").value == "computed by rev-b" and cache.lookup(q_old, "t") is None
+
+
+@pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
+def test_reload_mid_stream_serves_no_stale_hit_over_redis_with_two_instances():
+    srv = RedisServer()
+    try:
+        cfg = {"radius": 3, "payload_check": False, "l2": {"url": srv.url, "watermark_check_s": 0.0}}
+        a = SemanticCache(_head("rev-a", "2026-01-01T00:00:00Z"), cfg)
+        b = SemanticCache(_head("rev-a", "2026-01-01T00:00:00Z"), cfg)
+        plan = [(0.1, a, _head("rev-b", "2026-01-02T00:00:00Z")), (0.03, b, _head("rev-b", "2026-01-02T00:00:00Z")),
+                (0.1, b, _head("rev-c", "2026-01-03T00:00:00Z")), (0.03, a, _head("rev-c", "2026-01-03T00:00:00Z"))]
+        hits, stale = _stream([a, b], plan)
+        assert hits > 100 and stale == 0, (hits, stale)
+        assert a.metrics.value("cache_hits_total", tier="l2") + b.metrics.value("cache_hits_total", tier="l2") > 0
+    finally:
+        srv.stop()
+
+
+# --------------------------------------------------------------------------------------- watermark
+OLD, NEW = ("rev-a", "2026-01-01T00:00:00Z"), ("rev-b", "2026-02-01T00:00:00Z")
+
+
+def _replica(srv, rev):
+    return SemanticCache(_head(*rev), {"radius": 3, "l2": {"url": srv.url, "watermark_check_s": 0.0}})
+
+
+@pytest.fixture(scope="module")
+def redis_srv():
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    srv = RedisServer()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("order", list(permutations(["old", "new"])))
+def test_watermark_survives_flushall_and_fresh_restarts_in_any_order(redis_srv, order):
+    redis_srv.client.flushall()
+    old, new = _replica(redis_srv, OLD), _replica(redis_srv, NEW)
+    assert new.watermark.current and not old.watermark.current
+    redis_srv.client.flushall()  # Redis loses everything; both replicas restart with no memory
+    started = {}
+    for name in order:
+        started[name] = _replica(redis_srv, OLD if name == "old" else NEW)
+    for c in started.values():  # every replica checks once (watermark_check_s = 0: on every call)
+        c.watermark.current
+    assert started["new"].watermark.current
+    assert not started["old"].watermark.current
+    x = np.ones(16, np.float32)
+    assert not started["old"].put("text", features=x, value="stale write")
+    assert started["new"].put("text", features=x, value="new")
+
+
+@pytest.mark.parametrize("loss", ["flushall", "del_revisions_key"])
+def test_a_running_new_replica_restores_the_watermark_after_data_loss(redis_srv, loss):
+    redis_srv.client.flushall()
+    new = _replica(redis_srv, NEW)
+    old = _replica(redis_srv, OLD)
+    assert not old.watermark.current
+    if loss == "flushall":
+        redis_srv.client.flushall()
+    else:  # what allkeys-lru may evict
+        redis_srv.client.delete(new.l2.rev_key())
+    again = _replica(redis_srv, OLD)  # an old replica starts again first, on an empty watermark
+    assert not old.watermark.current  # the old one running remembers the newer revision and re-announces it
+    assert not again.watermark.current
+    assert new.watermark.current
+    assert redis_srv.client.zrevrange(new.l2.rev_key(), 0, 0) == [NEW[0].encode()]
+
+
+def test_old_replica_that_started_first_goes_stale_when_the_new_one_checks(redis_srv):
+    redis_srv.client.flushall()
+    new = _replica(redis_srv, NEW)
+    redis_srv.client.flushall()
+    old = _replica(redis_srv, OLD)
+    assert old.watermark.current  # nothing newer is known to Redis yet
+    assert new.watermark.current  # ... until the new replica checks and announces again
+    assert not old.watermark.current
