@@ -34,7 +34,7 @@ from ushash.serving.cache.entries import Entry, Hit, decode_value, encode_value,
 from ushash.serving.cache.freshness import Freshness, RevisionWatermark, revision_rank
 from ushash.serving.cache.hitcheck import HitCheck
 from ushash.serving.cache.l1 import L1Tier
-from ushash.serving.cache.protection import AsyncSingleFlight, SingleFlight
+from ushash.serving.cache.protection import AsyncSingleFlight, SingleFlight, leading
 from ushash.serving.cache.redis_store import RedisStore
 from ushash.serving.cache.request import Query, QueryEncoder, RequestError
 from ushash.serving.cache.telemetry import CacheMetrics
@@ -341,33 +341,62 @@ class SemanticCache:
         return self.l1.delete_tenant(tenant)
 
     # ------------------------------------------------------------------ get or compute
-    def get_or_compute(self, modality: str, data=None, *, features=None, compute: Callable[[], Any],
-                       tenant: str = DEFAULT_TENANT, ttl_s: float | None = None) -> Result:
-        """The cached value, or compute() stored and returned. N concurrent misses on the same request
-        code run compute() once (followers wait, then look up again with their own checks); a hit that
-        XFetch marks for early refresh is recomputed by one caller while the others are served."""
-        tenant = self.check_tenant(tenant)
-        q = self.query(modality, data, features)
+    def _flight(self, q: Query, tenant: str, sf):
+        """The one single-flight decision of get_or_compute and aget_or_compute, before any waiting:
+        (result, None, (None, None, None)) to serve now, or (None, role, (fkey, flight, hit)) with role "lead" (compute,
+        store, tell the followers) or "follow" (wait for the leader, then `_after_wait`)."""
         hit = self.lookup(q, tenant)
         fkey = _flight_key(hit, tenant, q)
         if fkey is None:
-            return Result(hit.value, hit, computed=False)
-        leader, ev = self._sf.lead(fkey)
+            return Result(hit.value, hit, computed=False), None, (None, None, None)
+        if fkey in leading.get():
+            raise RecursionError(f"compute() asked the cache for its own request (tenant {tenant!r}, "
+                                 f"{q.modality}): it would wait for itself; compute the value without the cache")
+        leader, fl = sf.lead(fkey)
         if not leader:
             if hit is not None:  # another caller refreshes it: serve the cached value meanwhile
-                return Result(hit.value, hit, computed=False)
+                return Result(hit.value, hit, computed=False), None, (None, None, None)
             self.metrics.singleflight_waits.inc()
-            ev.wait(self.config.singleflight_timeout_s)
-            hit = self.lookup(q, tenant, count=False)
-            if hit is not None:
-                return Result(hit.value, hit, computed=False, waited=True)
+            return None, "follow", (fkey, fl, hit)
+        if hit is not None:
+            self.metrics.early_refresh.inc()
+        return None, "lead", (fkey, fl, hit)
+
+    def _after_wait(self, q: Query, tenant: str, fl, finished: bool) -> Result | None:
+        """A follower once the leader is done (or its wait timed out): the leader's error, or a hit served
+        by the follower's own checks, or None (compute for itself)."""
+        if finished and fl.error is not None:
+            raise fl.error
+        hit = self.lookup(q, tenant, count=False)
+        return Result(hit.value, hit, computed=False, waited=True) if hit is not None else None
+
+    def get_or_compute(self, modality: str, data=None, *, features=None, compute: Callable[[], Any],
+                       tenant: str = DEFAULT_TENANT, ttl_s: float | None = None) -> Result:
+        """The cached value, or compute() stored and returned. N concurrent misses on the same request
+        code run compute() once (followers wait, then look up again with their own checks; a follower
+        whose wait times out computes for itself; the leader's error is raised in its followers too); a hit
+        that XFetch marks for early refresh is recomputed by one caller while the others are served. A
+        compute() that asks for its own request raises RecursionError at once."""
+        tenant = self.check_tenant(tenant)
+        q = self.query(modality, data, features)
+        res, role, (fkey, fl, hit) = self._flight(q, tenant, self._sf)
+        if res is not None:
+            return res
+        if role == "follow":
+            res = self._after_wait(q, tenant, fl, fl.event.wait(self.config.singleflight_timeout_s))
+            if res is not None:
+                return res
             return Result(self._compute_store(q, compute, tenant, ttl_s), None, computed=True, waited=True)
+        token = leading.set(leading.get() | {fkey})
         try:
-            if hit is not None:
-                self.metrics.early_refresh.inc()
-            return Result(self._compute_store(q, compute, tenant, ttl_s), None, computed=True)
+            value = self._compute_store(q, compute, tenant, ttl_s)
+        except BaseException as e:
+            self._sf.done(fkey, fl, e)
+            raise
         finally:
-            self._sf.done(fkey, ev)
+            leading.reset(token)
+        self._sf.done(fkey, fl)
+        return Result(value, None, computed=True)
 
     def _compute_store(self, q: Query, compute, tenant, ttl_s):
         t0 = self.clock()  # the cache's clock: XFetch compares compute time with expiries on it
@@ -377,36 +406,44 @@ class SemanticCache:
 
     async def aget_or_compute(self, modality: str, data=None, *, features=None, compute,
                               tenant: str = DEFAULT_TENANT, ttl_s: float | None = None) -> Result:
-        """`get_or_compute` for coroutines: compute is an async callable; single-flight per event loop."""
+        """`get_or_compute` for coroutines (compute is an async callable), with the same decisions:
+        single-flight per event loop."""
         import asyncio
 
         tenant = self.check_tenant(tenant)
         loop = asyncio.get_running_loop()
         sf = self._asf.setdefault(id(loop), AsyncSingleFlight())
         q = self.query(modality, data, features)
-        hit = self.lookup(q, tenant)
-        fkey = _flight_key(hit, tenant, q)
-        if fkey is None:
-            return Result(hit.value, hit, computed=False)
-        leader, ev = sf.lead(fkey)
-        if not leader:
-            if hit is not None:  # another coroutine refreshes it: serve the cached value meanwhile
-                return Result(hit.value, hit, computed=False)
-            self.metrics.singleflight_waits.inc()
-            await asyncio.wait_for(ev.wait(), self.config.singleflight_timeout_s)
-            hit = self.lookup(q, tenant, count=False)
-            if hit is not None:
-                return Result(hit.value, hit, computed=False, waited=True)
-        try:
-            if hit is not None:
-                self.metrics.early_refresh.inc()
+        res, role, (fkey, fl, hit) = self._flight(q, tenant, sf)
+        if res is not None:
+            return res
+
+        async def compute_store():
             t0 = self.clock()
             value = await compute()
             self.store(q, value, tenant, ttl_s=ttl_s, compute_s=max(0.0, self.clock() - t0))
-            return Result(value, None, computed=True, waited=not leader)
+            return value
+
+        if role == "follow":
+            try:
+                await asyncio.wait_for(asyncio.shield(fl.event.wait()), self.config.singleflight_timeout_s)
+                finished = True
+            except asyncio.TimeoutError:
+                finished = False
+            res = self._after_wait(q, tenant, fl, finished)
+            if res is not None:
+                return res
+            return Result(await compute_store(), None, computed=True, waited=True)
+        token = leading.set(leading.get() | {fkey})
+        try:
+            value = await compute_store()
+        except BaseException as e:
+            sf.done(fkey, fl, e)
+            raise
         finally:
-            if leader:
-                sf.done(fkey, ev)
+            leading.reset(token)
+        sf.done(fkey, fl)
+        return Result(value, None, computed=True)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:

@@ -2,8 +2,11 @@
 
 Single-flight: N concurrent misses on the same key compute once. The first caller (the leader) computes
 and stores; the others wait for it and then look up again, so each follower's own checks (payload cosine,
-tenant, revision) still decide whether it is served; a follower that still misses computes for itself.
-`SingleFlight` is for threads, `AsyncSingleFlight` for one asyncio event loop.
+tenant, revision) still decide whether it is served; a follower that still misses, or whose wait timed
+out, computes for itself; a leader's error is raised in its followers too (they do not all retry at
+once). `SingleFlight` is for threads, `AsyncSingleFlight` for one asyncio event loop; both hand out a
+`Flight`, and the cache makes one decision for both (cache.py). A compute that asks for its own key is
+refused at once (`leading`: the keys the current thread or task leads), not left waiting for itself.
 
 Bloom filter (rbloom): "requests known to have no entry". A request can only have an entry within
 Hamming radius r if, splitting codes into m chunks, one of its chunks is within floor(r / m) bits of the
@@ -17,32 +20,46 @@ from the live entries once as many codes were added as it was sized for.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import threading
 from itertools import combinations
 from typing import Iterable
 
+#: the single-flight keys the current thread or task is computing as the leader (a compute that asks for
+#: one of them would wait for itself)
+leading: contextvars.ContextVar[frozenset] = contextvars.ContextVar("ushash_singleflight_leading", default=frozenset())
+
+
+class Flight:
+    """One computation in flight: `event` is set when the leader is done; `error` is what it raised."""
+    __slots__ = ("event", "error")
+
+    def __init__(self, event):
+        self.event, self.error = event, None
+
 
 class SingleFlight:
-    """Per-key leader election for threads: `lead(key)` -> (is_leader, event)."""
+    """Per-key leader election for threads: `lead(key)` -> (is_leader, Flight)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._calls: dict = {}
 
-    def lead(self, key) -> tuple[bool, threading.Event]:
+    def lead(self, key) -> tuple[bool, Flight]:
         with self._lock:
-            ev = self._calls.get(key)
-            if ev is not None:
-                return False, ev
-            ev = self._calls[key] = threading.Event()
-            return True, ev
+            fl = self._calls.get(key)
+            if fl is not None:
+                return False, fl
+            fl = self._calls[key] = Flight(threading.Event())
+            return True, fl
 
-    def done(self, key, ev: threading.Event) -> None:
+    def done(self, key, fl: Flight, error: BaseException | None = None) -> None:
         with self._lock:
-            if self._calls.get(key) is ev:
+            if self._calls.get(key) is fl:
                 del self._calls[key]
-        ev.set()
+        fl.error = error
+        fl.event.set()
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -54,17 +71,21 @@ class AsyncSingleFlight:
     def __init__(self):
         self._calls: dict = {}
 
-    def lead(self, key) -> tuple[bool, asyncio.Event]:
-        ev = self._calls.get(key)
-        if ev is not None:
-            return False, ev
-        ev = self._calls[key] = asyncio.Event()
-        return True, ev
+    def lead(self, key) -> tuple[bool, Flight]:
+        fl = self._calls.get(key)
+        if fl is not None:
+            return False, fl
+        fl = self._calls[key] = Flight(asyncio.Event())
+        return True, fl
 
-    def done(self, key, ev: asyncio.Event) -> None:
-        if self._calls.get(key) is ev:
+    def done(self, key, fl: Flight, error: BaseException | None = None) -> None:
+        if self._calls.get(key) is fl:
             del self._calls[key]
-        ev.set()
+        fl.error = error
+        fl.event.set()
+
+    def __len__(self) -> int:
+        return len(self._calls)
 
 
 # ---------------------------------------------------------------------------------------------- pigeonhole chunks
