@@ -337,8 +337,19 @@ class SemanticCache:
         return n
 
     def delete_tenant(self, tenant: str) -> int:
-        """Drop every L1 entry of one tenant; returns how many."""
-        return self.l1.delete_tenant(tenant)
+        """Drop every entry of one tenant, in L1 and in the L2 (every revision); returns how many L1
+        entries. Raises RuntimeError when the L2 could not be cleared."""
+        tenant = self.check_tenant(tenant)
+        n = self.l1.delete_tenant(tenant)
+        if self.l2 is not None:
+            from ushash.serving.cache.redis_store import L2Unavailable
+
+            try:
+                self.l2.delete_tenant(tenant)
+            except L2Unavailable:
+                raise RuntimeError(f"tenant {tenant!r}: L1 cleared, but the L2 could not be reached; call "
+                                   f"delete_tenant again (its entries would come back through it)") from None
+        return n
 
     # ------------------------------------------------------------------ get or compute
     def _flight(self, q: Query, tenant: str, sf):

@@ -31,11 +31,18 @@ import time
 from typing import Callable, Iterator
 
 
+def _check_ttl(ttl_s) -> None:
+    """A time to live is a finite number of seconds >= 0 (NaN would make an entry that never expires)."""
+    if ttl_s is None:
+        return
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s < 0:
+        raise ValueError(f"ttl_s must be a finite number of seconds >= 0 (0 or None: no expiry); got {ttl_s!r}")
+
+
 class Freshness:
     def __init__(self, ttl_s: float | None = 3600.0, jitter: float = 0.1, xfetch_beta: float = 1.0,
                  rng: random.Random | None = None):
-        if ttl_s is not None and float(ttl_s) < 0:
-            raise ValueError(f"ttl_s must be >= 0 (0 or None: no expiry); got {ttl_s!r}")
+        _check_ttl(ttl_s)
         if not 0.0 <= float(jitter) < 1.0:
             raise ValueError(f"jitter must be in [0, 1); got {jitter!r}")
         if float(xfetch_beta) < 0:
@@ -46,6 +53,8 @@ class Freshness:
 
     def expiry(self, now: float, ttl_s: float | None = None) -> float:
         """Absolute expiry (seconds, same clock as `now`) for an entry stored now; inf without a TTL."""
+        if ttl_s is not None:
+            _check_ttl(ttl_s)
         ttl = self.ttl_s if ttl_s is None else (float(ttl_s) if ttl_s else None)
         if ttl is None:
             return math.inf

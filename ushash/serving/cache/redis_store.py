@@ -239,6 +239,24 @@ class RedisStore:
             return None
         return (top[0][0].decode(), float(top[0][1])) if top else (None, None)
 
+    def delete_tenant(self, tenant: str, batch: int = 500) -> int:
+        """UNLINK every key of one tenant (entries and buckets of every revision; they share one hash
+        slot). Returns how many keys; raises L2Unavailable on failure (the caller should try again)."""
+        pattern = f"{self.prefix}:{{{tenant}}}:*"
+
+        def run():
+            n, keys = 0, []
+            for k in self.r.scan_iter(match=pattern, count=batch):
+                keys.append(k)
+                if len(keys) >= batch:
+                    n += self.r.unlink(*keys)
+                    keys = []
+            if keys:
+                n += self.r.unlink(*keys)
+            return n
+
+        return self._call("delete", run)
+
     # ------------------------------------------------------------------ the tier
     def put(self, tenant: str, e: Entry) -> bool:
         """Store one entry (e.id is its key); False if the L2 is unavailable (counted, never raised)."""
