@@ -13,7 +13,9 @@ forward pass `USHash` runs (ushash.hashing.forward), so codes are bit-identical 
 the same device.
 
 Refusals (all `ExportError`, a ValueError; the class and the message say which):
-    CorruptExport       missing or unparsable manifest / weights, missing fields, wrong tensor shapes
+    CorruptExport       missing or unparsable manifest / weights, missing or malformed fields, wrong tensor
+                        shapes or dtypes (float32 only), non-finite weights, a file that is a symlink or
+                        not a regular file
     TruncatedExport     a file shorter (or longer) than the manifest records (a CorruptExport)
     TamperedExport      a sha256 that does not match: a file, or the manifest's own canonical hash
     IncompatibleExport  format name / version this loader does not read, or bits / encoder that differ
@@ -191,16 +193,40 @@ def _require(manifest: dict, keys) -> None:
         raise CorruptExport(f"corrupt export: manifest.json lacks {missing}")
 
 
+def _read_member(path: Path, name: str) -> bytes:
+    """The bytes of one file of the export folder: a regular file in it, not a symlink (which could point
+    out of the folder) nor a FIFO or device (which could block or never end)."""
+    import os
+    import stat
+
+    f = path / name
+    try:
+        st = os.lstat(f)
+    except FileNotFoundError:
+        raise CorruptExport(f"corrupt export: {name} is missing from {path}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CorruptExport(f"corrupt export: {name} is a symlink; an export holds its own files (copy them in)")
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptExport(f"corrupt export: {name} is not a regular file")
+    try:
+        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise CorruptExport(f"corrupt export: cannot read {name} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read()
+
+
 def read_manifest(path: str | Path) -> dict:
     """Parse and integrity-check manifest.json (format, version, its own sha256); no weights read."""
     path = Path(path)
     mf = path / MANIFEST
     if not path.is_dir():
         raise CorruptExport(f"corrupt export: {path} is not a directory (an export is a folder with {MANIFEST})")
-    if not mf.exists():
+    if not mf.exists() and not mf.is_symlink():
         raise CorruptExport(f"corrupt export: {path} has no {MANIFEST}")
+    data = _read_member(path, MANIFEST)
     try:
-        manifest = json.loads(mf.read_bytes())
+        manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptExport(f"corrupt export: {mf} is not valid JSON ({e}); truncated or damaged") from e
     if not isinstance(manifest, dict):
@@ -214,7 +240,49 @@ def read_manifest(path: str | Path) -> dict:
                         "payload", "revision", "tensors"))
     if manifest_digest(manifest) != manifest["manifest_sha256"]:
         raise TamperedExport(f"tampered export: {mf} does not match its manifest_sha256 (edited after export)")
+    _check_shape_of_manifest(manifest)
     return manifest
+
+
+def _check_shape_of_manifest(m: dict) -> None:
+    """The types of the fields a loader reads (a CorruptExport naming the field, never a KeyError or a
+    TypeError from deep inside)."""
+    def bad(field, want):
+        raise CorruptExport(f"corrupt export: manifest {field} must be {want}")
+
+    def posint(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+    if not posint(m["bits"]):
+        bad("bits", "a positive integer")
+    if not posint(m["dim"]):
+        bad("dim", "a positive integer")
+    if not isinstance(m["modalities"], dict) or not m["modalities"]:
+        bad("modalities", "an object of modality -> {in_dim}")
+    for k, v in m["modalities"].items():
+        if not isinstance(v, dict) or not posint(v.get("in_dim")):
+            bad(f"modalities.{k}", "{\"in_dim\": a positive integer}")
+    if not isinstance(m["encoder"], dict) or not all(isinstance(m["encoder"].get(k), str) for k in ("name", "fingerprint")):
+        bad("encoder", "{\"name\": str, \"fingerprint\": str, ...}")
+    if not isinstance(m["head"], dict) or not isinstance(m["head"].get("layers"), dict):
+        bad("head", "an object with layers")
+    for mod, ops in m["head"]["layers"].items():
+        if not isinstance(ops, list) or not all(isinstance(op, dict) and isinstance(op.get("op"), str) for op in ops):
+            bad(f"head.layers.{mod}", "a list of {\"op\": ...} objects")
+    if not isinstance(m["prototypes"], dict) or not isinstance(m["prototypes"].get("tensor"), str):
+        bad("prototypes", "an object naming its tensor")
+    if not isinstance(m["payload"], dict):
+        bad("payload", "an object")
+    if not isinstance(m["revision"], str) or not m["revision"]:
+        bad("revision", "a string")
+    if not isinstance(m["files"], dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
+            for v in m["files"].values()):
+        bad("files", "an object of name -> {sha256: str, bytes: int}")
+    if not isinstance(m["tensors"], dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("shape"), list) and isinstance(v.get("dtype"), str)
+            for v in m["tensors"].values()):
+        bad("tensors", "an object of name -> {shape: list, dtype: str}")
 
 
 def load_export(path: str | Path, expect_bits: int | None = None, expect_encoder=None,
@@ -232,10 +300,7 @@ def load_export(path: str | Path, expect_bits: int | None = None, expect_encoder
         if Path(name).name != name or not name.endswith(ALLOWED_SUFFIXES):
             raise CorruptExport(f"corrupt export: manifest lists {name!r}; exports hold only "
                                 f"{ALLOWED_SUFFIXES} files in one folder (no pickle)")
-        f = path / name
-        if not f.exists():
-            raise CorruptExport(f"corrupt export: {name} is missing from {path}")
-        data = f.read_bytes()
+        data = _read_member(path, name)
         if len(data) != int(info["bytes"]):
             raise TruncatedExport(f"truncated export: {name} has {len(data)} bytes, the manifest records "
                                   f"{info['bytes']}")
@@ -268,8 +333,23 @@ def load_export(path: str | Path, expect_bits: int | None = None, expect_encoder
         if list(t.shape) != list(want[k]["shape"]) or str(t.dtype).replace("torch.", "") != want[k]["dtype"]:
             raise CorruptExport(f"corrupt export: tensor {k} is {str(t.dtype)} {list(t.shape)}, the manifest says "
                                 f"{want[k]['dtype']} {want[k]['shape']}")
-    _check_layers(manifest, tensors)
+        check_tensor(k, t, CorruptExport)
+    try:
+        _check_layers(manifest, tensors)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, ExportError):
+            raise
+        raise CorruptExport(f"corrupt export: malformed head layers ({type(e).__name__}: {e})") from None
     return ExportedHead(manifest, tensors, device=device)
+
+
+def check_tensor(name: str, t: torch.Tensor, error=ValueError) -> None:
+    """An export's tensors are float32 and finite (NaN weights would give one code for every input)."""
+    if t.dtype != torch.float32:
+        raise error(f"corrupt export: tensor {name} is {str(t.dtype).replace('torch.', '')}; exports hold float32")
+    if not bool(torch.isfinite(t).all()):
+        n = int((~torch.isfinite(t)).sum())
+        raise error(f"corrupt export: tensor {name} has {n} non-finite (NaN/inf) values")
 
 
 def _check_layers(manifest: dict, tensors: dict) -> None:
@@ -291,10 +371,28 @@ def _check_layers(manifest: dict, tensors: dict) -> None:
                 if op.get(key) and op[key] not in tensors:
                     raise CorruptExport(f"corrupt export: {m} {kind} refers to missing tensor {op[key]}")
             if kind == "linear":
+                if not op.get("weight"):
+                    raise CorruptExport(f"corrupt export: {m} linear has no weight")
                 w = tensors[op["weight"]]
                 if w.ndim != 2 or w.shape[1] != d:
                     raise CorruptExport(f"corrupt export: {m} linear {op['weight']} is {list(w.shape)}, input is {d}-d")
                 d = w.shape[0]
+                if op.get("bias") and list(tensors[op["bias"]].shape) != [d]:
+                    raise CorruptExport(f"corrupt export: {m} linear bias {op['bias']} is "
+                                        f"{list(tensors[op['bias']].shape)}, its output is {d}-d")
+            elif kind == "layer_norm":
+                shape, eps = op.get("normalized_shape"), op.get("eps")
+                if shape != [d]:
+                    raise CorruptExport(f"corrupt export: {m} layer_norm normalized_shape is {shape!r}, its input "
+                                        f"is {d}-d")
+                if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+                    raise CorruptExport(f"corrupt export: {m} layer_norm eps must be a number in (0, 1); got {eps!r}")
+                for key in ("weight", "bias"):
+                    if op.get(key) and list(tensors[op[key]].shape) != [d]:
+                        raise CorruptExport(f"corrupt export: {m} layer_norm {key} {op[key]} is "
+                                            f"{list(tensors[op[key]].shape)}, its input is {d}-d")
+            elif kind == "gelu" and op.get("approximate", "none") not in ("none", "tanh"):
+                raise CorruptExport(f"corrupt export: {m} gelu approximate must be none or tanh")
         if d != int(manifest["dim"]):
             raise CorruptExport(f"corrupt export: {m} head ends at {d}-d, manifest dim is {manifest['dim']}")
     p = tensors.get(manifest["prototypes"].get("tensor", ""))

@@ -131,6 +131,8 @@ def write_export(model: USHash, out: str | Path, encoder: dict, payload: Payload
     layers, tensors = layer_list(model)
     for k, v in payload.tensors().items():
         tensors[k] = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+    for k, v in tensors.items():  # NaN weights would export a head that gives one code for every input
+        artifact.check_tensor(k, v, ValueError)
     manifest = build_manifest(model, encoder, payload, tensors, layers, source)
     # one metadata key: safetensors writes its metadata map in hash order, and the bytes must not vary
     blob = st_save(dict(sorted(tensors.items())), metadata={"format": f"{artifact.FORMAT}/{artifact.FORMAT_VERSION}"})
