@@ -196,6 +196,21 @@ def test_python_api_refuses_bad_input_with_a_clear_error(cache, name, kw):
     assert time.process_time() - t0 <= CPU_S
 
 
+def test_requests_decode_from_memory_never_a_temporary_file(cache, monkeypatch):
+    import tempfile
+
+    def no(*a, **k):
+        raise AssertionError("a request body went to a temporary file")
+
+    cases = (("image", hc.png()), ("image", hc.svg_sized(20, 20)), ("audio", hc.wav(0.5)))
+    for modality, data in cases:  # first use loads cairo, whose import looks for the library via temp files
+        cache.get(modality, data)
+    for name in ("NamedTemporaryFile", "TemporaryFile", "SpooledTemporaryFile", "mkstemp", "mkdtemp"):
+        monkeypatch.setattr(tempfile, name, no)
+    for modality, data in cases:
+        assert cache.get(modality, data) is None
+
+
 def test_a_python_replica_s_bytes_value_and_surrogates_are_handled(cache):
     assert cache.put("text", "bytes value", value=b"\x00\xffraw", tenant="acme")
     assert cache.get("text", "bytes value", tenant="acme").value == b"\x00\xffraw"

@@ -392,6 +392,9 @@ def build(cfg: DictConfig):
     mb = cfg.get("max_body_bytes")
     if isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0:
         raise SystemExit(f"max_body_bytes must be a positive integer (bytes); got {mb!r}")
+    port = cfg.get("port")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise SystemExit(f"port must be an integer in 1..65535; got {port!r}")
     check_tokens(tokens, list(cfg.cache.tenants) if cfg.cache.get("tenants") is not None else None)
     export = Path(str(cfg.export))
     if not export.is_absolute():
