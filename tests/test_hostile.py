@@ -108,6 +108,15 @@ def http_cases() -> list[tuple[str, str, object, str, tuple[int, ...]]]:
         ("json_big_number", "/v1/lookup", b'{"modality":"text","features":[' + b"9" * 5000 + b"]}", (400, 422)),
         ("value_big_int", "/v1/store", b'{"modality":"text","text":"a","value":' + b"9" * 4000 + b"}", (200, 400, 422)),
         ("store_no_value", "/v1/store", ok, (422,)),
+        ("batch_overflow_row", "/v1/lookup_batch", {"modality": "text", "features": [feats, [3e38] * DIM]}, (400,)),
+        ("batch_nan", "/v1/lookup_batch", b'{"modality":"text","features":[[' + b",".join([b"NaN"] * DIM) + b"]]}",
+         (400, 422)),
+        ("batch_ragged", "/v1/lookup_batch", {"modality": "text", "features": [feats, feats[:-1]]}, (400,)),
+        ("batch_wrong_dim", "/v1/lookup_batch", {"modality": "text", "features": [[0.1] * 3]}, (400,)),
+        ("batch_too_many_rows", "/v1/lookup_batch", {"modality": "text", "features": [[0.1] * DIM] * 5000}, (413, 422)),
+        ("batch_not_rows", "/v1/lookup_batch", {"modality": "text", "features": feats}, (422,)),
+        ("batch_unknown_tenant", "/v1/lookup_batch", {"modality": "text", "features": [feats], "tenant": "initech"},
+         (404,)),
         ("body_over_limit", "/v1/store", {**ok, "value": "v" * (3 << 20)}, (413,)),
     ]
     for name, route, body, statuses in bodies:
@@ -121,9 +130,10 @@ def http_cases() -> list[tuple[str, str, object, str, tuple[int, ...]]]:
         ("scoped_other_tenant_store", {**ok, "tenant": "default", "value": "poison"}, ACME, (403,)),
         ("scoped_unknown_tenant", {**ok, "tenant": "initech"}, ACME, (403, 404)),
         ("scoped_own_tenant", {**ok, "tenant": "acme"}, ACME, (200,)),
+        ("scoped_other_tenant_batch", {"modality": "text", "features": [feats], "tenant": "default"}, ACME, (403,)),
     ]
     for name, body, token, statuses in auth:
-        route = "/v1/store" if "value" in body else "/v1/lookup"
+        route = "/v1/store" if "value" in body else "/v1/lookup_batch" if "features" in body else "/v1/lookup"
         out.append((f"auth:{name}", route, body, token, statuses))
     return out
 
