@@ -432,3 +432,36 @@ def test_hostile_captions(name, text):
 def test_media_limits_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         media.MediaLimits(**bad)
+
+
+def test_a_photo_over_pillows_limit_is_decoded_reduced_in_bounded_memory(tmp_path, monkeypatch):
+    """A JPEG with more pixels than Pillow's decompression-bomb limit (lowered here, so the file stays small)
+    is decoded at a reduced scale inside the decoder, not refused and not decoded at full size; a PNG of the
+    same size, which cannot be decoded reduced, is refused with the reason."""
+    import tracemalloc
+
+    from PIL import Image
+
+    from ushash.data import media
+
+    rng = np.random.default_rng(0)
+    big = Image.fromarray(rng.integers(0, 255, (1800, 2400, 3), dtype=np.uint8))
+    big.save(tmp_path / "big.jpg", quality=70)
+    big.save(tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000_000)  # 4.3 M pixels is then a "bomb" to Pillow
+    limits = media.MediaLimits(max_pixels=1_000_000, max_aspect=None, decode_side=448)
+    tracemalloc.start()
+    img = media.load_image(tmp_path / "big.jpg", limits=limits)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert img.mode == "RGB" and min(img.size) == 448 and img.size[0] == 597  # aspect kept
+    assert peak < 1800 * 2400 * 3 / 2  # never held at full size
+    assert Image.MAX_IMAGE_PIXELS == 1_000_000  # Pillow's own setting is restored
+    with pytest.raises(media.MediaError, match="over max_pixels") as e:
+        media.load_image(tmp_path / "big.png", limits=limits)
+    assert e.value.code == media.OVER_LIMIT
+    # the dataset limits decode it (resized after decoding); a service's limits refuse the JPEG before decoding
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 89_478_485)
+    assert min(media.load_image(tmp_path / "big.png").size) == 448
+    with pytest.raises(media.MediaError, match="over max_pixels"):
+        media.load_image(tmp_path / "big.jpg", limits=media.MediaLimits(max_pixels=1_000_000))

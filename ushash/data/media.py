@@ -95,10 +95,14 @@ class MediaLimits:
     max_audio_channels: Optional[int] = 16
     max_sample_rate: Optional[int] = 384_000
     max_text_chars: Optional[int] = 20_000     # caption length
+    # an image whose shorter side is longer than this is decoded reduced to about it (the encoders need 224):
+    # JPEG inside the decoder (1/2 to 1/8 scale, so memory follows the reduced size), others resized after
+    # decoding; max_pixels bounds the pixels actually decoded
+    decode_side: Optional[int] = 448
 
     def __post_init__(self):
         for name in ("max_pixels", "max_svg_bytes", "max_svg_elements", "max_svg_style_bytes", "max_svg_draws",
-                     "max_audio_channels", "max_sample_rate", "max_text_chars"):
+                     "max_audio_channels", "max_sample_rate", "max_text_chars", "decode_side"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"media limit {name} must be a positive integer or None; got {v!r}")
@@ -111,9 +115,10 @@ class MediaLimits:
             raise ValueError(f"media limit max_aspect is longer / shorter side, >= 1; got {self.max_aspect!r}")
 
 
-#: The dataset loaders' limits: only what no dataset needs is refused (Pillow's own decompression-bomb
-#: size, SVG bombs); nothing a real data set holds (tested on every Tux Paint SVG).
-FILE_LIMITS = MediaLimits(max_pixels=2 * Image.MAX_IMAGE_PIXELS, max_aspect=None, max_svg_bytes=16 << 20,
+#: The dataset loaders' limits: only what no dataset needs is refused (more decoded pixels than Pillow's
+#: decompression-bomb warning size, SVG bombs); nothing a real data set holds (tested on every Tux Paint
+#: SVG). A photo larger than that is decoded reduced (a JPEG up to 64 times that size in the decoder).
+FILE_LIMITS = MediaLimits(max_pixels=Image.MAX_IMAGE_PIXELS, max_aspect=None, max_svg_bytes=16 << 20,
                           max_svg_elements=1_000_000, max_svg_style_bytes=4 << 20, max_svg_draws=5_000_000,
                           max_svg_cpu_s=60.0, max_audio_seconds=None, max_audio_channels=64,
                           max_sample_rate=768_000, max_text_chars=None)
@@ -178,18 +183,33 @@ def check_image_size(width: int, height: int, source, limits: MediaLimits) -> No
                          OVER_LIMIT)
 
 
+_PILLOW_LIMIT_LOCK = threading.Lock()
+
+
 def _open_raster(fp, source, limits: MediaLimits) -> Image.Image:
-    """Image.open restricted to IMAGE_FORMATS (the header only), with the size checked before decoding."""
+    """Image.open restricted to IMAGE_FORMATS (the header only), with the size checked before decoding.
+
+    Pillow's own decompression-bomb check is replaced by `limits` (it would refuse a large photo that is
+    decoded reduced, see `decode_side`), so it is lifted while the header is read."""
     try:
-        img = Image.open(fp, formats=IMAGE_FORMATS)
+        with _PILLOW_LIMIT_LOCK:
+            old, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+            try:
+                img = Image.open(fp, formats=IMAGE_FORMATS)
+            finally:
+                Image.MAX_IMAGE_PIXELS = old
     except Image.UnidentifiedImageError as e:  # its message names a temporary path or a BytesIO address
         raise MediaError(source, f"cannot decode image (not one of the accepted formats: {', '.join(IMAGE_FORMATS)}, "
                                  f"SVG)") from e
-    except Image.DecompressionBombError as e:
-        raise MediaError(source, f"cannot decode image ({e})", OVER_LIMIT) from e
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...
         raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})") from e
-    check_image_size(img.width, img.height, source, limits)
+    reducible = img.format == "JPEG" and bool(limits.decode_side)
+    if not reducible or limits.max_aspect is not None:  # a service's limits refuse a large JPEG before any work
+        check_image_size(img.width, img.height, source, limits)
+    if reducible and min(img.size) > limits.decode_side:
+        s = limits.decode_side / min(img.size)
+        img.draft("RGB", (max(1, round(img.width * s)), max(1, round(img.height * s))))  # DCT scaling: >= asked
+    check_image_size(img.width, img.height, source, limits)  # what will be decoded
     return img
 
 
@@ -200,6 +220,10 @@ def _decode_image(fp, source, limits: MediaLimits = FILE_LIMITS) -> Image.Image:
         img = ImageOps.exif_transpose(img)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...
         raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})") from e
+    if limits.decode_side and min(img.size) > limits.decode_side:
+        s = limits.decode_side / min(img.size)
+        img = img.resize((max(1, round(img.width * s)), max(1, round(img.height * s))), Image.Resampling.BICUBIC,
+                         reducing_gap=2.0)
     return _flatten(img, source)
 
 
