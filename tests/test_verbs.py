@@ -125,3 +125,19 @@ def test_readme_commands_compose_in_order():
                 assert cfg[key] in made, f"{verb} reads {cfg[key]} before a command writes it"
         if verb == "export":
             made.add(cfg.out)
+
+
+def test_a_wrong_code_length_is_refused_before_any_extraction(tmp_path, monkeypatch):
+    from ushash.config import compose
+    from ushash.evaluation import sweep
+    from ushash.hashing import training
+
+    def no_extraction(*a, **k):
+        raise AssertionError("extraction ran before bits was checked")
+
+    monkeypatch.setattr(training, "run_extract", no_extraction)
+    cfg = compose("config", [f"paths.root={tmp_path}", "bits=12"])
+    with pytest.raises(ValueError, match="bits must be a multiple of 8"):
+        training.run_train(cfg)
+    with pytest.raises(ValueError, match="bits must be a multiple of 8"):
+        sweep.run_one(compose("config", [f"paths.root={tmp_path}", "bits=12", "experiment=sweep_synthetic"]))

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ushash.config import to_dict
 from ushash.core import metrics
+from ushash.core.codes import check_bits
 from ushash.core.io import atomic_write, write_json
 from ushash.data.store import FeatureSplit, open_split, store_path
 from ushash.evaluation import report, retrieval
@@ -118,6 +119,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     if s["threads"]:
         import torch
         torch.set_num_threads(int(s["threads"]))
+    check_bits(cfg.bits)  # before any extraction
     spec = methods.get(cfg.method.name)
     key = run_key(spec.name, cfg.bits, cfg.seed)
     settings = run_settings(cfg)

@@ -21,6 +21,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from ushash.config import CONFIG_DIR, to_dict
+from ushash.core.codes import check_bits
 from ushash.hashing.datamodule import FeatureDataModule
 from ushash.data.extract import relative_to_root, run_extract
 from ushash.hashing.module import USHashModule
@@ -123,6 +124,7 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     """Train; returns {"run_dir", "best", "last", "val_score", "val_map@10", "best_epoch", "space"}:
     val_score is the selection score of best.ckpt, val_map@10 its mean paired mAP@10 on val, best_epoch 0
     when the initial weights were never beaten."""
+    check_bits(cfg.bits)  # before extraction: a wrong length must not cost an extraction first
     splits = splits or run_extract(cfg, splits=["train", "val"])
     train, val = splits["train"], splits["val"]
     mods = [m for m in train.modalities if m in val.modalities]
