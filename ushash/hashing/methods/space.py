@@ -243,8 +243,9 @@ def choose_space(train: FeatureSplit, val: FeatureSplit | None, align: str = _S.
         raise ValueError(f"the shared space is chosen on the validation split only; got the {val.meta.get('split')!r} split")
     ranks = [int(r) for r in rank_grid] if auto_rank else [int(max_rank)]
     regs = [float(r) for r in reg_grid] if auto_reg else [float(reg)]
-    key = (id(train), id(val), str(train.path), str(val.path), align, int(common_dim), tuple(ranks), tuple(regs),
-           float(power))
+    # a store's folder names its identity (rows included) and `created` tells a rebuilt store apart
+    key = (str(train.path), train.meta.get("created"), str(val.path), val.meta.get("created"), align, int(common_dim),
+           tuple(ranks), tuple(regs), float(power))
     if key in _CHOSEN:
         return _CHOSEN[key]
     from ushash.evaluation import retrieval
