@@ -124,8 +124,9 @@ def test_raw_media_variants_go_through_the_encoder(tmp_path):
     enc = build_encoder({**enc_cfg, "device": "cpu"})
     head = _export(tmp_path, dict(enc.dims), {"name": "tiny", "fingerprint": enc.fingerprint, "config": enc_cfg})
     manifest = _media_manifest(tmp_path)
-    cfg = compose("cachesim", [f"paths.root={tmp_path}", "raw_media=true", "dataset=manifest",
-                               f"+data.path={manifest}", "stream.n_requests=300", "methods=[exact,ushash]",
+    # the documented form, as written: data=<recipe> data.<key>=... (no "+")
+    cfg = compose("cachesim", [f"paths.root={tmp_path}", "raw_media=true", "data=manifest",
+                               f"data.path={manifest}", "stream.n_requests=300", "methods=[exact,ushash]",
                                "sweep.radii=[2]", f"out={tmp_path / 'out'}", "variants.perturb=1", "progress=false"])
     res = run_cachesim(cfg, head=head)
     info = res["info"]
@@ -156,3 +157,37 @@ def test_trained_head_beats_exact_keys_without_false_hits(tmp_path):
     us, exact = rows["US-HASH 64-bit codes + payload check"], rows["exact key (sha256 of normalised input)"]
     assert us["valid_hit_rate"] > exact["valid_hit_rate"] + 0.02
     assert us["false_hit_rate"] < 0.005 and us["stale_hits"] == 0
+
+
+def test_variants_of_a_run_never_share_a_folder_and_their_plots_say_which_run(store, tmp_path):
+    """The default output folder is named by every setting that defines the run (a readable name plus a
+    digest of them): raw media, the revision change, the stream or the cache settings each give another
+    folder, while the paths and the progress bar do not; the plot title names the run."""
+    from ushash.sim.report import run_name, run_settings, run_title
+
+    root, _ = store
+    head = _export(tmp_path, DIMS, {"name": "synthetic", "fingerprint": synthetic.ENCODER["fingerprint"]})
+    base = [f"paths.root={tmp_path}", f"features_dir={root / 'features'}", "stream.n_requests=200",
+            "methods=[exact]", "progress=false"]
+    names = {}
+    for label, extra in {"default": [], "raw": ["raw_media=true"], "norev": ["stream.revision_change_at=0"],
+                         "zipf": ["stream.zipf_s=1.2"], "radius": ["cache.radius=4"]}.items():
+        names[label] = run_name(compose("cachesim", base + extra), "synthetic", head.revision)
+    assert len(set(names.values())) == len(names)
+    assert names["default"].startswith(f"synthetic-{head.revision}-") and "-raw-" in names["raw"]
+    assert "-norev-" in names["norev"] and "-raw" not in names["default"] and "norev" not in names["default"]
+    # where things are and how the run is shown do not define it
+    same = compose("cachesim", base[:1] + [f"features_dir={tmp_path / 'elsewhere'}"] + base[2:-1] + ["progress=true"])
+    assert run_name(same, "synthetic", head.revision) == names["default"]
+    assert "paths" not in run_settings(same, "synthetic", head.revision)
+    # two real runs: two folders, each with the settings that define it and a plot titled by its name
+    outs = []
+    for extra in ([], ["stream.revision_change_at=0"]):
+        res = run_cachesim(compose("cachesim", base + extra), head=head)
+        outs.append(res["out"])
+        saved = json.loads((tmp_path / res["out"] / "results.json").read_text())
+        assert saved["settings"]["stream"]["revision_change_at"] == (0.5 if not extra else 0.0)
+        title = run_title(res["info"], res["out"].rsplit("/", 1)[-1])
+        assert res["out"].rsplit("/", 1)[-1] in title
+        assert ("no revision change" in title) == bool(extra) and "feature perturbations" in title
+    assert len(set(outs)) == 2 and all("experiments/cachesim/synthetic-" in o for o in outs)

@@ -31,3 +31,11 @@ def test_misspelt_or_mistyped_settings_fail_at_load_time(override):
 
 def test_dataset_recipe_settings_can_be_added():
     assert compose("cachesim", ["+data.path=/somewhere"]).data.path == "/somewhere"
+
+
+def test_documented_knobs_are_overridable_as_written():
+    """docs/cache.md and the config comments write data=<recipe> data.<key>=...: no "+" needed."""
+    cfg = compose("cachesim", ["data=manifest", "data.path=/somewhere/manifest.jsonl", "data.seed=3"])
+    assert cfg.data.name == "manifest" and cfg.data.path == "/somewhere/manifest.jsonl" and cfg.data.seed == 3
+    assert compose("cachesim", ["data=tuxpaint", "data.val_frac=0.2"]).data.val_frac == 0.2
+    assert to_dict(compose("cachesim").data) == {}

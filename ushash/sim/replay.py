@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from ushash.config import to_dict
 from ushash.sim.adapters import CacheUnderTest, CosineCache, ExactKeyCache, LSHCodesCache, USHashCache
 from ushash.sim.pool import Pool, build_pool
-from ushash.sim.report import output_dir, run_info, write_report
+from ushash.sim.report import output_dir, run_info, run_settings, run_title, write_report
 from ushash.sim.stream import SimClock, make_stream, revision_change_index
 
 log = logging.getLogger(__name__)
@@ -181,5 +181,6 @@ def _run(cfg: DictConfig, head, pool: Pool | None) -> dict:
                  for th in ths], stream, pool, clock, **kw)
     info = run_info(cfg, head, pool, dataset, cache_cfg, time.perf_counter() - t0)
     out = output_dir(cfg, dataset, head.revision)
-    table = write_report(out, info, rows, sweeps, title=f"{dataset}/{cfg.split}, {head.bits} bits, Zipf s={st.zipf_s}")
+    table = write_report(out, info, rows, sweeps, title=run_title(info, out.name),
+                         settings=run_settings(cfg, dataset, head.revision))
     return {"out": str(out), "info": info, "rows": rows, "sweep": sweeps, "table": table, "score": score}

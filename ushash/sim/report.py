@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import logging
 from pathlib import Path
 
@@ -19,13 +21,51 @@ def run_info(cfg, head, pool, dataset: str, cache_cfg: dict, seconds: float) -> 
             "classes": int(len(set(pool.cls))), "pool": len(pool), "pool_kinds": pool.counts("kind"),
             "modalities": pool.counts("modality"),
             "variants": pool.variant_note, "stream": to_dict(cfg.stream), "cache": cache_cfg,
-            "cosine_threshold": float(cfg.cosine_threshold), "replay_seconds": round(seconds, 1)}
+            "cosine_threshold": float(cfg.cosine_threshold), "raw_media": bool(cfg.raw_media),
+            "replay_seconds": round(seconds, 1)}
+
+
+#: Settings that do not change a run's results: where things are, how it is shown. Everything else in the
+#: config defines the run, and goes into its folder's name.
+NOT_DEFINING = ("paths", "out", "progress", "export", "ckpt", "features_dir")
+
+
+def run_settings(cfg, dataset: str, revision: str) -> dict:
+    """Everything that defines a run's results: the config without NOT_DEFINING, plus the dataset and the
+    head's revision (which the export path or checkpoint only point to)."""
+    d = {k: v for k, v in to_dict(cfg).items() if k not in NOT_DEFINING}
+    return {**d, "dataset": dataset, "revision": str(revision)}
+
+
+def run_name(cfg, dataset: str, revision: str) -> str:
+    """A readable name and a digest of every defining setting: <dataset>-<revision>[-raw][-norev]
+    [-<scenario>]-<digest of run_settings>. Two runs share a folder only if every defining setting is equal."""
+    settings = run_settings(cfg, dataset, revision)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    parts = [dataset, str(revision)]
+    if settings.get("raw_media"):
+        parts.append("raw")
+    if not float((settings.get("stream") or {}).get("revision_change_at") or 0):
+        parts.append("norev")
+    if settings.get("scenario"):
+        parts.append(str(settings["scenario"]))
+    return "-".join(parts + [digest])
 
 
 def output_dir(cfg, dataset: str, revision: str) -> Path:
-    """`out`, or experiments/cachesim/<dataset>-<revision>; a relative path is taken from paths.root."""
-    out = Path(cfg.out) if cfg.get("out") else Path(cfg.paths.experiments_dir) / "cachesim" / f"{dataset}-{revision}"
+    """`out`, or experiments/cachesim/<run_name>; a relative path is taken from paths.root."""
+    out = Path(cfg.out) if cfg.get("out") else Path(cfg.paths.experiments_dir) / "cachesim" / run_name(cfg, dataset, revision)
     return out if out.is_absolute() else Path(cfg.paths.root) / out
+
+
+def run_title(info: dict, name: str) -> str:
+    """A plot title that names the run: data, head, variants, stream and the run's folder name."""
+    st = info["stream"]
+    rev = (f"revision change at {float(st['revision_change_at']):.0%}" if float(st.get("revision_change_at") or 0)
+           else "no revision change")
+    media = "raw media" if info.get("raw_media") else "feature perturbations"
+    return (f"{info['dataset']}/{info['split']}, {info['bits']}-bit head {info['revision']}, {media}, {rev}, "
+            f"Zipf s={st['zipf_s']}, {st['n_requests']} requests\nrun {name}")
 
 
 def markdown(info: dict, rows: list[dict]) -> str:
@@ -77,7 +117,7 @@ def plot_sweep(sweep: dict, rows: list[dict], path: Path, title: str = "") -> No
         ax.set_xlim(left=0)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(title + "  (point labels: Hamming radius or cosine threshold)", fontsize=9)
+    fig.suptitle(title + "  (point labels: Hamming radius or cosine threshold)", fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -85,11 +125,12 @@ def plot_sweep(sweep: dict, rows: list[dict], path: Path, title: str = "") -> No
     atomic_write(path, buf.getvalue())
 
 
-def write_report(out: Path, info: dict, rows: list[dict], sweep: dict, title: str = "") -> str:
-    """results.json ({info, rows, sweep}), results.md (the table) and sweep.png in `out`; returns the table."""
+def write_report(out: Path, info: dict, rows: list[dict], sweep: dict, title: str = "", settings: dict | None = None) -> str:
+    """results.json ({info, rows, sweep, settings}), results.md (the table) and sweep.png in `out`; returns
+    the table. `settings`: what defines the run (run_settings), kept beside its results."""
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(info, rows)
-    write_json(out / "results.json", {"info": info, "rows": rows, "sweep": sweep})
+    write_json(out / "results.json", {"info": info, "rows": rows, "sweep": sweep, "settings": settings or {}})
     atomic_write(out / "results.md", table + "\n")
     plot_sweep(sweep, rows, out / "sweep.png", title=title)
     log.info("%s", table)
