@@ -21,7 +21,9 @@ quiet_third_party()
 @user_errors
 def main(cfg: DictConfig):
     res = run_cachesim(cfg)
-    if res["score"] is None:
+    if cfg.get("scenario"):
+        log.info("failure scenarios written to %s", res["out"])
+    elif res["score"] is None:
         log.warning("methods has no ushash: no US-HASH hit rate to return")
     else:
         log.info("US-HASH hit rate at radius %s: %.4f (%s)", cfg.cache.radius, res["score"], res["out"])

@@ -43,6 +43,52 @@ class SweepConfig:
 
 
 @dataclass
+class DefencesConfig:
+    """The defences of the failure scenarios (ushash/sim/failures.py) as the cache's defaults set them;
+    scenario runs switch them off all together, then on one at a time, then all (docs/cache.md)."""
+    single_flight: bool = True        # one computation per key; the others wait for it
+    bloom: bool = True                # a Bloom filter of the keys that can exist: others refused uncomputed
+    bloom_fp_rate: float = 0.01
+    ttl_jitter: float = 0.1           # expiry = now + ttl * (1 - jitter * U[0, 1)) (CacheConfig.ttl_jitter)
+    xfetch_beta: float = 1.0          # early refresh (CacheConfig.xfetch_beta); 0: off
+    swr_s: float = 60.0               # stale-while-revalidate: serve up to this long past expiry, refresh behind
+    swr_max_inflight: int = 8         # ... started only while fewer computations than this are in flight
+    stale_if_error_s: float = 600.0   # serve-stale-on-error: up to this long past expiry
+    breaker: bool = True              # a circuit breaker on the compute path (pybreaker), fallback: stale or fast error
+    breaker_fail_max: int = 5         # consecutive failed computations that open it
+    breaker_reset_s: float = 2.0      # open this long, then one trial call
+
+
+@dataclass
+class FailuresConfig:
+    """The failure scenarios (`scenario=penetration|breakdown|avalanche|all`): the traffic, the service
+    behind the cache (ushash/sim/downstream.py) and the trigger of each scenario. Simulated time."""
+    duration_s: float = 90.0          # simulated seconds of traffic
+    rate: float = 600.0               # client requests per second (mean)
+    arrivals: str = "poisson"         # poisson | gpd (generalised-Pareto inter-arrival times)
+    gpd_shape: float = 0.83           # the design's fit of inter-arrival times
+    n_keys: int = 8000                # the cacheable keys, Zipf-popular
+    zipf_s: float = 1.0
+    novel_frac: float = 0.05          # requests for valid keys never asked before (always a miss)
+    ttl_s: float = 300.0
+    workers: int = 16                 # the service's concurrency limit (calls in service at once)
+    queue_limit: int = 200            # calls waiting behind them; more are refused
+    service_median_s: float = 0.08    # lognormal service time: median ...
+    service_sigma: float = 0.5        # ... and log-space sigma
+    timeout_s: float = 1.0            # a caller waits this long for a computation
+    retries: int = 2                  # client retries after an error, ...
+    backoff_s: float = 0.1            # ... after backoff * 2^attempt * U[0.5, 1.5)
+    hit_s: float = 0.001              # the latency of an answer from the cache
+    trigger_s: float = 30.0           # when the failure starts
+    flood_rate: float = 300.0         # penetration: requests per second for keys that do not exist ...
+    flood_s: float = 30.0             # ... for this long
+    hot_share: float = 0.3            # breakdown: one key gets this share of the traffic ...
+    hot_median_s: float = 1.0         # ... costs this much to compute ...
+    hot_ttl_s: float = 30.0           # ... and is written at t = 0 with this TTL (expires at ~30, 60, 90 s)
+    seed: int = 0
+
+
+@dataclass
 class CacheSimConfig:
     """python -m ushash.cachesim (configs/cachesim.yaml)."""
     export: Optional[str] = None      # an export directory (python -m ushash.export) ...
@@ -57,6 +103,10 @@ class CacheSimConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))  # ushash_codes_only runs only with ushash
     cosine_threshold: float = 0.8     # the float cache's threshold in the main table (GPTCache's default)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    scenario: Optional[str] = None    # penetration | breakdown | avalanche | all: the failure scenarios instead
+                                      # of the workload replay (no export needed; ushash/sim/failures.py)
+    failures: FailuresConfig = field(default_factory=FailuresConfig)
+    defences: DefencesConfig = field(default_factory=DefencesConfig)
     out: Optional[str] = None         # default: experiments/cachesim/<dataset>-<revision>
     progress: bool = True             # a progress bar over the requests of each replay
     # the config groups (their own YAML)

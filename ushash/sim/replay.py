@@ -122,6 +122,9 @@ def run_cachesim(cfg: DictConfig, head=None, pool: Pool | None = None) -> dict:
     """Build the stream, replay it through every configured cache and sweep point; write the report.
     Returns {out, info, rows, sweep, table, score}; score: US-HASH's hit rate (with the payload check) at
     cache.radius, None when the US-HASH cache is not among `methods`."""
+    if cfg.get("scenario"):  # the failure scenarios: no head, simulated time (ushash/sim/failures.py)
+        from ushash.sim.failures import run_failures
+        return run_failures(cfg)
     with contextlib.ExitStack() as stack:
         if head is None:
             head = stack.enter_context(open_head(cfg))

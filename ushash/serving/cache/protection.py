@@ -174,3 +174,158 @@ class BloomGuard:
         self.clear()
         for tenant, code in items:
             self.add(tenant, code)
+
+
+# ---------------------------------------------------------------------------------------------- the compute path
+# What protects the service behind the cache when it is slow or failing (docs/cache.md, "Failure modes"):
+# a filter of the keys that can exist (penetration), serving stale entries (on error, or while one caller
+# revalidates), and a circuit breaker on the compute call. The simulator's cache model (ushash.sim.failures)
+# uses exactly these objects; callers of a cache can wrap their compute with them.
+
+class KeyFilter:
+    """A Bloom filter (rbloom) of the keys that can have an answer (the catalogue: item ids, registered
+    prompts): a request for a key the filter has never seen cannot have one and is refused without a
+    computation (cache penetration). False positives at `fp_rate`; no false negatives for added keys."""
+
+    def __init__(self, expected_items: int = 100_000, fp_rate: float = 0.01):
+        from rbloom import Bloom
+
+        self._bloom = Bloom(max(16, int(expected_items)), float(fp_rate))
+        self.added = 0
+
+    def add(self, key) -> None:
+        self._bloom.add(key)
+        self.added += 1
+
+    def update(self, keys: Iterable) -> None:
+        for k in keys:
+            self.add(k)
+
+    def __contains__(self, key) -> bool:
+        return key in self._bloom
+
+
+class StalePolicy:
+    """When an expired entry may still be served.
+
+    - stale-while-revalidate (`swr_s`): within `swr_s` seconds past its expiry the entry is served at once
+      and one background recomputation is started, but only while fewer than `swr_max_inflight`
+      computations of this cache are in flight (callers' and refreshes together): a stale entry found
+      while the service is that busy is served without starting one, and a later request will;
+    - serve-stale-on-error (`stale_if_error_s`): within that long past its expiry the entry is served when
+      the computation fails, times out or the breaker is open, instead of an error.
+    0 turns either off."""
+
+    def __init__(self, swr_s: float = 0.0, swr_max_inflight: int = 4, stale_if_error_s: float = 0.0):
+        if min(swr_s, stale_if_error_s) < 0 or swr_max_inflight < 0:
+            raise ValueError("swr_s, swr_max_inflight and stale_if_error_s must be >= 0")
+        self.swr_s, self.swr_max_inflight = float(swr_s), int(swr_max_inflight)
+        self.stale_if_error_s = float(stale_if_error_s)
+        self.revalidating = 0
+
+    def serve_while_revalidating(self, now: float, expires: float) -> bool:
+        """An expired entry is served at once (SWR)."""
+        return self.swr_s > 0 and expires <= now < expires + self.swr_s
+
+    def may_revalidate(self, in_flight: int = 0) -> bool:
+        """A background recomputation may start now, with `in_flight` computations of this cache running
+        besides the refreshes (takes one unit of the budget: `revalidated` returns it)."""
+        if self.revalidating + int(in_flight) >= self.swr_max_inflight:
+            return False
+        self.revalidating += 1
+        return True
+
+    def revalidated(self) -> None:
+        self.revalidating = max(0, self.revalidating - 1)
+
+    def serve_on_error(self, now: float, expires: float) -> bool:
+        """An expired entry is served because the computation failed."""
+        return self.stale_if_error_s > 0 and now < expires + self.stale_if_error_s
+
+
+class _Opened:
+    """pybreaker listener: the time, on the caller's clock, at which the circuit last opened."""
+
+    def __init__(self, clock):
+        self.clock, self.at, self.opens = clock, None, 0
+
+    def before_call(self, cb, func, *args, **kwargs):
+        pass
+
+    def success(self, cb):
+        pass
+
+    def failure(self, cb, exc):
+        pass
+
+    def state_change(self, cb, old_state, new_state):
+        import pybreaker
+
+        if new_state.name == pybreaker.STATE_OPEN:
+            self.at, self.opens = self.clock(), self.opens + 1
+
+
+class ComputeBreaker:
+    """A circuit breaker on the compute path: pybreaker's state machine (closed -> open after `fail_max`
+    consecutive failures -> half-open after `reset_s` -> closed on `success_threshold` successful trial calls,
+    open again on a failed one), timed on the caller's clock (the simulator's or time.monotonic), so it
+    works in simulated time too. While open, `allow()` is False and the caller takes its fallback (a stale
+    entry, or a fast error) instead of loading the service; in half-open one trial call at a time is let
+    through. `record(ok)` reports how an allowed call went."""
+
+    def __init__(self, fail_max: int = 5, reset_s: float = 2.0, clock=None):
+        import time
+
+        import pybreaker
+
+        self._pb = pybreaker
+        self.clock = clock or time.monotonic
+        self._opened = _Opened(self.clock)
+        self.breaker = pybreaker.CircuitBreaker(fail_max=int(fail_max), reset_timeout=float(reset_s),
+                                                listeners=[self._opened], throw_new_error_on_trip=False)
+        self.reset_s = float(reset_s)
+        self._trial = False
+        self.rejected = 0
+
+    @property
+    def state(self) -> str:
+        return self.breaker.current_state
+
+    @property
+    def opens(self) -> int:
+        return self._opened.opens
+
+    def allow(self) -> bool:
+        pb = self._pb
+        st = self.breaker.current_state
+        if st == pb.STATE_OPEN:
+            if self.clock() < self._opened.at + self.reset_s:
+                self.rejected += 1
+                return False
+            self.breaker.half_open()
+            self._trial = False
+            st = pb.STATE_HALF_OPEN
+        if st == pb.STATE_HALF_OPEN:
+            if self._trial:
+                self.rejected += 1
+                return False
+            self._trial = True
+        return True
+
+    def record(self, ok: bool) -> None:
+        if self.breaker.current_state == self._pb.STATE_OPEN:
+            return  # a late answer of a call made before the circuit opened changes nothing
+
+        def outcome():
+            if not ok:
+                raise _ComputeFailed()
+
+        self._trial = False
+        try:
+            self.breaker.call(outcome)
+        except (_ComputeFailed, self._pb.CircuitBreakerError):
+            pass
+
+
+class _ComputeFailed(Exception):
+    pass
