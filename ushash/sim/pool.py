@@ -137,17 +137,18 @@ def build_pool(cfg, head) -> tuple[Pool, str]:
     """The pool of the configured split (features, or raw media with `raw_media`) and the dataset's name."""
     src = head.manifest.get("source") or {}
     data = to_dict(cfg.get("data")) if cfg.get("data") is not None else {}
-    recipe = data.pop("name", None)  # data=<recipe> names its dataset (configs/data/<recipe>.yaml)
-    if cfg.get("dataset") and recipe and cfg.dataset != recipe:
-        raise ValueError(f"dataset={cfg.dataset} but data={recipe}: name one dataset")
-    dataset = cfg.get("dataset") or recipe or src.get("dataset")
+    named = data.pop("name", None)  # data=<recipe> names its dataset (configs/data/<recipe>.yaml; data.name=mine)
+    if cfg.get("dataset") and named and cfg.dataset != named:
+        raise ValueError(f"dataset={cfg.dataset} but data.name={named}: name one dataset")
+    dataset = cfg.get("dataset") or named or src.get("dataset")
+    recipe = data.pop("recipe", None) or dataset  # a manifest names itself, the recipe that reads it stays
     if not dataset:
         raise ValueError("the export does not name its dataset; pass dataset=<name>")
     v = cfg.variants
     if cfg.raw_media:
         from ushash.data.datasets import load_rows
         from ushash.serving.cache.request import QueryEncoder
-        rows = load_rows(dataset, str(cfg.split), **data)
+        rows = load_rows(recipe, str(cfg.split), **data)
         encoder = QueryEncoder(head).encoder()
         return pool_from_media(rows, encoder, n_variants=int(v.perturb), jpeg_quality=int(v.jpeg_quality),
                                crop_frac=float(v.crop_frac), snr_db=float(v.snr_db), seed=int(cfg.stream.seed)), dataset
