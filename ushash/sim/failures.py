@@ -45,6 +45,7 @@ from ushash.sim.downstream import Downstream, EventLoop, arrivals
 log = logging.getLogger(__name__)
 
 SCENARIOS = ("penetration", "breakdown", "avalanche")
+POLICY_RUNS = ("adaptive_ttl", "qos")   # scenario=adaptive_ttl | qos: ushash/sim/policies.py
 DEFENCES = ("single_flight", "bloom", "ttl_jitter", "early_refresh", "serve_stale", "swr", "breaker")
 INVALID = 1 << 40     # keys from here on do not exist
 NOVEL = 1 << 30       # never-seen valid keys are numbered from here
@@ -428,8 +429,8 @@ def run_failures(cfg) -> dict:
     d = DefencesConfig(**to_dict(cfg.defences))
     names = SCENARIOS if cfg.scenario == "all" else (str(cfg.scenario),)
     for n in names:
-        if n not in SCENARIOS:
-            raise ValueError(f"unknown scenario {n!r}; choose all or one of {SCENARIOS}")
+        if n not in SCENARIOS + POLICY_RUNS:
+            raise ValueError(f"unknown scenario {n!r}; choose all or one of {SCENARIOS + POLICY_RUNS}")
     settings = {"scenario": str(cfg.scenario), "failures": dataclasses.asdict(f), "defences": dataclasses.asdict(d)}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     name = f"scenario-{cfg.scenario}-{digest}"
@@ -438,6 +439,11 @@ def run_failures(cfg) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for n in names:
+        if n in POLICY_RUNS:  # the adaptive policies against their fixed alternatives (ushash/sim/policies.py)
+            from ushash.sim.policies import run_policy
+            results[n] = run_policy(n, out, name)
+            log.info("%s\n%s", n, (out / f"{n}.md").read_text())
+            continue
         res = run_scenario(n, f, d)
         table = markdown(res, f)
         write_json(out / f"{n}.json", {"settings": settings, **res})
