@@ -37,7 +37,7 @@ from ushash.serving.cache.l1 import L1Tier
 from ushash.serving.cache.protection import AsyncSingleFlight, SingleFlight, leading
 from ushash.serving.cache.redis_store import RedisStore
 from ushash.serving.cache.request import Query, QueryEncoder, RequestError
-from ushash.serving.cache.telemetry import CacheMetrics
+from ushash.serving.cache.telemetry import CacheMetrics, TracedCheck, key_hash
 
 DEFAULT_TENANT = "default"
 
@@ -80,6 +80,8 @@ class SemanticCache:
         self._asf: dict[int, AsyncSingleFlight] = {}
         self._l2_client = l2_client
         self.l2: RedisStore | None = None
+        self.tracer = None      # OpenTelemetry spans when set (`trace`); None: no span is opened
+        self.hotkeys = None     # heavy hitters when tracked (`track_hot_keys`)
         self._install(head, encoder)
 
     @classmethod
@@ -111,6 +113,8 @@ class SemanticCache:
         self.l1 = L1Tier(self.bits, c, self.metrics, self.clock, self.payload_codec, head.modalities, str(head.revision))
         self.tiers = [self.l1] + ([self.l2] if self.l2 is not None else [])
         self.check = HitCheck(self.payload_codec, c.payload_check, c.payload_threshold, c.cross_modal, self.metrics)
+        if self.tracer is not None:
+            self.check = TracedCheck(self.check, self.tracer)
         self.radius, self.observe_radius = self.l1.radius, self.l1.observe_radius
         old = getattr(self, "watermark", None)
         self.watermark = RevisionWatermark(str(head.revision), revision_rank(head),
@@ -162,7 +166,10 @@ class SemanticCache:
 
     def query(self, modality: str, data=None, features=None) -> Query:
         """Encode a request (raw input or encoder features) into a Query; raises RequestError."""
-        return self.encoder(modality, data, features)
+        if self.tracer is None:
+            return self.encoder(modality, data, features)
+        with self.tracer.start_as_current_span("ushash.encode", attributes={"cache.modality": modality}):
+            return self.encoder(modality, data, features)
 
     def query_from_code(self, modality: str, code, z=None) -> Query:
         """A Query from a precomputed packed code (and z for the payload check)."""
@@ -219,7 +226,9 @@ class SemanticCache:
                 self.metrics.rejections.labels(reason="stale_revision").inc(len(live))
         elif live:
             now = self.clock()
-            found = l1.find_many([queries[i] for i in live], tenant, rev, self.check, now)
+            qs = [queries[i] for i in live]
+            found = l1.find_many(qs, tenant, rev, self.check, now) if self.tracer is None else \
+                self._traced_find_many(l1, qs, tenant, rev, now)
             for i, f in zip(live, found):
                 nearest[i] = f.nearest
                 if f.entry is not None:
@@ -227,7 +236,8 @@ class SemanticCache:
                 elif l2 is not None and not f.skip_next:
                     tiers[i] = l2.name
                     now = self.clock()
-                    f2 = l2.find(queries[i], tenant, rev, self.check, now)
+                    f2 = l2.find(queries[i], tenant, rev, self.check, now) if self.tracer is None else \
+                        self._traced_find(l2, queries[i], tenant, rev, now)
                     if f2.nearest is not None and (nearest[i] is None or f2.nearest < nearest[i]):
                         nearest[i] = f2.nearest
                     if f2.entry is not None and self._serving[0] is l1:
@@ -238,6 +248,9 @@ class SemanticCache:
                 if dropped:
                     self.metrics.rejections.labels(reason="query_revision").inc(dropped)
                 hits = [None] * n
+        if self.hotkeys is not None:
+            for q in queries:
+                self.hotkeys.record((tenant, q.code))
         if count:
             # nearest: the hit's distance; on a miss the nearest candidate seen, or bits + 1 (the +Inf
             # bucket) when nothing was within observe_radius
@@ -411,7 +424,12 @@ class SemanticCache:
 
     def _compute_store(self, q: Query, compute, tenant, ttl_s):
         t0 = self.clock()  # the cache's clock: XFetch compares compute time with expiries on it
-        value = compute()
+        if self.tracer is None:
+            value = compute()
+        else:
+            with self.tracer.start_as_current_span("ushash.compute", attributes={
+                    "cache.key.hash": key_hash(q.code), "cache.strategy": "compute", "cache.tenant": tenant}):
+                value = compute()
         self.store(q, value, tenant, ttl_s=ttl_s, compute_s=max(0.0, self.clock() - t0))
         return value
 
@@ -455,6 +473,54 @@ class SemanticCache:
             leading.reset(token)
         sf.done(fkey, fl)
         return Result(value, None, computed=True)
+
+    # ------------------------------------------------------------------ tracing and hot keys
+    def trace(self, tracer) -> None:
+        """Open OpenTelemetry spans (telemetry.configure_tracing) for encode, search (L1), verify, L2 and
+        compute, with cache.hit, cache.key.hash, cache.ttl.remaining_ms, cache.strategy; None: off."""
+        self.tracer = tracer
+        check = getattr(self.check, "inner", self.check)
+        self.check = check if tracer is None else TracedCheck(check, tracer)
+
+    def _traced_find_many(self, l1, queries: list[Query], tenant: str, rev: str, now: float):
+        with self.tracer.start_as_current_span("ushash.search") as span:
+            found = l1.find_many(queries, tenant, rev, self.check, now)
+            span.set_attribute("cache.strategy", "l1")
+            span.set_attribute("cache.tenant", tenant)
+            span.set_attribute("cache.batch_size", len(queries))
+            if len(queries) == 1:
+                self._hit_attributes(span, queries[0], found[0], now)
+            else:
+                span.set_attribute("cache.hits", sum(f.entry is not None for f in found))
+        return found
+
+    @staticmethod
+    def _hit_attributes(span, q: Query, found, now: float) -> None:
+        e = found.entry
+        span.set_attribute("cache.hit", e is not None)
+        span.set_attribute("cache.key.hash", key_hash(q.code))
+        if e is not None:
+            span.set_attribute("cache.distance", int(found.distance))
+            span.set_attribute("cache.ttl.remaining_ms", (e.expires - now) * 1e3 if e.expires != float("inf") else -1.0)
+
+    def _traced_find(self, t, q: Query, tenant: str, rev: str, now: float):
+        name = "ushash.search" if t is self.l1 else "ushash.l2"
+        with self.tracer.start_as_current_span(name) as span:
+            found = t.find(q, tenant, rev, self.check, now)
+            span.set_attribute("cache.strategy", t.name)
+            span.set_attribute("cache.tenant", tenant)
+            self._hit_attributes(span, q, found, now)
+        return found
+
+    def track_hot_keys(self, window_s: float = 60.0, buckets: int = 6, max_keys: int = 10_000, top: int = 10,
+                       clock=None) -> None:
+        """Count lookups per (tenant, code) over a sliding window (hotkeys.HotKeys), exported as
+        cache_hot_key_requests{rank} and cache_hot_keys_share."""
+        from ushash.serving.cache.hotkeys import HotKeys, HotKeysCollector
+
+        if self.hotkeys is None:
+            self.hotkeys = HotKeys(window_s, buckets, max_keys, clock=clock or time.monotonic)
+            self.metrics.registry.register(HotKeysCollector(self.hotkeys, top))
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
