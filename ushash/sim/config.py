@@ -51,7 +51,7 @@ class DefencesConfig:
     bloom_fp_rate: float = 0.01
     ttl_jitter: float = 0.1           # expiry = now + ttl * (1 - jitter * U[0, 1)) (CacheConfig.ttl_jitter)
     xfetch_beta: float = 1.0          # early refresh (CacheConfig.xfetch_beta); 0: off
-    swr_s: float = 60.0               # stale-while-revalidate: serve up to this long past expiry, refresh behind
+    swr_s: float = 300.0              # stale-while-revalidate: serve up to this long past expiry, refresh behind
     swr_max_inflight: int = 8         # ... started only while fewer computations than this are in flight
     stale_if_error_s: float = 600.0   # serve-stale-on-error: up to this long past expiry
     breaker: bool = True              # a circuit breaker on the compute path (pybreaker), fallback: stale or fast error
