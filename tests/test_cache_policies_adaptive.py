@@ -140,3 +140,24 @@ def test_qos_admission_keeps_the_critical_tenant_hot_under_a_batch_flood():
     assert qos["payments"]["during"] >= qos["payments"]["before"] - 0.01
     assert qos["payments"]["during"] > plain["payments"]["during"] + 0.2
     assert qos["refused"] > 0
+
+
+def test_the_cache_stores_with_its_adaptive_ttl_policy():
+    import numpy as np
+
+    from ushash.serving.cache import SemanticCache
+    from ushash.serving.cache.lsh import LSHHead
+
+    head = LSHHead({"text": 24}, bits=64, dim=32, aligned=True, seed=0)
+    cache = SemanticCache(head, {"payload_check": False, "ttl_s": 600, "ttl_jitter": 0.0, "adaptive_ttl": True},
+                          clock=lambda: 1000.0)
+    assert cache.ttl_policy is not None and cache.ttl_policy.base_s == 600.0
+    cache.ttl_policy.memory, cache.ttl_policy.p99 = (lambda: 90.0), (lambda: 100.0)
+    f = np.random.default_rng(0).normal(size=(2, 24)).astype(np.float32)
+    cache.put("text", features=f[0], value="a")
+    assert cache.get("text", features=f[0]).expires == 1000.0 + 60.0     # >= 85 % memory: at most 60 s
+    cache.put("text", features=f[1], value="b", ttl_s=30)                 # an explicit ttl_s wins
+    assert cache.get("text", features=f[1]).expires == 1000.0 + 30.0
+    res = cache.get_or_compute("text", features=-f[0], compute=lambda: "c")
+    assert res.computed and len(cache.compute_p99._q) == 1               # the computations' p99 is measured
+    assert SemanticCache(head, {"ttl_s": 600}).ttl_policy is None        # off by default

@@ -81,6 +81,12 @@ class SemanticCache:
         self._l2_client = l2_client
         self.l2: RedisStore | None = None
         self.tracer = None      # OpenTelemetry spans when set (`trace`); None: no span is opened
+        self.ttl_policy = None  # a TTL policy (`ttl()`, e.g. adaptive.AdaptiveTTL) for stores without ttl_s
+        if c.adaptive_ttl and c.ttl_s:
+            from ushash.serving.cache.adaptive import AdaptiveTTL, RollingP99, memory_percent
+
+            self.compute_p99 = RollingP99(60.0)
+            self.ttl_policy = AdaptiveTTL(c.ttl_s, memory=lambda: memory_percent(c.device), p99=self.compute_p99.p99_ms)
         self.hotkeys = None     # heavy hitters when tracked (`track_hot_keys`)
         self._install(head, encoder)
 
@@ -306,6 +312,8 @@ class SemanticCache:
         fresh = [q.revision is None or q.revision == rev for q in queries]  # others: encoded before a reload()
         if not all(fresh):
             self.metrics.rejections.labels(reason="query_revision").inc(len(queries) - sum(fresh))
+        if ttl_s is None and self.ttl_policy is not None:
+            ttl_s = self.ttl_policy.ttl()
         if not self.watermark.current:
             self.metrics.rejections.labels(reason="stale_revision").inc(sum(fresh))
             return [False] * len(queries)
@@ -430,7 +438,10 @@ class SemanticCache:
             with self.tracer.start_as_current_span("ushash.compute", attributes={
                     "cache.key.hash": key_hash(q.code), "cache.strategy": "compute", "cache.tenant": tenant}):
                 value = compute()
-        self.store(q, value, tenant, ttl_s=ttl_s, compute_s=max(0.0, self.clock() - t0))
+        compute_s = max(0.0, self.clock() - t0)
+        if self.ttl_policy is not None and hasattr(self, "compute_p99"):
+            self.compute_p99.record(compute_s)
+        self.store(q, value, tenant, ttl_s=ttl_s, compute_s=compute_s)
         return value
 
     async def aget_or_compute(self, modality: str, data=None, *, features=None, compute,

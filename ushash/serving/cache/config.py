@@ -53,6 +53,9 @@ class CacheConfig:
     mih_min_entries: int = 20000             # auto: switch from flat to multi-index hashing at this size
     ttl_s: Optional[float] = 3600.0          # time to live; 0 / None: no expiry
     ttl_jitter: float = 0.1                  # expiry = now + ttl * (1 - jitter * U[0, 1))
+    adaptive_ttl: bool = False               # ttl = ttl_s x mem_factor x lat_factor (serving/cache/adaptive.py):
+                                             # memory in use (`device`'s, or the process's) and the p99 of
+                                             # get_or_compute's computations over the last minute
     xfetch_beta: float = 1.0                 # early refresh eagerness; 0: off
     bloom: bool = True                       # Bloom filter of stored code chunks: skip searches that must miss
     bloom_fp_rate: float = 0.01
