@@ -93,14 +93,19 @@ class HammingBackend:
 
 
 class _SlotMap:
-    """slot -> position for dense non-negative slots, as a growable int64 array (-1: absent); a dict
-    of a million ints costs ~100 B an entry, this 8."""
+    """slot -> position. Slots are the cache's entry ids, shared by every tenant's index, so one tenant's
+    slots can be sparse: a dict while they are (or while there are few), then a growable int64 array
+    (-1: absent) once the slots are dense enough that the array is the smaller (a dict of a million ints
+    costs ~100 B an entry, the array 8 per slot up to the largest)."""
 
     def __init__(self):
-        self._a = np.full(16, -1, np.int64)
+        self._d: dict[int, int] | None = {}
+        self._a = None
         self._n = 0
 
     def __contains__(self, slot: int) -> bool:
+        if self._d is not None:
+            return slot in self._d
         return 0 <= slot < len(self._a) and self._a[slot] >= 0
 
     def __len__(self) -> int:
@@ -110,6 +115,14 @@ class _SlotMap:
         if len(slots) == 0:
             return
         top = int(slots.max()) + 1
+        if self._d is not None:
+            self._d.update(zip(slots.tolist(), pos.tolist()))
+            self._n = len(self._d)
+            if self._n >= 1024 and top <= 8 * self._n:  # dense: an array of `top` slots is the smaller
+                self._a = np.full(max(top, 1024), -1, np.int64)
+                self._a[np.fromiter(self._d.keys(), np.int64, self._n)] = np.fromiter(self._d.values(), np.int64, self._n)
+                self._d = None
+            return
         if top > len(self._a):
             a = np.full(max(top, 2 * len(self._a)), -1, np.int64)
             a[: len(self._a)] = self._a
@@ -118,7 +131,13 @@ class _SlotMap:
         self._a[slots] = pos
 
     def pop(self, slot: int, default=None):
-        if slot not in self:
+        if self._d is not None:
+            p = self._d.pop(slot, None)
+            if p is None:
+                return default
+            self._n -= 1
+            return p
+        if not (0 <= slot < len(self._a)) or self._a[slot] < 0:
             return default
         p = int(self._a[slot])
         self._a[slot] = -1
@@ -162,8 +181,8 @@ class FaissBackend(HammingBackend):
         if self.bits % self.nhash:
             raise ValueError(f"mih_nhash={self.nhash} must divide bits={self.bits}")
         self.mih_min_entries = int(mih_min_entries)
-        self._codes = np.zeros((64, self.nbytes), np.uint8)   # by index position
-        self._pos2slot = np.full(64, -1, np.int64)             # -1: tombstone
+        self._codes = np.zeros((4, self.nbytes), np.uint8)    # by index position
+        self._pos2slot = np.full(4, -1, np.int64)              # -1: tombstone
         self._slot2pos = _SlotMap()
         self._n = 0          # positions used (live + tombstones)
         self._use_mih = kind == "mih"
