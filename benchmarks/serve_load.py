@@ -9,6 +9,7 @@ no training and no downloads), starts `python -m ushash.serve` on 127.0.0.1 at a
   reference: GET /healthz (the bare FastAPI + uvicorn stack, no cache work)
   lookup:    POST /v1/lookup with precomputed features (half of them stored ones: hits)
   text:      POST /v1/lookup with a caption (the tiny text encoder + head + cache)
+  batch:     POST /v1/lookup_batch with `--batch` rows of features per request (lookups/s = rows/s)
 
 Prints requests/s, latency p50 / p99 per phase and the ratio to the reference.
 
@@ -36,7 +37,7 @@ ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
 
 
 # ---------------------------------------------------------------------------------------------- client
-async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, feats: list) -> dict:
+async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, feats: list, batch: int = 1) -> dict:
     import httpx
 
     lat: list[float] = []
@@ -52,6 +53,9 @@ async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, 
             t0 = time.perf_counter()
             if kind == "healthz":
                 r = await client.get(f"{url}/healthz")
+            elif kind == "batch":
+                s = (i * batch) % max(1, len(feats) - batch)
+                r = await client.post(f"{url}/v1/lookup_batch", json={"modality": "image", "features": feats[s:s + batch]})
             elif kind == "lookup":
                 r = await client.post(f"{url}/v1/lookup", json={"modality": "image", "features": feats[i % len(feats)]})
             else:
@@ -65,15 +69,19 @@ async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, 
         await asyncio.gather(*[worker(client) for _ in range(concurrency)])
         wall = time.perf_counter() - t0
     a = np.asarray(lat) * 1e3
+    rows = batch if kind == "batch" else 1
     return {"phase": kind, "requests": len(lat), "errors": errors, "seconds": wall, "rps": len(lat) / wall,
+            "lookups_per_s": rows * len(lat) / wall, "rows": rows,
             "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
 
 
 def client_main(args) -> None:
     feats = json.loads(Path(args.features).read_text())
     out = []
-    for kind in ("healthz", "lookup", "text"):
-        out.append(asyncio.run(_phase(args.url, kind, args.requests, args.concurrency, args.seconds, feats)))
+    for kind in ("healthz", "lookup", "text", "batch"):
+        n = max(1, args.requests // 20) if kind == "batch" else args.requests
+        conc = min(args.concurrency, 2) if kind == "batch" else args.concurrency
+        out.append(asyncio.run(_phase(args.url, kind, n, conc, args.seconds, feats, args.batch)))
     print(json.dumps(out))
 
 
@@ -106,6 +114,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--entries", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=1000)
     args = ap.parse_args()
     args.requests = min(args.requests, 20000)  # bounded load
     args.seconds = min(args.seconds, 120.0)
@@ -142,7 +151,8 @@ def main() -> None:
             fpath.write_text(json.dumps(feats))
             r = subprocess.run([sys.executable, __file__, "--client", "--url", url, "--features", str(fpath),
                                 "--requests", str(args.requests), "--concurrency", str(args.concurrency),
-                                "--seconds", str(args.seconds)], capture_output=True, text=True, check=True)
+                                "--seconds", str(args.seconds), "--batch", str(args.batch)],
+                               capture_output=True, text=True, check=True)
             phases = json.loads(r.stdout.strip().splitlines()[-1])
             metrics = httpx.get(f"{url}/metrics").text
         finally:
@@ -153,11 +163,11 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}; server and load generator on the same machine, loopback, "
           f"{args.concurrency} connections, <= {args.requests} requests / {args.seconds:.0f} s per phase; {hits}")
     ref = phases[0]["rps"]
-    print("| phase | requests | errors | requests/s | ratio to /healthz | p50 ms | p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| phase | rows per request | requests | errors | requests/s | ratio to /healthz | lookups/s | p50 ms | p99 ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for p in phases:
-        print(f"| {p['phase']} | {p['requests']} | {p['errors']} | {p['rps']:.0f} | {p['rps'] / ref:.2f} | "
-              f"{p['p50_ms']:.1f} | {p['p99_ms']:.1f} |")
+        print(f"| {p['phase']} | {p['rows']} | {p['requests']} | {p['errors']} | {p['rps']:.0f} | {p['rps'] / ref:.2f} | "
+              f"{p['lookups_per_s']:,.0f} | {p['p50_ms']:.1f} | {p['p99_ms']:.1f} |")
 
 
 if __name__ == "__main__":
