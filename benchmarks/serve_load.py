@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--entries", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=1000)
+    ap.add_argument("--server-threads", type=int, default=1,
+                    help="OMP_NUM_THREADS of the server: torch's intra-op threads for the head's forward pass")
     args = ap.parse_args()
     args.requests = min(args.requests, 20000)  # bounded load
     args.seconds = min(args.seconds, 120.0)
@@ -130,7 +132,8 @@ def main() -> None:
         url = f"http://{HOST}:{port}"
         server = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export}", f"host={HOST}",
                                    f"port={port}", "log_level=error", f"hydra.run.dir={root / 'hydra'}"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": str(args.server_threads)})
         try:
             for _ in range(600):
                 try:
@@ -161,7 +164,8 @@ def main() -> None:
     hits = next((ln for ln in metrics.splitlines() if ln.startswith('cache_gets_total{result="hit"}')), "")
     print(f"# serve_load  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; server and load generator on the same machine, loopback, "
-          f"{args.concurrency} connections, <= {args.requests} requests / {args.seconds:.0f} s per phase; {hits}")
+          f"{args.concurrency} connections (batch: 2), <= {args.requests} requests / {args.seconds:.0f} s per phase; "
+          f"server OMP_NUM_THREADS={args.server_threads}; {hits}")
     ref = phases[0]["rps"]
     print("| phase | rows per request | requests | errors | requests/s | ratio to /healthz | lookups/s | p50 ms | p99 ms |")
     print("|---|---|---|---|---|---|---|---|---|")
