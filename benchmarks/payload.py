@@ -94,7 +94,10 @@ def quality(args) -> None:
     from ushash.core import metrics
     from ushash.evaluation import retrieval
     from ushash.serving.export import write_export
-    from ushash.data.store import open_split, store_path
+    from omegaconf import OmegaConf
+
+    from ushash.config import ROOT
+    from ushash.data.extract import resolve_features_dir, stored_split
     from ushash.core.index import HammingIndex, cosine_search
     from ushash.hashing.module import load_checkpoint
 
@@ -103,9 +106,10 @@ def quality(args) -> None:
     module = load_checkpoint(ckpt)
     prov = module.hparams.provenance or {}
     enc = prov["encoder"]
-    fdir = args.features_dir or prov["features_dir"]
-    split = open_split(store_path(fdir, prov["dataset"], args.split, enc["name"], enc["fingerprint"]))
-    train = open_split(store_path(fdir, prov["dataset"], "train", enc["name"], enc["fingerprint"]))
+    # the checkpoint's own stores: its recorded folder, relative to the project it was trained in
+    where = OmegaConf.create({"features_dir": args.features_dir, "paths": {"root": str(ROOT if args.ckpt else tmp)}})
+    fdir = resolve_features_dir(prov, where)
+    split, train = stored_split(prov, args.split, fdir), stored_split(prov, "train", fdir)
     # the serving path: export the head and compute codes and z through ushash.serving.artifact
     head = artifact.load_export(write_export(module.model.eval(), tmp / "export", enc))
     mods = [m for m in split.modalities if m in head.modalities]
