@@ -1,0 +1,284 @@
+"""The false-hit budget: per-pair operating points, their confidence bounds, and the online monitor.
+
+A cache lookup pairs the request's modality with a cached entry's modality (`"text>image"`: a caption
+served the answer an image stored). Each pair has its own operating point, a Hamming radius and a payload
+cosine threshold, or is off. `Calibration` holds the points chosen for a false-hit budget
+(`target_false_hit_rate`) on a labelled calibration stream (ushash.sim.calibrate replays a data set's val
+split), with the one-sided upper confidence bound on each pair's false-hit rate, and is written beside the
+export as `calibration.json`; `cache.calibration=<that file>` makes a `SemanticCache` serve by it.
+
+Statistics (numpy / scipy only, no cache code):
+
+    clopper_pearson_upper(k, n, delta)   one-sided (1 - delta) upper bound on a binomial rate, k of n
+    fixed_sequence(path, delta, target)  fixed-sequence testing (Learn-then-Test, Angelopoulos et al. 2021):
+                                         walk a path of points from the tightest to the loosest, testing
+                                         H0 "rate > target" at each with the Clopper-Pearson bound at level
+                                         delta, stop at the first that fails; the family-wise error of
+                                         declaring any point safe is at most delta without a multiplicity
+                                         correction, because the order is fixed before looking at the labels
+
+The false-hit rate of a pair is per hit: false hits served by that pair / hits served by it. When every
+pair meets the budget per hit, the whole cache does, per hit and per request.
+
+`ShadowMonitor`: online, a fraction of hits is also computed (shadow compute) and compared with the
+cached answer; per pair it keeps the estimate and its upper bound since the pair's point last changed, and
+a bound above the target (after `min_checks` checks) tightens the pair's threshold by `step` or turns it
+off (`ShadowConfig.action`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+MODALITIES = ("image", "text", "audio")
+FORMAT = "ushash-calibration"
+FORMAT_VERSION = 1
+
+
+def pair_name(request_modality: str, entry_modality: str) -> str:
+    """"text>image": a text request served from an image entry."""
+    return f"{request_modality}>{entry_modality}"
+
+
+def split_pair(name: str) -> tuple[str, str]:
+    parts = str(name).split(">")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"a modality pair is written 'request>entry' (e.g. 'text>image'); got {name!r}")
+    return parts[0], parts[1]
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def clopper_pearson_upper(k: int, n: int, delta: float = 0.05) -> float:
+    """The one-sided (1 - delta) Clopper-Pearson upper bound on a binomial rate after k events in n trials:
+    the p with P(X <= k | n, p) = delta (1.0 when k == n, and when n == 0)."""
+    k, n = int(k), int(n)
+    if n <= 0 or k >= n:
+        return 1.0
+    if k < 0:
+        raise ValueError(f"k must be >= 0; got {k}")
+    from scipy.stats import beta
+
+    return float(beta.ppf(1.0 - float(delta), k + 1, n - k))
+
+
+def min_trials(target: float, delta: float = 0.05) -> int:
+    """The fewest trials with no event whose upper bound is <= target: ceil(ln delta / ln(1 - target))."""
+    return int(math.ceil(math.log(delta) / math.log1p(-target)))
+
+
+@dataclass
+class Tested:
+    """One point of a path: its setting, how many hits it served on the calibration stream and how many
+    of them were false, and the upper bound."""
+    radius: int
+    threshold: float
+    hits: int
+    false_hits: int
+    upper: float
+
+    @property
+    def rate(self) -> float:
+        return self.false_hits / self.hits if self.hits else 0.0
+
+
+def fixed_sequence(path: Iterable[tuple[int, float, int, int]], delta: float, target: float) -> tuple[Optional[Tested], list[Tested]]:
+    """Walk `path` ((radius, threshold, hits, false hits), tightest first) and return (the last point whose
+    upper bound is <= target before the first that is not, or None; every point tested)."""
+    chosen, tested = None, []
+    for r, t, n, k in path:
+        p = Tested(int(r), float(t), int(n), int(k), clopper_pearson_upper(k, n, delta))
+        tested.append(p)
+        if p.upper > target:
+            break
+        chosen = p
+    return chosen, tested
+
+
+# ---------------------------------------------------------------------------------------------- settings
+@dataclass
+class CalibrationSettings:
+    """How `ushash.sim.calibrate` chooses the operating points (cachesim's `calibration` block and the
+    calibrate verb's settings)."""
+    split: str = "val"                # the labelled calibration stream is replayed from this split
+    confidence: float = 0.95          # one-sided: the bound holds with this probability
+    max_radius: int = 10              # the radius every pair is calibrated at (then shrunk to its hits)
+    threshold_max: float = 1.0        # the path of payload thresholds runs from here (tightest) ...
+    threshold_min: float = 0.5        # ... down to here (loosest) ...
+    threshold_step: float = 0.0025    # ... in these steps
+    repeat_floor: bool = True         # same-modality pairs start at the lowest cosine an exact repeat reaches
+                                      # through the payload codec on the calibration split: never stricter
+    verify_rounds: int = 8            # replays on the calibration stream to confirm the joint point (a pair
+                                      # whose bound fails there moves one step tighter, then off)
+    n_requests: Optional[int] = None  # calibration stream length; None: stream.n_requests
+
+
+@dataclass
+class ShadowConfig:
+    """Online verification of hits (`SemanticCache.get_or_compute` and `verify`): the cache's `shadow` block."""
+    fraction: float = 0.0             # share of hits that are also computed and compared (0: off)
+    target_false_hit_rate: Optional[float] = None   # budget to enforce; None: the calibration's, else monitor only
+    confidence: float = 0.95          # of the upper bound exported and tested
+    min_checks: int = 50              # checks of a pair (since its point changed) before a breach acts
+    action: str = "tighten"           # on a breach: tighten (threshold + step, off past 1) | off
+    step: float = 0.01                # how much a breach raises the pair's threshold
+
+    def __post_init__(self):
+        if not 0.0 <= float(self.fraction) <= 1.0:
+            raise ValueError(f"shadow.fraction is a share of hits in [0, 1]; got {self.fraction}")
+        if str(self.action) not in ("tighten", "off"):
+            raise ValueError(f"shadow.action must be tighten or off; got {self.action!r}")
+        if not 0.0 < float(self.confidence) < 1.0:
+            raise ValueError(f"shadow.confidence must be in (0, 1); got {self.confidence}")
+
+
+# ---------------------------------------------------------------------------------------------- points
+@dataclass
+class PairPoint:
+    """One pair's operating point: served when on, within `radius` bits and with payload cosine >=
+    `threshold`; the calibration's evidence with it."""
+    on: bool
+    radius: int = 0
+    threshold: float = 1.0
+    hits: int = 0                     # hits this pair served on the calibration stream at this point
+    false_hits: int = 0
+    upper: float = 1.0                # one-sided upper confidence bound of false_hits / hits
+    reason: str = ""                  # why a pair is off
+
+    @property
+    def rate(self) -> float:
+        return self.false_hits / self.hits if self.hits else 0.0
+
+
+@dataclass
+class Calibration:
+    """Per-pair operating points for one head revision and one false-hit budget."""
+    revision: str
+    target_false_hit_rate: float
+    confidence: float
+    pairs: dict[str, PairPoint]
+    info: dict = field(default_factory=dict)   # how it was made: dataset, split, stream, codec floors, paths
+
+    def point(self, request_modality: str, entry_modality: str) -> PairPoint:
+        return self.pairs.get(pair_name(request_modality, entry_modality)) or PairPoint(False, reason="not calibrated")
+
+    @property
+    def search_radius(self) -> int:
+        """The radius the tiers search: the largest of the pairs that are on (0 when none is)."""
+        return max([p.radius for p in self.pairs.values() if p.on] or [0])
+
+    def check_head(self, head) -> None:
+        """Refuse a calibration made for another head (its points say nothing about other codes)."""
+        revs = {str(getattr(head, "revision", "")), str(getattr(head, "base_revision", ""))}
+        if self.revision not in revs:
+            raise ValueError(f"this calibration is for head revision {self.revision}; the cache serves "
+                             f"{getattr(head, 'revision', '?')}: recalibrate (python -m ushash.calibrate)")
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, "revision": self.revision,
+                "target_false_hit_rate": self.target_false_hit_rate, "confidence": self.confidence,
+                "rate": "false hits / hits of the pair, on the calibration stream",
+                "bound": "one-sided Clopper-Pearson upper bound; points by fixed-sequence testing",
+                "pairs": {k: dataclasses.asdict(v) for k, v in sorted(self.pairs.items())}, "info": self.info}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"not a calibration file (format {d.get('format') if isinstance(d, dict) else d!r})")
+        if d.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"calibration format version {d.get('format_version')!r}; this reads {FORMAT_VERSION}")
+        names = {f.name for f in dataclasses.fields(PairPoint)}
+        pairs = {}
+        for k, v in (d.get("pairs") or {}).items():
+            split_pair(k)
+            if not isinstance(v, dict) or set(v) - names:
+                raise ValueError(f"calibration pair {k}: unknown fields {sorted(set(v) - names) if isinstance(v, dict) else v}")
+            pairs[k] = PairPoint(**v)
+        return cls(str(d["revision"]), float(d["target_false_hit_rate"]), float(d["confidence"]), pairs,
+                   dict(d.get("info") or {}))
+
+    def save(self, path) -> Path:
+        from ushash.core.io import write_json
+
+        return write_json(Path(path), self.to_dict())
+
+    @classmethod
+    def load(cls, path) -> "Calibration":
+        p = Path(path)
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read calibration {p}: {e}") from e
+
+    def table(self) -> str:
+        lines = ["| pair | status | radius | payload threshold | hits | false hits | rate | upper bound |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for k, p in sorted(self.pairs.items()):
+            status = "on" if p.on else f"off ({p.reason})"
+            lines.append(f"| {k} | {status} | {p.radius if p.on else '-'} | {f'{p.threshold:.4f}' if p.on else '-'} | "
+                         f"{p.hits} | {p.false_hits} | {p.rate:.4f} | {p.upper:.4f} |")
+        return "\n".join(lines)
+
+
+def uniform_points(modalities: Iterable[str], radius: int, threshold: float, cross_modal: bool) -> dict[str, PairPoint]:
+    """The points a cache without a calibration serves by: one radius and threshold for every pair, the
+    cross-modal pairs off with cross_modal: false."""
+    mods = list(modalities)
+    return {pair_name(a, b): PairPoint(a == b or bool(cross_modal), int(radius), float(threshold),
+                                       reason="" if a == b or cross_modal else "cross_modal: false")
+            for a in mods for b in mods}
+
+
+# ---------------------------------------------------------------------------------------------- online
+class ShadowMonitor:
+    """Per-pair shadow checks of served hits. `record(pair, agreed)` returns the action taken on a breach
+    ("tighten" / "off") or None; the caller applies it to its points (`apply`). Thread-safe."""
+
+    def __init__(self, config: ShadowConfig, target: Optional[float]):
+        self.config = config
+        self.target = config.target_false_hit_rate if config.target_false_hit_rate is not None else target
+        self.delta = 1.0 - float(config.confidence)
+        self.n: dict[str, int] = {}        # since the pair's point last changed
+        self.k: dict[str, int] = {}
+        self.total: dict[str, list[int]] = {}   # [checks, disagreements], ever
+        self.actions: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def estimate(self, pair: str) -> tuple[float, float, int]:
+        """(false-hit rate estimate, upper bound, checks) of a pair since its point last changed."""
+        with self._lock:
+            n, k = self.n.get(pair, 0), self.k.get(pair, 0)
+        return (k / n if n else 0.0), clopper_pearson_upper(k, n, self.delta), n
+
+    def record(self, pair: str, agreed: bool) -> Optional[str]:
+        with self._lock:
+            self.n[pair] = self.n.get(pair, 0) + 1
+            self.k[pair] = self.k.get(pair, 0) + (not agreed)
+            tot = self.total.setdefault(pair, [0, 0])
+            tot[0] += 1
+            tot[1] += not agreed
+            n, k = self.n[pair], self.k[pair]
+            if self.target is None or n < int(self.config.min_checks) or agreed:
+                return None
+            if clopper_pearson_upper(k, n, self.delta) <= self.target:
+                return None
+            self.n[pair] = self.k[pair] = 0   # a new point: its evidence starts over
+            return str(self.config.action)
+
+    def apply(self, points: dict[str, PairPoint], pair: str, action: str) -> PairPoint:
+        """Tighten or turn off `pair` in `points` (in place); returns its new point."""
+        p = points.get(pair) or PairPoint(False)
+        if action == "tighten" and p.on and p.threshold + float(self.config.step) <= 1.0:
+            new = dataclasses.replace(p, threshold=round(p.threshold + float(self.config.step), 6))
+        else:
+            new = dataclasses.replace(p, on=False, reason=f"shadow checks breached {self.target}")
+            action = "off"
+        points[pair] = new
+        with self._lock:
+            self.actions[(pair, action)] = self.actions.get((pair, action), 0) + 1
+        return new
