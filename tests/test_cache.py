@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from ushash.serving.cache import CacheConfig, RequestError, SemanticCache, UnknownTenant
+from ushash.serving.cache import CacheConfig, InvalidTenant, RequestError, SemanticCache, UnknownTenant
 from ushash.serving.cache.lsh import LSHHead
 from ushash.core.codes import hamming
 
@@ -133,7 +133,7 @@ def test_tenants_never_see_each_other(head):
     assert cache.get("text", features=x, tenant="acme").value == "acme's"
     with pytest.raises(UnknownTenant, match="unknown tenant 'initech'"):
         cache.get("text", features=x, tenant="initech")
-    with pytest.raises(UnknownTenant, match="tenant must be"):
+    with pytest.raises(InvalidTenant, match="tenant must be"):
         SemanticCache(head, {}).get("text", features=x, tenant="{acme}")
 
 

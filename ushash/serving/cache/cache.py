@@ -21,6 +21,7 @@ Thread-safe: L1 has its lock; encoding and the L2 round trips run outside it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -29,6 +30,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ushash.serving.calibration import Calibration
+from ushash.serving.cache.api import CheckStore
+from ushash.serving.cache.budget import PairBudget
 from ushash.serving.cache.config import CacheConfig
 from ushash.serving.cache.entries import Entry, Hit, decode_value, encode_value, valid_tenant
 from ushash.serving.cache.freshness import Freshness, RevisionWatermark, revision_rank
@@ -40,6 +44,7 @@ from ushash.serving.cache.request import Query, QueryEncoder, RequestError
 from ushash.serving.cache.telemetry import CacheMetrics, TracedCheck, key_hash
 
 DEFAULT_TENANT = "default"
+_NO_VALUE = object()
 
 
 class UnknownTenant(KeyError):
@@ -49,12 +54,17 @@ class UnknownTenant(KeyError):
         return str(self.args[0]) if self.args else "unknown tenant"
 
 
+class InvalidTenant(ValueError):
+    """A tenant name that is not 1-64 characters of [A-Za-z0-9_.-] (bad input, not a missing key)."""
+
+
 @dataclass
 class Result:
     value: Any
     hit: Hit | None         # the hit served, or None when computed
     computed: bool          # this call ran `compute`
     waited: bool = False    # this call waited for another caller's computation (single-flight)
+    verified: bool | None = None   # a shadow check computed this hit anyway: did the answers agree
 
 
 def _flight_key(hit: Hit | None, tenant: str, q: Query):
@@ -65,12 +75,14 @@ def _flight_key(hit: Hit | None, tenant: str, q: Query):
     return (tenant, q.code) if hit is None else ("refresh", tenant, q.code)
 
 
-class SemanticCache:
+class SemanticCache(CheckStore):
     def __init__(self, head, config: CacheConfig | dict | None = None, encoder=None,
                  clock: Callable[[], float] = time.time, registry=None, rng: random.Random | None = None,
-                 l2_client=None):
+                 l2_client=None, calibration: Calibration | None = None):
         self.config = config if isinstance(config, CacheConfig) else CacheConfig.from_dict(config)
         c = self.config
+        if calibration is None and c.calibration:
+            calibration = Calibration.load(c.calibration)
         self.clock = clock
         self.rng = rng or random.Random()
         self.metrics = CacheMetrics(int(head.bits), registry)
@@ -88,7 +100,8 @@ class SemanticCache:
             self.compute_p99 = RollingP99(60.0)
             self.ttl_policy = AdaptiveTTL(c.ttl_s, memory=lambda: memory_percent(c.device), p99=self.compute_p99.p99_ms)
         self.hotkeys = None     # heavy hitters when tracked (`track_hot_keys`)
-        self._install(head, encoder)
+        self.budget = PairBudget(c, self.metrics.registry)
+        self._install(head, encoder, calibration)
 
     @classmethod
     def from_export(cls, path, config: CacheConfig | dict | None = None, expect_bits=None, expect_encoder=None,
@@ -99,16 +112,24 @@ class SemanticCache:
 
     # ------------------------------------------------------------------ (re)loading a head
     def _make_l2(self, bits: int) -> RedisStore:
-        c, l2 = self.config, self.config.l2
+        c, l2 = self._tier_config, self.config.l2
         return RedisStore(l2.url, bits=bits, prefix=l2.prefix, chunks=l2.chunks, cluster=l2.cluster,
                           timeout_s=l2.timeout_s, connect_timeout_s=l2.connect_timeout_s,
                           breaker_failures=l2.breaker_failures, breaker_backoff_s=l2.breaker_backoff_s,
                           breaker_max_backoff_s=l2.breaker_max_backoff_s, max_candidates=c.max_candidates,
                           radius=c.radius, metrics=self.metrics, clock=self.clock, client=self._l2_client)
 
-    def _install(self, head, encoder=None) -> None:
+    def _install(self, head, encoder=None, calibration: Calibration | None = None) -> None:
         c = self.config
         c.check_head(int(head.bits))
+        if calibration is not None:
+            calibration.check_head(head)
+            if not c.payload_check or getattr(head, "payload", None) is None:
+                raise ValueError("a calibration sets payload thresholds: it needs payload_check and a payload codec")
+        self.budget.install(head.modalities, calibration)
+        r = self.budget.search_radius   # a calibration: the tiers search as far as its widest pair
+        self._tier_config = c if r is None else dataclasses.replace(
+            c, radius=r, observe_radius=r if c.observe_radius is None else max(r, int(c.observe_radius)))
         if c.l2 is not None and (self.l2 is None or self.l2.bits != int(head.bits)):
             self.l2 = self._make_l2(int(head.bits))
         self.head = head
@@ -116,11 +137,13 @@ class SemanticCache:
         self.code_bytes = self.bits // 8
         self.payload_codec = getattr(head, "payload", None)
         self.encoder = QueryEncoder(head, encoder, c.media)
-        self.l1 = L1Tier(self.bits, c, self.metrics, self.clock, self.payload_codec, head.modalities, str(head.revision))
+        self.l1 = L1Tier(self.bits, self._tier_config, self.metrics, self.clock, self.payload_codec, head.modalities,
+                         str(head.revision))
         self.tiers = [self.l1] + ([self.l2] if self.l2 is not None else [])
-        self.check = HitCheck(self.payload_codec, c.payload_check, c.payload_threshold, c.cross_modal, self.metrics)
+        self.hit_check = HitCheck(self.payload_codec, c.payload_check, c.payload_threshold, c.cross_modal, self.metrics,
+                                  points=self.budget.points if self.budget.per_pair else None)
         if self.tracer is not None:
-            self.check = TracedCheck(self.check, self.tracer)
+            self.hit_check = TracedCheck(self.hit_check, self.tracer)
         self.radius, self.observe_radius = self.l1.radius, self.l1.observe_radius
         old = getattr(self, "watermark", None)
         self.watermark = RevisionWatermark(str(head.revision), revision_rank(head),
@@ -134,13 +157,14 @@ class SemanticCache:
         self._serving = (self.l1, self.tiers, str(head.revision))
         self.l1.update_gauges()
 
-    def reload(self, head, encoder=None) -> None:
+    def reload(self, head, encoder=None, calibration: Calibration | None = None) -> None:
         """Serve a new head (a new export revision). Every L1 entry is dropped at once: none of an older
         revision is ever served again. With an L2, the new revision is announced; replicas still on the
-        old one stop serving until they reload too."""
+        old one stop serving until they reload too. A calibration is kept only for the head it was made
+        for (pass the new head's, or the reload is refused with a ValueError)."""
         with self.l1.lock:
             n = self.l1.live
-            self._install(head, encoder)
+            self._install(head, encoder, calibration or self.budget.calibration)
             if n:
                 self.metrics.evictions.labels(reason="revision").inc(n)
 
@@ -165,13 +189,17 @@ class SemanticCache:
     # ------------------------------------------------------------------ tenants and requests
     def check_tenant(self, tenant: str) -> str:
         if not valid_tenant(tenant):
-            raise UnknownTenant(f"tenant must be 1-64 characters of [A-Za-z0-9_.-]; got {tenant!r}")
+            raise InvalidTenant(f"tenant must be 1-64 characters of [A-Za-z0-9_.-]; got {tenant!r}")
         if self.config.tenants is not None and tenant not in self.config.tenants:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
         return tenant
 
     def query(self, modality: str, data=None, features=None) -> Query:
-        """Encode a request (raw input or encoder features) into a Query; raises RequestError."""
+        """Encode a request (raw input or encoder features) into a Query; raises RequestError. An image
+        or a sound may also be a file path (str or os.PathLike)."""
+        if modality in ("image", "audio") and isinstance(data, (str, os.PathLike)):
+            from ushash.serving.cache.api import read_media_file
+            data = read_media_file(modality, data)
         if self.tracer is None:
             return self.encoder(modality, data, features)
         with self.tracer.start_as_current_span("ushash.encode", attributes={"cache.modality": modality}):
@@ -233,22 +261,22 @@ class SemanticCache:
         elif live:
             now = self.clock()
             qs = [queries[i] for i in live]
-            found = l1.find_many(qs, tenant, rev, self.check, now) if self.tracer is None else \
+            found = l1.find_many(qs, tenant, rev, self.hit_check, now) if self.tracer is None else \
                 self._traced_find_many(l1, qs, tenant, rev, now)
             for i, f in zip(live, found):
                 nearest[i] = f.nearest
                 if f.entry is not None:
-                    hits[i] = self._hit(f, "l1", now)
+                    hits[i] = self._hit(f, "l1", now, queries[i])
                 elif l2 is not None and not f.skip_next:
                     tiers[i] = l2.name
                     now = self.clock()
-                    f2 = l2.find(queries[i], tenant, rev, self.check, now) if self.tracer is None else \
+                    f2 = l2.find(queries[i], tenant, rev, self.hit_check, now) if self.tracer is None else \
                         self._traced_find(l2, queries[i], tenant, rev, now)
                     if f2.nearest is not None and (nearest[i] is None or f2.nearest < nearest[i]):
                         nearest[i] = f2.nearest
                     if f2.entry is not None and self._serving[0] is l1:
                         l1.put(tenant, f2.entry)  # promote into L1 (same expiry and revision; not written back)
-                        hits[i] = self._hit(f2, l2.name, now)
+                        hits[i] = self._hit(f2, l2.name, now, queries[i])
             if self._serving[0] is not l1:  # reloaded meanwhile: these are of an older revision now
                 dropped = sum(h is not None for h in hits)
                 if dropped:
@@ -266,15 +294,61 @@ class SemanticCache:
                 self.metrics.record_lookup(hit is not None, hit.tier if hit else tier, d, dt)
         return hits
 
-    def _hit(self, f, tier: str, now: float) -> Hit:
+    def _hit(self, f, tier: str, now: float, q: Query | None = None) -> Hit:
         e = f.entry
+        if q is not None:
+            self.budget.count_hit(q.modality, e.modality)
         return Hit.of(e, f.distance, f.cosine, tier, self.freshness.should_refresh(now, e.expires, e.compute_s), f.ref)
 
+    def lookup_top(self, q: Query, tenant: str = DEFAULT_TENANT, k: int = 1, count: bool = True) -> list[Hit]:
+        """Up to k servable hits for one Query, best first, from the first tier that has one (one lookup in
+        the metrics); k == 1 is `lookup`."""
+        if k <= 1:
+            h = self.lookup(q, tenant, count)
+            return [h] if h is not None else []
+        t0 = time.perf_counter()
+        tenant = self.check_tenant(tenant)
+        hit, nearest, tier, more = None, None, "l1", []
+        l1, tier_list, rev = self._serving   # as lookup_many: the query's revision, while it is the one served
+        if q.revision is not None and q.revision != rev:
+            self.metrics.rejections.labels(reason="query_revision").inc()
+        elif not self.watermark.current:
+            self.metrics.rejections.labels(reason="stale_revision").inc()
+        else:
+            for t in tier_list:
+                tier = t.name
+                now = self.clock()
+                found = t.find(q, tenant, rev, self.hit_check, now, k)
+                if found.nearest is not None and (nearest is None or found.nearest < nearest):
+                    nearest = found.nearest
+                if found.entry is not None:
+                    if t is not l1:  # promote into L1 (same expiry and revision; not written back)
+                        l1.put(tenant, found.entry)
+                    hit = self._hit(found, t.name, now, q)
+                    more = [Hit.of(e2, d2, c2, t.name, self.freshness.should_refresh(now, e2.expires, e2.compute_s), r2)
+                            for e2, d2, c2, r2 in found.more]
+                    break
+                if found.skip_next:
+                    break
+            if hit is not None and self._serving[0] is not l1:  # reloaded meanwhile: an older revision now
+                self.metrics.rejections.labels(reason="query_revision").inc()
+                hit, more = None, []
+        if self.hotkeys is not None:
+            self.hotkeys.record((tenant, q.code))
+        if count:
+            d = hit.distance if hit else (nearest if nearest is not None else self.bits + 1)
+            self.metrics.record_lookup(hit is not None, hit.tier if hit else tier, d, time.perf_counter() - t0)
+        return [hit] + more if hit is not None else []
+
     # ------------------------------------------------------------------ store
-    def put(self, modality: str, data=None, *, features=None, value, tenant: str = DEFAULT_TENANT,
+    def put(self, modality: str, data=None, value=_NO_VALUE, *, features=None, tenant: str = DEFAULT_TENANT,
             ttl_s: float | None = None, compute_s: float = 0.0) -> bool:
-        """Store `value` for this request. False when not stored in L1 (too large, refused by admission,
-        or this replica's revision is stale); the L2 still gets it unless the revision is stale."""
+        """Store `value` for this request: `put("text", "a frog", answer)`, or `value=` by keyword (with
+        `features=`, `put("image", None, answer, features=f)`). False when not stored in L1 (too large,
+        refused by admission, or this replica's revision is stale); the L2 still gets it unless the
+        revision is stale."""
+        if value is _NO_VALUE:
+            raise TypeError("put() needs the value to store: put(modality, input, value)")
         tenant = self.check_tenant(tenant)
         return self.store(self.query(modality, data, features), value, tenant, ttl_s=ttl_s, compute_s=compute_s)
 
@@ -284,8 +358,18 @@ class SemanticCache:
         tenant = self.check_tenant(tenant)
         return self.store_many(self.queries(modality, data, features), values, tenant, ttl_s=ttl_s)
 
-    def store(self, q: Query, value, tenant: str = DEFAULT_TENANT, ttl_s: float | None = None,
-              compute_s: float = 0.0) -> bool:
+    def store(self, q, value=_NO_VALUE, *args, **kwargs):
+        """Two forms. The cache's own: store(query: Query, value, tenant="default", ttl_s=None,
+        compute_s=0.0) -> bool (stored in L1). RedisVL's (ushash.serving.cache.api): store(input, response,
+        modality="text", *, features=None, metadata=None, tenant="default", ttl=None) -> entry id or None."""
+        if value is _NO_VALUE:
+            raise TypeError("store() needs the request and the value to store")
+        if isinstance(q, Query):
+            return self.store_query(q, value, *args, **kwargs)
+        return self.store_api(q, value, *args, **kwargs)
+
+    def store_query(self, q: Query, value, tenant: str = DEFAULT_TENANT, ttl_s: float | None = None,
+                    compute_s: float = 0.0) -> bool:
         return self.store_many([q], [value], tenant, ttl_s=ttl_s, compute_s=compute_s)[0]
 
     def store_many(self, queries: list[Query], values: list, tenant: str = DEFAULT_TENANT, ttl_s: float | None = None,
@@ -403,16 +487,23 @@ class SemanticCache:
         return Result(hit.value, hit, computed=False, waited=True) if hit is not None else None
 
     def get_or_compute(self, modality: str, data=None, *, features=None, compute: Callable[[], Any],
-                       tenant: str = DEFAULT_TENANT, ttl_s: float | None = None) -> Result:
+                       tenant: str = DEFAULT_TENANT, ttl_s: float | None = None,
+                       equivalent: Callable[[Any, Any], bool] | None = None) -> Result:
         """The cached value, or compute() stored and returned. N concurrent misses on the same request
         code run compute() once (followers wait, then look up again with their own checks; a follower
         whose wait times out computes for itself; the leader's error is raised in its followers too); a hit
         that XFetch marks for early refresh is recomputed by one caller while the others are served. A
-        compute() that asks for its own request raises RecursionError at once."""
+        compute() that asks for its own request raises RecursionError at once. A share `shadow.fraction`
+        of hits is computed anyway and compared (`equivalent`, default ==): the fresh value is returned, a
+        disagreement stores it, and the pair's shadow estimate counts it (`Result.verified`)."""
         tenant = self.check_tenant(tenant)
         q = self.query(modality, data, features)
         res, role, (fkey, fl, hit) = self._flight(q, tenant, self._sf)
         if res is not None:
+            if res.hit is not None and self._shadow_due():
+                t0 = self.clock()
+                value = compute()
+                return self._shadow_result(q, res.hit, value, tenant, ttl_s, equivalent, max(0.0, self.clock() - t0))
             return res
         if role == "follow":
             res = self._after_wait(q, tenant, fl, fl.event.wait(self.config.singleflight_timeout_s))
@@ -445,9 +536,10 @@ class SemanticCache:
         return value
 
     async def aget_or_compute(self, modality: str, data=None, *, features=None, compute,
-                              tenant: str = DEFAULT_TENANT, ttl_s: float | None = None) -> Result:
+                              tenant: str = DEFAULT_TENANT, ttl_s: float | None = None,
+                              equivalent: Callable[[Any, Any], bool] | None = None) -> Result:
         """`get_or_compute` for coroutines (compute is an async callable), with the same decisions:
-        single-flight per event loop."""
+        single-flight per event loop; shadow checks as `get_or_compute`."""
         import asyncio
 
         tenant = self.check_tenant(tenant)
@@ -456,6 +548,10 @@ class SemanticCache:
         q = self.query(modality, data, features)
         res, role, (fkey, fl, hit) = self._flight(q, tenant, sf)
         if res is not None:
+            if res.hit is not None and self._shadow_due():
+                t0 = self.clock()
+                value = await compute()
+                return self._shadow_result(q, res.hit, value, tenant, ttl_s, equivalent, max(0.0, self.clock() - t0))
             return res
 
         async def compute_store():
@@ -490,12 +586,12 @@ class SemanticCache:
         """Open OpenTelemetry spans (telemetry.configure_tracing) for encode, search (L1), verify, L2 and
         compute, with cache.hit, cache.key.hash, cache.ttl.remaining_ms, cache.strategy; None: off."""
         self.tracer = tracer
-        check = getattr(self.check, "inner", self.check)
-        self.check = check if tracer is None else TracedCheck(check, tracer)
+        check = getattr(self.hit_check, "inner", self.hit_check)
+        self.hit_check = check if tracer is None else TracedCheck(check, tracer)
 
     def _traced_find_many(self, l1, queries: list[Query], tenant: str, rev: str, now: float):
         with self.tracer.start_as_current_span("ushash.search") as span:
-            found = l1.find_many(queries, tenant, rev, self.check, now)
+            found = l1.find_many(queries, tenant, rev, self.hit_check, now)
             span.set_attribute("cache.strategy", "l1")
             span.set_attribute("cache.tenant", tenant)
             span.set_attribute("cache.batch_size", len(queries))
@@ -517,7 +613,7 @@ class SemanticCache:
     def _traced_find(self, t, q: Query, tenant: str, rev: str, now: float):
         name = "ushash.search" if t is self.l1 else "ushash.l2"
         with self.tracer.start_as_current_span(name) as span:
-            found = t.find(q, tenant, rev, self.check, now)
+            found = t.find(q, tenant, rev, self.hit_check, now)
             span.set_attribute("cache.strategy", t.name)
             span.set_attribute("cache.tenant", tenant)
             self._hit_attributes(span, q, found, now)
@@ -532,6 +628,27 @@ class SemanticCache:
         if self.hotkeys is None:
             self.hotkeys = HotKeys(window_s, buckets, max_keys, clock=clock or time.monotonic)
             self.metrics.registry.register(HotKeysCollector(self.hotkeys, top))
+
+    # ------------------------------------------------------------------ shadow checks
+    def _shadow_due(self) -> bool:
+        f = float(self.budget.shadow_config.fraction)
+        return f > 0 and self.rng.random() < f
+
+    def _shadow_result(self, q: Query, hit: Hit, value, tenant, ttl_s, equivalent, compute_s: float) -> Result:
+        agreed = bool((equivalent or (lambda a, b: a == b))(hit.value, value))
+        self.verify(q.modality, hit, agreed)
+        if not agreed:  # this request's own answer, so that it is not served the other one again
+            self.store(q, value, tenant, ttl_s=ttl_s, compute_s=compute_s)
+        return Result(value, hit, computed=True, verified=agreed)
+
+    def verify(self, request_modality: str, hit: Hit, agreed: bool) -> None:
+        """Record a shadow check of `hit` (served to a `request_modality` request): did the cached answer
+        agree with the one computed anyway. A breach of the false-hit budget tightens the pair's
+        threshold or turns the pair off, from the next lookup on (`cache.shadow`)."""
+        changed = self.budget.verify(request_modality, hit.modality, agreed)
+        check = getattr(self.hit_check, "inner", self.hit_check)   # the HitCheck itself when traced
+        if changed is not None and check.points is None:
+            check.points = self.budget.points   # an uncalibrated cache now serves per pair
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from ushash.data.media import MediaLimits
 from ushash.serving.cache.entries import valid_tenant
+from ushash.serving.calibration import ShadowConfig
 from ushash.serving.cache.policies import POLICIES
 from ushash.serving.cache.search import BACKENDS
 
@@ -66,10 +67,16 @@ class CacheConfig:
     media: MediaLimits = field(default_factory=MediaLimits)  # what decoding one raw request may cost
                                              # (pixels, aspect, SVG size and render time, audio, caption)
     l2: Optional[L2Config] = None            # Redis; None: L1 only
+    calibration: Optional[str] = None        # calibration.json (python -m ushash.calibrate): per modality pair
+                                             # radius + payload threshold for a false-hit budget, with its
+                                             # bound; replaces radius / payload_threshold / cross_modal
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)   # online checks of a share of hits
 
     def __post_init__(self):
         if isinstance(self.l2, dict):
             self.l2 = _build(L2Config, self.l2, "cache.l2")
+        if isinstance(self.shadow, dict):
+            self.shadow = _build(ShadowConfig, self.shadow, "cache.shadow")
         if isinstance(self.media, dict):
             self.media = _build(MediaLimits, self.media, "cache.media")
         check_types(self, "cache")

@@ -112,6 +112,7 @@ class Found:
     ref: str = ""
     nearest: int | None = None
     skip_next: bool = False
+    more: tuple = ()        # find(..., k > 1): the next servable entries, best first, as (Entry, distance, cosine, ref)
 
 
 MISS = Found()
@@ -121,8 +122,9 @@ class Tier(Protocol):
     """A cache tier: L1 (ushash.serving.cache.l1.L1Tier) or Redis (ushash.serving.cache.redis_store.RedisStore)."""
     name: str           # "l1" | "l2": the Hit's tier and the metrics label
 
-    def find(self, q, tenant: str, revision: str, check, now: float) -> Found:
-        """The entry to serve for Query q: the tier's candidates within its radius, by `check` (HitCheck)."""
+    def find(self, q, tenant: str, revision: str, check, now: float, k: int = 1) -> Found:
+        """The entry to serve for Query q: the tier's candidates within its radius, by `check` (HitCheck);
+        with k > 1 also the next k - 1 servable ones (`Found.more`)."""
 
     def put(self, tenant: str, e: Entry) -> bool:
         """Store e; False when not stored (refused, or the tier is unavailable). Never raises for that."""

@@ -129,11 +129,12 @@ class L1Tier:
         b.rebuild((int(t.tenant[s]), t.code[s].tobytes()) for s in live)
 
     # ------------------------------------------------------------------ the tier
-    def find(self, q, tenant: str, revision: str, check, now: float) -> Found:
-        return self.find_many([q], tenant, revision, check, now)[0]
+    def find(self, q, tenant: str, revision: str, check, now: float, k: int = 1) -> Found:
+        return self.find_many([q], tenant, revision, check, now, k)[0]
 
-    def find_many(self, queries: list, tenant: str, revision: str, check, now: float) -> list[Found]:
-        """`find` for a batch of Queries: one index search and one vectorised hit check for all."""
+    def find_many(self, queries: list, tenant: str, revision: str, check, now: float, k: int = 1) -> list[Found]:
+        """`find` for a batch of Queries: one index search and one vectorised hit check for all. With k > 1
+        (one query) the next k - 1 servable entries too (`Found.more`)."""
         out = [MISS] * len(queries)
         with self.lock:
             self.expire(now)
@@ -162,9 +163,9 @@ class L1Tier:
             # each query's candidates: within the radius (a prefix: distances are sorted), at most max_candidates
             mc = self.config.max_candidates
             if len(qs) == 1:
-                k = min(int(np.count_nonzero(dists <= self.radius)), mc)
-                slots, dists = slots[:k], dists[:k]
-                qlims = np.array([0, k], np.int64)
+                nc = min(int(np.count_nonzero(dists <= self.radius)), mc)   # not `k`: that is the top-k asked for
+                slots, dists = slots[:nc], dists[:nc]
+                qlims = np.array([0, nc], np.int64)
             else:
                 rank = np.arange(len(slots)) - np.repeat(lims[:-1], counts)
                 sel = np.flatnonzero((dists <= self.radius) & (rank < mc))
@@ -192,6 +193,21 @@ class L1Tier:
                 np.array([r == revision for r in revs], bool)[t.revision[slots]]
             batch = Batch(lims=qlims, dists=dists, modality=t.modality[slots], current=current,
                           expires=t.expires[slots], has_payload=t.plen[slots] > 0, records=records)
+            if k > 1 and len(qs) == 1:
+                ranked = check.select_top(qz, has_z, qmod, mods, batch, now, trusted=True, k=k)
+                n, nearest = int(counts[0]), int(nearest_d[0])
+                if n == 0:
+                    return out
+                if not ranked:
+                    out[todo[0]] = Found(nearest=nearest)
+                    return out
+                (c0, cs0), rest = ranked[0], ranked[1:]
+                slot = int(slots[c0])
+                self.policy.access(slot)
+                more = tuple((t.read(int(slots[j]), mods, revs), int(dists[j]), cs, f"l1:{int(slots[j])}")
+                             for j, cs in rest)
+                out[todo[0]] = Found(t.read(slot, mods, revs), int(dists[c0]), cs0, f"l1:{slot}", nearest, more=more)
+                return out
             chosen, cos = check.select(qz, has_z, qmod, mods, batch, now, trusted=True)
             for j, (i, n, nearest, c, cs) in enumerate(zip(todo, counts.tolist(), nearest_d.tolist(), chosen.tolist(),
                                                            cos.tolist())):

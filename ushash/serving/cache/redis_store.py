@@ -269,7 +269,7 @@ class RedisStore:
             return False
         return True
 
-    def find(self, q, tenant: str, revision: str, check, now: float) -> Found:
+    def find(self, q, tenant: str, revision: str, check, now: float, k: int = 1) -> Found:
         """The entry to serve from the L2 (the hit check on its candidates within `radius`), or a miss; a
         failed or skipped call is a miss (counted)."""
         try:
@@ -281,11 +281,12 @@ class RedisStore:
         cands = Candidates(ids=[e.id for e in entries], dists=dists, modalities=[e.modality for e in entries],
                            payloads=[e.payload for e in entries], revisions=[e.revision for e in entries],
                            expires=[e.expires for e in entries], nearest=min(dists))
-        best = check.choose(q, cands, revision, now, trusted=False)
-        if best is None:
+        ranked = check.rank(q, cands, revision, now, trusted=False, k=k)
+        if not ranked:
             return Found(nearest=cands.nearest)
-        i, d, cos = best
-        return Found(entries[i], d, cos, entries[i].id, cands.nearest)
+        i, d, cos = ranked[0]
+        return Found(entries[i], d, cos, entries[i].id, cands.nearest,
+                     more=tuple((entries[j], dj, cj, entries[j].id) for j, dj, cj in ranked[1:]))
 
     def lookup(self, tenant: str, revision: str, code: bytes, radius: int) -> tuple[list[Entry], list[int]]:
         """Entries of `revision` within `radius` and their distances, by (distance, id), at most

@@ -369,3 +369,22 @@ class TracedCheck:
             chosen, cos = self.inner.select(qz, has_z, qmod, modalities, c, now, trusted)
             span.set_attribute("cache.hits", int((chosen >= 0).sum()))
             return chosen, cos
+
+    def rank(self, q, c, revision, now, trusted, k=1):
+        """The top-k hit check (L2, check / store): `choose`'s span for one, a span around the ranking for more."""
+        if k <= 1:
+            best = self.choose(q, c, revision, now, trusted)
+            return [best] if best is not None else []
+        with self.tracer.start_as_current_span("ushash.verify", attributes={"cache.candidates": len(c)}) as span:
+            out = self.inner.rank(q, c, revision, now, trusted, k)
+            span.set_attribute("cache.hits", len(out))
+            return out
+
+    def select_top(self, qz, has_z, qmod, modalities, c, now, trusted, k):
+        """The top-k batch hit check of one query (L1, check / store): a span when there are candidates."""
+        if len(c.dists) == 0:
+            return self.inner.select_top(qz, has_z, qmod, modalities, c, now, trusted, k)
+        with self.tracer.start_as_current_span("ushash.verify", attributes={"cache.candidates": len(c.dists)}) as span:
+            out = self.inner.select_top(qz, has_z, qmod, modalities, c, now, trusted, k)
+            span.set_attribute("cache.hits", len(out))
+            return out
