@@ -107,14 +107,18 @@ class CalibrationSettings:
     calibrate verb's settings)."""
     split: str = "val"                # the labelled calibration stream is replayed from this split
     confidence: float = 0.95          # one-sided: the bound holds with this probability
-    max_radius: int = 10              # the radius every pair is calibrated at (then shrunk to its hits)
+    max_radius: int = 10              # radii 0..max_radius are on the grid of operating points
     threshold_max: float = 1.0        # the path of payload thresholds runs from here (tightest) ...
     threshold_min: float = 0.5        # ... down to here (loosest) ...
-    threshold_step: float = 0.0025    # ... in these steps
+    threshold_step: float = 0.01      # ... in these steps
     repeat_floor: bool = True         # same-modality pairs start at the lowest cosine an exact repeat reaches
                                       # through the payload codec on the calibration split: never stricter
-    verify_rounds: int = 8            # replays on the calibration stream to confirm the joint point (a pair
-                                      # whose bound fails there moves one step tighter, then off)
+    count: str = "hits"               # what the bound counts: every hit, or "distinct" (request, served
+                                      # entry) pairs, so a repeated request counts once (stricter: repeats
+                                      # are not independent trials)
+    marginal: bool = True             # a looser point is taken only when the hits it adds are false at
+                                      # most at the target rate (ends the sequence earlier: never less safe)
+    path_points: int = 16             # points tested per pair (replays of the calibration stream, at most)
     n_requests: Optional[int] = None  # calibration stream length; None: stream.n_requests
 
 

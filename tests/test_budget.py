@@ -1,0 +1,150 @@
+"""The false-hit budget: Clopper-Pearson bounds, fixed-sequence testing, per-pair operating points in the
+cache, shadow checks that tighten a breached pair, and the calibration replay (ushash.sim.calibrate)."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from ushash.serving.cache import SemanticCache
+from ushash.serving.cache.lsh import LSHHead
+from ushash.serving.calibration import (Calibration, CalibrationSettings, PairPoint, clopper_pearson_upper,
+                                        fixed_sequence, min_trials)
+from ushash.sim.calibrate import calibrate, headroom, measure
+from ushash.sim.pool import Pool, feature_key
+from ushash.sim.stream import make_stream
+
+
+@pytest.fixture
+def head():
+    return LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0)
+
+
+def test_clopper_pearson_matches_the_closed_form_and_scipy():
+    # k = 0: the bound solves (1 - p)^n = delta
+    for n in (1, 10, 299, 5000):
+        assert clopper_pearson_upper(0, n, 0.05) == pytest.approx(1 - 0.05 ** (1 / n), rel=1e-9)
+    assert min_trials(0.01, 0.05) == 299
+    assert clopper_pearson_upper(0, 299, 0.05) <= 0.01 < clopper_pearson_upper(0, 298, 0.05)
+    assert clopper_pearson_upper(0, 0) == 1.0 and clopper_pearson_upper(5, 5) == 1.0
+    # monotone in k, and above the point estimate
+    ups = [clopper_pearson_upper(k, 1000, 0.05) for k in range(0, 30, 5)]
+    assert ups == sorted(ups) and all(u > k / 1000 for u, k in zip(ups, range(0, 30, 5)))
+
+
+def test_fixed_sequence_stops_at_the_first_failure():
+    # the third point fails; the fourth would pass again but is never declared safe
+    path = [(0, 0.99, 1000, 0), (1, 0.98, 2000, 2), (2, 0.97, 2000, 60), (3, 0.96, 100000, 10)]
+    chosen, tested = fixed_sequence(path, 0.05, 0.01)
+    assert (chosen.radius, chosen.threshold) == (1, 0.98)
+    assert len(tested) == 3 and tested[-1].upper > 0.01
+
+
+def _cal(head, pairs, target=0.01):
+    return Calibration(head.revision, target, 0.95, pairs)
+
+
+def test_the_cache_serves_by_per_pair_points_and_exports_them(head, tmp_path):
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=32).astype(np.float32)
+    z /= np.linalg.norm(z)
+    code = np.arange(8, dtype=np.uint8)
+    cal = _cal(head, {"image>image": PairPoint(True, 2, 0.9, 500, 1, 0.009),
+                      "text>image": PairPoint(False, reason="bound 0.3 > 0.01"),
+                      "text>text": PairPoint(True, 4, 0.99, 400, 0, 0.0075)})  # the tiers search 4 bits
+    path = cal.save(tmp_path / "calibration.json")
+    assert Calibration.load(path).pairs == cal.pairs
+    cache = SemanticCache(head, {"calibration": str(path)})
+    cache.store(cache.query_from_code("image", code, z), "img")
+    near = code.copy()
+    near[0] ^= 0b11  # 2 bits away
+    assert cache.lookup(cache.query_from_code("image", near, z)).value == "img"
+    far = code.copy()
+    far[0] ^= 0b111  # 3 bits: beyond image>image's radius 2
+    assert cache.lookup(cache.query_from_code("image", far, z)) is None
+    assert cache.lookup(cache.query_from_code("text", code, z)) is None  # text>image is off
+    m = cache.metrics
+    assert m.value("cache_rejections_total", reason="pair_off") == 1
+    assert m.value("cache_rejections_total", reason="pair_radius") == 1
+    assert m.value("cache_pair_point", pair="image>image", param="threshold") == pytest.approx(0.9)
+    assert m.value("cache_pair_on", pair="text>image") == 0.0
+    assert m.value("cache_pair_calibrated_false_hit_rate", pair="image>image", stat="upper") == pytest.approx(0.009)
+    assert m.value("cache_false_hit_target") == pytest.approx(0.01)
+    assert m.value("cache_pair_hits_total", pair="image>image") == 1
+
+
+def test_a_calibration_of_another_head_is_refused(head):
+    other = LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=1)
+    with pytest.raises(ValueError, match="recalibrate"):
+        SemanticCache(other, {}, calibration=_cal(head, {}))
+
+
+def test_shadow_checks_estimate_the_rate_and_tighten_a_breached_pair(head):
+    x = np.ones(24, np.float32)
+    cfg = {"shadow": {"fraction": 1.0, "min_checks": 5, "target_false_hit_rate": 0.05, "step": 0.01}}
+    cache = SemanticCache(head, cfg, rng=random.Random(0))
+    cache.put("text", None, "stale", features=x)
+    calls = []
+    for i in range(5):  # the model answers otherwise every time: every shadow check disagrees
+        r = cache.get_or_compute("text", features=x, compute=lambda: calls.append(1) or f"fresh{len(calls)}")
+        assert r.computed and r.verified is False and r.value == f"fresh{i + 1}"
+        assert cache.get("text", features=x).value == r.value  # a disagreement stores the fresh answer
+    assert len(calls) == 5
+    m = cache.metrics
+    assert m.value("cache_shadow_checks_total", pair="text>text", result="disagree") == 5
+    assert m.value("cache_pair_point_changes_total", pair="text>text", action="tighten") == 1
+    assert cache.budget.points["text>text"].threshold == pytest.approx(0.99)
+    # an agreeing check counts as agree and leaves the point alone
+    r = cache.get_or_compute("text", features=x, compute=lambda: "fresh5")
+    assert r.verified is True
+    est, up, n = cache.budget.monitor.estimate("text>text")
+    assert n == 1 and est == 0.0 and up == pytest.approx(0.95)
+    assert m.value("cache_shadow_false_hit_rate", pair="text>text", stat="upper") == pytest.approx(up)
+
+
+def test_shadow_off_action_turns_the_pair_off(head):
+    x = np.ones(24, np.float32)
+    cache = SemanticCache(head, {"shadow": {"fraction": 1.0, "min_checks": 1, "target_false_hit_rate": 0.01,
+                                            "action": "off"}}, rng=random.Random(0))
+    cache.put("image", None, "old", features=x)
+    r = cache.get_or_compute("text", features=x, compute=lambda: "new")
+    assert r.hit.modality == "image" and r.verified is False
+    assert not cache.budget.points["text>image"].on
+    assert cache.metrics.value("cache_pair_on", pair="text>image") == 0.0
+    assert cache.get("text", features=x) is not None  # text>text still serves the stored fresh answer
+    assert cache.get("text", features=x).modality == "text"
+
+
+def _pool(rng, n_classes=60, members=4, spread=0.25, confusable=0.0):
+    """Clustered features; `confusable` of the classes share a centre with another class."""
+    pool = Pool()
+    centres = rng.normal(size=(n_classes, 24)).astype(np.float32)
+    for c in range(int(confusable * n_classes)):
+        centres[c] = centres[c + 1] + 0.05 * rng.normal(size=24)
+    for c in range(n_classes):
+        for m in ("image", "text"):
+            for _ in range(members):
+                x = centres[c] + spread * rng.normal(size=24).astype(np.float32)
+                pool.add(m, x, c, "original", feature_key(m, x))
+    return pool
+
+
+def test_calibrate_keeps_the_budget_on_a_held_out_stream(head):
+    rng = np.random.default_rng(0)
+    val, test = _pool(rng, confusable=0.1), _pool(rng, confusable=0.1)
+    settings = CalibrationSettings(max_radius=8, threshold_step=0.02, path_points=6)
+    cal = calibrate(head, val, make_stream(val, 3000, 0.5, 0), 0.05, settings)
+    on = [k for k, p in cal.pairs.items() if p.on]
+    assert on, cal.table()
+    for k, p in cal.pairs.items():
+        assert (p.upper <= 0.05) if p.on else p.reason
+    assert cal.info["min_trials"] == min_trials(0.05, 0.05)
+    res = measure(head, test, make_stream(test, 3000, 0.5, 1), calibration=cal)
+    assert res["false_per_hit"] <= 0.05 and res["hits"] > 0
+    assert res["exact_hit_rate"] <= res["hit_rate"] <= res["oracle_hit_rate"]
+    assert math.isclose(res["headroom_captured"], headroom(res["hit_rate"], res["exact_hit_rate"],
+                                                           res["oracle_hit_rate"]))
+    # an impossible budget turns every pair off
+    none = calibrate(head, val, make_stream(val, 500, 0.5, 0), 0.001, settings)
+    assert not any(p.on for p in none.pairs.values())

@@ -1,0 +1,120 @@
+"""The check / store interface (RedisVL-style) on SemanticCache: top-k, metadata filters, batches, async
+twins, positional put, media file paths, and tenant names."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ushash.serving.cache import InvalidTenant, RequestError, SemanticCache, UnknownTenant
+from ushash.serving.cache.api import MAX_MEDIA_FILE_BYTES, read_media_file
+from ushash.serving.cache.lsh import LSHHead
+
+
+@pytest.fixture
+def cache():
+    head = LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0)
+    return SemanticCache(head, {"radius": 6, "payload_threshold": 0.9})
+
+
+def _near(rng, x, eps=0.02):
+    return x + eps * rng.normal(size=x.shape).astype(np.float32)
+
+
+def test_store_then_check_returns_redisvl_fields(cache):
+    x = np.ones(24, np.float32)
+    key = cache.store(None, "a tree frog", "text", features=x, metadata={"user": "ann"})
+    assert isinstance(key, str) and len(key) == 32
+    hits = cache.check(features=x)
+    assert len(hits) == 1
+    h = hits[0]
+    assert h["response"] == "a tree frog" and h["metadata"] == {"user": "ann"} and h["entry_id"] == key
+    assert h["hamming_distance"] == 0 and h["vector_distance"] == pytest.approx(0.0, abs=1e-3)
+    assert h["entry_modality"] == "text" and h["tier"] == "l1"
+    assert cache.check(features=-x) == []
+
+
+def test_top_k_best_first_and_metadata_filters(cache):
+    rng = np.random.default_rng(0)
+    x = np.ones(24, np.float32)
+    users = ["ann", "bob", "ann", "cy"]
+    for i, u in enumerate(users):
+        cache.store(None, f"answer {i}", features=_near(rng, x, 0.01 * (i + 1)), metadata={"user": u})
+    top = cache.check(features=x, num_results=3)
+    assert len(top) == 3
+    keys = [(h["hamming_distance"], -h["cosine"]) for h in top]
+    assert keys == sorted(keys)
+    ann = cache.check(features=x, num_results=4, filters={"user": "ann"})
+    assert {h["response"] for h in ann} == {"answer 0", "answer 2"}
+    assert {h["metadata"]["user"] for h in cache.check(features=x, num_results=4, filters={"user": ["bob", "cy"]})} \
+        == {"bob", "cy"}
+    assert cache.check(features=x, filters=lambda m: m["user"] == "cy")[0]["response"] == "answer 3"
+    assert cache.check(features=x, filters={"user": "dan"}) == []
+    with pytest.raises(ValueError):
+        cache.check(features=x, num_results=0)
+    with pytest.raises(TypeError):
+        cache.check(features=x, filters="user=ann")
+
+
+def test_batches_and_async_twins(cache):
+    rng = np.random.default_rng(1)
+    f = rng.normal(size=(3, 24)).astype(np.float32)
+    ids = cache.store_batch(None, ["r0", "r1", "r2"], features=f, metadata=[{"i": 0}, {"i": 1}, {"i": 2}])
+    assert len(ids) == 3 and all(ids)
+    got = cache.check_batch(features=f)
+    assert [g[0]["response"] for g in got] == ["r0", "r1", "r2"]
+    with pytest.raises(ValueError, match="3 inputs but 2 responses"):
+        cache.store_batch(None, ["a", "b"], features=f)
+
+    async def run():
+        g = rng.normal(size=(2, 24)).astype(np.float32)
+        k = await cache.astore(None, "async", features=g[0], metadata={"a": 1})
+        hit = await cache.acheck(features=g[0], filters={"a": 1})
+        both = await cache.astore_batch(None, ["x", "y"], features=g)
+        many = await cache.acheck_batch(features=g)
+        return k, hit, both, many
+
+    k, hit, both, many = asyncio.run(run())
+    assert hit[0]["entry_id"] == k and len(both) == 2 and len(many) == 2 and many[1][0]["response"] == "y"
+
+
+def test_put_is_positional_and_get_returns_the_envelope(cache):
+    x = np.full(24, 0.5, np.float32)
+    assert cache.put("text", None, {"answer": 42}, features=x)
+    assert cache.get("text", features=x).value == {"answer": 42}
+    with pytest.raises(TypeError, match="needs the value"):
+        cache.put("text", None, features=x)
+    cache.store(None, "wrapped", features=-x)
+    assert cache.get("text", features=-x).value["response"] == "wrapped"
+    with pytest.raises(TypeError, match="JSON values"):
+        cache.store(None, b"raw", features=x)
+
+
+def test_tenants_invalid_is_a_value_error_and_unknown_a_key_error():
+    head = LSHHead({"text": 24}, bits=64, dim=32, seed=0)
+    cache = SemanticCache(head, {"tenants": ["acme"]})
+    x = np.ones(24, np.float32)
+    with pytest.raises(ValueError, match="tenant must be"):
+        cache.check(features=x, tenant="a b")
+    with pytest.raises(InvalidTenant):
+        cache.store(None, "r", features=x, tenant="x" * 65)
+    with pytest.raises(UnknownTenant):
+        cache.check(features=x, tenant="globex")
+    cache.store(None, "r", features=x, tenant="acme")
+    assert cache.check(features=x, tenant="acme")[0]["response"] == "r"
+
+
+def test_media_file_paths_are_read_and_bounded(tmp_path):
+    p = tmp_path / "cat.png"
+    p.write_bytes(b"\x89PNG fake")
+    assert read_media_file("image", p) == b"\x89PNG fake"
+    assert read_media_file("image", str(p)) == b"\x89PNG fake"
+    with pytest.raises(RequestError, match="cannot read"):
+        read_media_file("image", tmp_path / "missing.png")
+    with pytest.raises(RequestError, match="not a file"):
+        read_media_file("audio", tmp_path)
+    big = tmp_path / "big.wav"
+    with open(big, "wb") as f:
+        f.truncate(MAX_MEDIA_FILE_BYTES + 1)
+    with pytest.raises(RequestError, match="over"):
+        read_media_file("audio", big)
