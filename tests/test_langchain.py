@@ -1,0 +1,85 @@
+"""The LangChain cache adapter (ushash.serving.langchain) with langchain-core's fake chat models: a miss
+calls the model, a repeat and a near paraphrase hit, another model or another image text never does."""
+
+import asyncio
+import base64
+import hashlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("langchain_core")
+from langchain_core.language_models.fake_chat_models import FakeListChatModel, GenericFakeChatModel  # noqa: E402
+from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
+
+from ushash.serving.cache import SemanticCache  # noqa: E402
+from ushash.serving.cache.lsh import LSHHead  # noqa: E402
+from ushash.serving.langchain import USHashLangChainCache, decode_data_url, parse_prompt  # noqa: E402
+
+DIM = 64
+
+
+def featurize(modality, data):
+    """Bag of words (text) or a byte hash (image) into DIM floats: near texts give near features."""
+    v = np.zeros(DIM, np.float32)
+    if modality == "text":
+        for w in data.lower().replace("?", " ").split():
+            v[int(hashlib.md5(w.encode()).hexdigest(), 16) % DIM] += 1.0
+    else:
+        v[:] = np.frombuffer(hashlib.sha512(data).digest(), np.uint8)[:DIM] / 255.0 - 0.5
+    return v
+
+
+@pytest.fixture
+def lc_cache():
+    head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=48, aligned=True, seed=0)
+    cache = SemanticCache(head, {"radius": 10, "payload_threshold": 0.85, "cross_modal": False})
+    return USHashLangChainCache(cache, featurize=featurize)
+
+
+def test_fake_chat_model_hits_on_a_repeat_and_a_paraphrase(lc_cache):
+    llm = FakeListChatModel(responses=["frogs are amphibians", "second answer", "third"], cache=lc_cache)
+    assert llm.invoke("what is a frog").content == "frogs are amphibians"
+    assert llm.invoke("what is a frog").content == "frogs are amphibians"       # served from the cache
+    assert llm.invoke("What is a frog?").content == "frogs are amphibians"      # near: same words
+    assert llm.i == 1                                                          # the model ran once
+    assert llm.invoke("explain quantum chromodynamics please").content == "second answer"
+    assert llm.i == 2
+    # another model (another llm_string) never gets this model's answer
+    assert GenericFakeChatModel(messages=iter([AIMessage("generic")]), cache=lc_cache).invoke(
+        "what is a frog").content == "generic"
+
+
+def test_multimodal_messages_are_keyed_by_the_image_and_their_text(lc_cache):
+    png = base64.b64encode(b"\x89PNG pretend image bytes").decode()
+    def msg(text, data=png):
+        return [HumanMessage(content=[{"type": "text", "text": text},
+                                      {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}])]
+    llm = GenericFakeChatModel(messages=iter([AIMessage("a cat"), AIMessage("two"), AIMessage("three")]),
+                               cache=lc_cache)
+    assert llm.invoke(msg("what is in this image")).content == "a cat"
+    assert llm.invoke(msg("what is in this image")).content == "a cat"          # hit
+    assert llm.invoke(msg("what colour is it")).content == "two"                # same image, other question
+    other = base64.b64encode(b"another image entirely").decode()
+    assert llm.invoke(msg("what is in this image", other)).content == "three"   # other image
+
+
+def test_async_lookup_and_update(lc_cache):
+    llm = FakeListChatModel(responses=["async answer", "never"], cache=lc_cache)
+
+    async def run():
+        a = await llm.ainvoke("tell me about frogs")
+        b = await llm.ainvoke("tell me about frogs")
+        return a.content, b.content
+
+    assert asyncio.run(run()) == ("async answer", "async answer")
+    assert llm.i == 1
+    lc_cache.clear()
+    assert llm.invoke("tell me about frogs").content == "never"
+
+
+def test_prompt_parsing_is_bounded():
+    assert parse_prompt("plain llm prompt") == ("plain llm prompt", [])
+    assert decode_data_url("https://example.com/cat.png") is None
+    assert decode_data_url("data:image/png;base64,!!!") is None
+    assert decode_data_url("data:image/png;base64," + base64.b64encode(b"ok").decode()) == b"ok"

@@ -1,0 +1,122 @@
+"""A LangChain cache (`langchain_core.caches.BaseCache`) backed by a `SemanticCache`.
+
+    from langchain_core.globals import set_llm_cache
+    set_llm_cache(USHashLangChainCache(SemanticCache.from_export("exports/<name>")))
+    llm.invoke("What is a frog?")        # a miss calls the model; "what's a frog" may then hit
+
+The prompt LangChain hands a cache is a chat model's messages serialised (`langchain_core.load.dumps`) or
+an LLM's plain text. The request is keyed by its semantics: a message list that carries an image (an
+OpenAI-style `image_url` part with a base64 data URL) is looked up by the image, with its text required
+to match exactly (a metadata filter); otherwise by the text of every message joined. The model and its
+settings (`llm_string`) are a metadata filter too: one model's answer is never served for another.
+Generations are stored as `langchain_core.load.dumps` JSON. Needs the `langchain` extra.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from typing import Any, Callable, Optional, Sequence
+
+from langchain_core.caches import RETURN_VAL_TYPE, BaseCache
+from langchain_core.load import dumps, loads
+from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
+
+_ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGenerationChunk]
+
+#: At most this many bytes of a data URL are decoded (bounded input).
+MAX_DATA_URL_BYTES = 16 << 20
+
+
+def _content_parts(content) -> tuple[list[str], list[bytes]]:
+    texts, images = [], []
+    if isinstance(content, str):
+        return [content], []
+    for part in content or []:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict):
+            if part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+            elif part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                img = decode_data_url(str(url or ""))
+                if img is not None:
+                    images.append(img)
+    return texts, images
+
+
+def decode_data_url(url: str) -> bytes | None:
+    """The bytes of a base64 `data:` URL (None for another URL or a bad one)."""
+    if not url.startswith("data:") or ";base64," not in url[:200] or len(url) > MAX_DATA_URL_BYTES * 4 // 3 + 200:
+        return None
+    try:
+        return base64.b64decode(url.split(",", 1)[1], validate=True)
+    except ValueError:
+        return None
+
+
+def parse_prompt(prompt: str) -> tuple[str, list[bytes]]:
+    """(the text of every message joined by newlines, the images) of a LangChain cache prompt."""
+    try:
+        msgs = json.loads(prompt)
+    except ValueError:
+        return prompt, []
+    if not isinstance(msgs, list):
+        return prompt, []
+    texts, images = [], []
+    for m in msgs:
+        kw = m.get("kwargs", {}) if isinstance(m, dict) else {}
+        role = (m.get("id") or ["", "message"])[-1] if isinstance(m, dict) else "message"
+        t, i = _content_parts(kw.get("content"))
+        texts += [f"{role}: {x}" for x in t] if len(msgs) > 1 else t
+        images += i
+    return "\n".join(texts), images
+
+
+class USHashLangChainCache(BaseCache):
+    """LangChain's cache interface on a SemanticCache. `featurize(modality, data) -> features` replaces
+    the export's own encoder (tests, or features computed elsewhere); `tenant` scopes the entries."""
+
+    def __init__(self, cache, tenant: str = "default", featurize: Optional[Callable[[str, Any], Any]] = None):
+        self.cache = cache
+        self.tenant = cache.check_tenant(tenant)
+        self.featurize = featurize
+
+    def _request(self, prompt: str, llm_string: str) -> tuple[str, Any, Any, dict]:
+        text, images = parse_prompt(prompt)
+        llm = hashlib.sha256(llm_string.encode()).hexdigest()[:32]
+        if images and "image" in self.cache.head.modalities:
+            meta = {"llm": llm, "text": hashlib.sha256(text.encode()).hexdigest()[:32]}
+            modality, data = "image", images[0]
+        else:
+            meta = {"llm": llm}
+            modality, data = "text", text
+        if self.featurize is not None:
+            return modality, None, self.featurize(modality, data), meta
+        return modality, data, None, meta
+
+    def lookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
+        modality, data, feats, meta = self._request(prompt, llm_string)
+        hits = self.cache.check(data, modality, features=feats, filters=meta, tenant=self.tenant)
+        if not hits:
+            return None
+        try:
+            # an L2 is shared: revive only generations and messages, never arbitrary classes
+            return loads(hits[0]["response"], allowed_objects=_ALLOWED)
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def update(self, prompt: str, llm_string: str, return_val: Sequence) -> None:
+        modality, data, feats, meta = self._request(prompt, llm_string)
+        self.cache.store(data, dumps(list(return_val)), modality, features=feats, metadata=meta, tenant=self.tenant)
+
+    def clear(self, **kwargs: Any) -> None:
+        """Drop this tenant's L1 entries."""
+        self.cache.delete_tenant(self.tenant)
+
+
+__all__ = ["USHashLangChainCache", "decode_data_url", "parse_prompt"]
