@@ -14,7 +14,6 @@ Generations are stored as `langchain_core.load.dumps` JSON. Needs the `langchain
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 from typing import Any, Callable, Optional, Sequence
@@ -24,40 +23,9 @@ from langchain_core.load import dumps, loads
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
 
+from ushash.serving.messages import content_parts, decode_data_url
+
 _ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGenerationChunk]
-
-#: At most this many bytes of a data URL are decoded (bounded input).
-MAX_DATA_URL_BYTES = 16 << 20
-
-
-def _content_parts(content) -> tuple[list[str], list[bytes]]:
-    texts, images = [], []
-    if isinstance(content, str):
-        return [content], []
-    for part in content or []:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict):
-            if part.get("type") == "text":
-                texts.append(str(part.get("text", "")))
-            elif part.get("type") == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                img = decode_data_url(str(url or ""))
-                if img is not None:
-                    images.append(img)
-    return texts, images
-
-
-def decode_data_url(url: str) -> bytes | None:
-    """The bytes of a base64 `data:` URL (None for another URL or a bad one)."""
-    if not url.startswith("data:") or ";base64," not in url[:200] or len(url) > MAX_DATA_URL_BYTES * 4 // 3 + 200:
-        return None
-    try:
-        return base64.b64decode(url.split(",", 1)[1], validate=True)
-    except ValueError:
-        return None
-
 
 def parse_prompt(prompt: str) -> tuple[str, list[bytes]]:
     """(the text of every message joined by newlines, the images) of a LangChain cache prompt."""
@@ -71,7 +39,7 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes]]:
     for m in msgs:
         kw = m.get("kwargs", {}) if isinstance(m, dict) else {}
         role = (m.get("id") or ["", "message"])[-1] if isinstance(m, dict) else "message"
-        t, i = _content_parts(kw.get("content"))
+        t, i = content_parts(kw.get("content"))
         texts += [f"{role}: {x}" for x in t] if len(msgs) > 1 else t
         images += i
     return "\n".join(texts), images

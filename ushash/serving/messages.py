@@ -1,0 +1,41 @@
+"""Chat message content as OpenAI-style APIs send it: text parts and `image_url` parts (base64 data URLs).
+Used by the proxy and the LangChain adapter; bounded: a data URL over MAX_DATA_URL_BYTES is not decoded."""
+
+from __future__ import annotations
+
+import base64
+
+#: At most this many bytes of a data URL are decoded (bounded input).
+MAX_DATA_URL_BYTES = 16 << 20
+
+
+def content_parts(content) -> tuple[list[str], list[bytes]]:
+    """(the text parts, the decoded images) of one message's content (a string or a list of parts)."""
+    texts, images = [], []
+    if isinstance(content, str):
+        return [content], []
+    if not isinstance(content, list):
+        return [], []
+    for part in content[:256]:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict):
+            if part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+            elif part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                img = decode_data_url(str(url or ""))
+                if img is not None:
+                    images.append(img)
+    return texts, images
+
+
+def decode_data_url(url: str) -> bytes | None:
+    """The bytes of a base64 `data:` URL (None for another URL or a bad one)."""
+    if not url.startswith("data:") or ";base64," not in url[:200] or len(url) > MAX_DATA_URL_BYTES * 4 // 3 + 200:
+        return None
+    try:
+        return base64.b64decode(url.split(",", 1)[1], validate=True)
+    except ValueError:
+        return None

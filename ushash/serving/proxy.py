@@ -1,0 +1,295 @@
+"""A caching reverse proxy in front of an inference service (`python -m ushash.proxy`).
+
+    python -m ushash.proxy upstream=http://127.0.0.1:8480 export=exports/<name> [port=8471]
+
+Every POST is read as JSON. The request's text and media come from OpenAI-style chat `messages` (text
+parts, `image_url` parts with base64 data URLs), or, for other APIs, from `text_path` / `image_path`
+(dotted paths into the body, e.g. `input.prompt`, with base64 for the image). A request with an image is
+looked up by the image, its text an exact metadata filter; otherwise by its text. The body's `model`,
+the URL path, `stream` and the gateway's `X-Model-Revision` header are exact filters too: an answer of
+another model, endpoint or revision is never served. A hit is answered from the cache (a streamed
+answer replayed as it was streamed); a miss is forwarded, streamed through as it arrives, and a 200
+answer is stored. `Cache-Control: no-cache` skips the lookup (the fresh answer is stored), `no-store`
+skips storing. `X-Cache: hit | miss | bypass` says which.
+
+Tenants: `tokens` maps a bearer token to a tenant; with a map, a request without a known token is 401.
+Without one, `token` (or USHASH_PROXY_TOKEN) is the one accepted token, required when the proxy binds
+beyond loopback, and every request is tenant `default`. Errors as `ushash.serve`: 400 for a body that is
+not JSON, 401, 404 for an unknown tenant, 413 over `max_body_bytes`, 502 when the upstream fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
+from ushash.serving.messages import content_parts, decode_data_url
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "USHASH_PROXY_TOKEN"
+#: Headers not copied between the hops (RFC 9110 connection-specific ones, and what httpx recomputes).
+HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+       "transfer-encoding", "upgrade", "content-length", "content-encoding", "host"}
+
+
+@dataclass
+class ProxyConfig:
+    """python -m ushash.proxy (configs/proxy.yaml): every setting with its default and meaning."""
+    export: str = "???"               # required: the export whose codes key the cache
+    upstream: str = "???"             # required: the inference service, e.g. http://127.0.0.1:8480
+    host: str = "127.0.0.1"           # anything but loopback needs a token (or a tokens map)
+    port: int = 8471
+    token: Optional[str] = None       # the one accepted bearer token (USHASH_PROXY_TOKEN takes precedence)
+    tokens: Optional[Dict[str, str]] = None   # bearer token -> tenant; set: unknown tokens get 401
+    text_path: Optional[str] = None   # dotted path of the text in a non-chat body (e.g. input.prompt)
+    image_path: Optional[str] = None  # dotted path of a base64 image in a non-chat body
+    max_body_bytes: int = 8 << 20     # larger request bodies get 413
+    max_answer_bytes: int = 1 << 20   # larger upstream answers are passed through, not stored
+    upstream_timeout_s: float = 60.0
+    ttl_s: Optional[float] = None     # stored answers' TTL; None: the cache's
+    device: str = "cpu"
+    log_level: str = "warning"
+    paths: Any = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+def register_schemas() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema_proxy", node=ProxyConfig)
+
+
+register_schemas()
+
+
+@dataclass
+class Extracted:
+    text: str
+    image: Optional[bytes]
+
+
+def _at(body, path: str):
+    cur = body
+    for part in path.split("."):
+        if isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
+            cur = cur[int(part)]
+        elif isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+        else:
+            return None
+    return cur
+
+
+def extract_request(body: dict, text_path: str | None = None, image_path: str | None = None) -> Optional[Extracted]:
+    """The text and first image of a request body (None: nothing to key it by)."""
+    msgs = body.get("messages")
+    if isinstance(msgs, list) and not (text_path or image_path):
+        texts, images = [], []
+        for m in msgs[:256]:
+            if not isinstance(m, dict):
+                continue
+            t, i = content_parts(m.get("content"))
+            role = str(m.get("role", ""))
+            texts += [f"{role}: {x}" for x in t]
+            images += i
+        if not texts and not images:
+            return None
+        return Extracted("\n".join(texts), images[0] if images else None)
+    text = _at(body, text_path) if text_path else None
+    img = _at(body, image_path) if image_path else None
+    image = None
+    if isinstance(img, str):
+        image = decode_data_url(img) if img.startswith("data:") else _b64(img)
+    if not isinstance(text, str) and image is None:
+        return None
+    return Extracted(text if isinstance(text, str) else "", image)
+
+
+def _b64(s: str) -> Optional[bytes]:
+    try:
+        return base64.b64decode(s, validate=True)
+    except ValueError:
+        return None
+
+
+def _digest(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()[:32]
+
+
+def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: dict | None = None,
+                     text_path: str | None = None, image_path: str | None = None,
+                     max_body_bytes: int = ProxyConfig.max_body_bytes,
+                     max_answer_bytes: int = ProxyConfig.max_answer_bytes, timeout_s: float = 60.0,
+                     ttl_s: float | None = None, transport=None):
+    import httpx
+
+    from ushash.serving.service import _BodyLimit
+
+    app = FastAPI(title="ushash caching proxy")
+    tokens = dict(tokens or {})
+    for t in tokens.values():
+        cache.check_tenant(t)
+    client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s, transport=transport)
+    app.state.client = client
+
+    def tenant_of(request) -> str | None:
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else None
+        if tokens:
+            return tokens.get(given) if given else None
+        if token is not None and given != token:
+            return None
+        return "default"
+
+    def err(status: int, msg: str):
+        return JSONResponse({"error": msg}, status_code=status)
+
+    @app.get("/healthz")
+    def healthz():
+        return {"ok": True, "revision": cache.revision}
+
+    @app.post("/{path:path}")
+    async def proxy(path: str, request: Request):
+        tenant = tenant_of(request)
+        if tenant is None:
+            return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return err(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return err(400, "the request body must be a JSON object")
+        cc = request.headers.get("cache-control", "").lower()
+        no_cache, no_store = "no-cache" in cc, "no-store" in cc
+        req = extract_request(body, text_path, image_path)
+        stream = bool(body.get("stream"))
+        fwd_headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP and k.lower() != "authorization"}
+        if req is None:   # nothing to key: pass through
+            return await forward(path, raw, fwd_headers, stream, None, "bypass")
+        meta = {"model": str(body.get("model", "")), "path": path, "stream": stream,
+                "revision": request.headers.get("x-model-revision", ""),
+                "text": _digest(req.text) if req.image is not None else ""}
+        modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
+        if modality not in cache.head.modalities:
+            return await forward(path, raw, fwd_headers, stream, None, "bypass")
+        try:
+            q = await asyncio.to_thread(cache.query, modality, data)
+        except RequestError as e:
+            return err(400, str(e))
+        key = (q, tenant, meta)
+        if not no_cache:
+            try:
+                hits = cache.check_query(q, filters=meta, tenant=tenant)
+            except UnknownTenant as e:
+                return err(404, str(e))
+            if hits:
+                h = hits[0]
+                ans = h["response"]
+                headers = {"X-Cache": "hit", "X-Cache-Distance": str(h["hamming_distance"]),
+                           "Content-Type": ans["content_type"]}
+                return Response(ans["body"].encode(), status_code=200, headers=headers)
+        return await forward(path, raw, fwd_headers, stream, None if no_store else key,
+                             "bypass" if no_cache else "miss")
+
+    async def forward(path, raw, headers, stream, key, label):
+        try:
+            up = await client.send(client.build_request("POST", "/" + path, content=raw, headers=headers),
+                                   stream=True)
+        except httpx.HTTPError as e:
+            return err(502, f"upstream failed: {type(e).__name__}")
+        out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP}
+        out_headers["X-Cache"] = label
+        ctype = up.headers.get("content-type", "application/json")
+
+        def keep(body: bytes):
+            if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
+                return
+            try:
+                text = body.decode()
+            except UnicodeDecodeError:
+                return
+            q, tenant, meta = key
+            cache.store_response(q, {"body": text, "content_type": ctype}, metadata=meta, tenant=tenant,
+                                 ttl=ttl_s)
+
+        if stream and up.status_code == 200:
+            async def relay():
+                buf, n = [], 0
+                try:
+                    async for chunk in up.aiter_bytes():  # decoded: content-encoding is not copied
+                        n += len(chunk)
+                        if n <= max_answer_bytes:
+                            buf.append(chunk)
+                        yield chunk
+                finally:
+                    await up.aclose()
+                if n <= max_answer_bytes:
+                    keep(b"".join(buf))
+            return StreamingResponse(relay(), status_code=up.status_code, headers=out_headers, media_type=ctype)
+        body = await up.aread()
+        await up.aclose()
+        keep(body)
+        return Response(body, status_code=up.status_code, headers=out_headers)
+
+    @app.on_event("shutdown")
+    async def _close():
+        await client.aclose()
+
+    wrapped = _BodyLimit(app, max_body_bytes)
+    wrapped.state = app.state  # type: ignore[attr-defined]
+    return wrapped
+
+
+def check_binding(host: str, token: str | None, tokens: dict | None) -> None:
+    from ushash.serving.service import is_loopback
+
+    if not is_loopback(host) and not token and not tokens:
+        raise SystemExit(f"refusing to bind {host!r} without a token: set token=..., tokens={{...}} or {TOKEN_ENV}")
+    for t in ([token] if token else []) + list((tokens or {}).keys()):
+        if len(t) < 16:
+            raise SystemExit("bearer tokens must be at least 16 characters")
+
+
+def build(cfg):
+    from pathlib import Path
+
+    from ushash.config import to_dict
+    from ushash.serving.cache import SemanticCache
+
+    token = os.environ.get(TOKEN_ENV) or (str(cfg.token) if cfg.get("token") else None)
+    tokens = {str(k): str(v) for k, v in (to_dict(cfg.tokens) if cfg.get("tokens") else {}).items()}
+    host = str(cfg.host)
+    check_binding(host, token, tokens)
+    export = Path(str(cfg.export))
+    if not export.is_absolute():
+        export = Path(cfg.paths.root) / export
+    cache = SemanticCache.from_export(export, to_dict(cfg.cache), device=str(cfg.device))
+    app = create_proxy_app(cache, str(cfg.upstream), token=token, tokens=tokens, text_path=cfg.get("text_path"),
+                           image_path=cfg.get("image_path"), max_body_bytes=int(cfg.max_body_bytes),
+                           max_answer_bytes=int(cfg.max_answer_bytes), timeout_s=float(cfg.upstream_timeout_s),
+                           ttl_s=cfg.get("ttl_s"))
+    return app, host, int(cfg.port), cache
+
+
+def run_proxy(cfg) -> None:
+    import uvicorn
+
+    app, host, port, cache = build(cfg)
+    log.info("proxy http://%s:%d -> %s, revision %s", host, port, cfg.upstream, cache.revision)
+    uvicorn.run(app, host=host, port=port, log_level=str(cfg.log_level), access_log=False)
+
+
+__all__ = ["Extracted", "ProxyConfig", "build", "create_proxy_app", "extract_request", "run_proxy"]
