@@ -25,6 +25,53 @@ def recase(text: str, k: int) -> str:
     return text.rstrip(".!?").upper() if k % 2 else text.rstrip(".!?").lower()
 
 
+#: Caption variants: name -> (does it change the offline text encoder's (MiniLM's) embedding, what it does).
+#: MiniLM's tokenizer is uncased, so re-casing alone encodes identically; dropping the final punctuation
+#: changes the embedding a little (docs/cache.md has the measured cosines of each kind).
+CAPTION_VARIANTS = {
+    "recased": (True, "final punctuation dropped, lower or upper case (the case alone changes nothing)"),
+    "reordered": (True, "words rotated (word order)"),
+    "synonym": (True, "words replaced from a small synonym table (a, an -> one; picture -> image; ...)"),
+    "typo": (True, "one letter of a longer word swapped with its neighbour"),
+    "template": (True, "wrapped in a request template ('a picture of ...', 'show me ...')"),
+}
+
+SYNONYMS = {"a": "one", "an": "one", "the": "this", "picture": "image", "image": "picture", "big": "large",
+            "large": "big", "small": "little", "little": "small", "man": "person", "woman": "person",
+            "cat": "kitty", "dog": "puppy", "car": "automobile", "house": "home", "happy": "glad",
+            "face": "expression", "red": "crimson", "blue": "azure", "green": "emerald", "flag": "banner"}
+
+TEMPLATES = ("a picture of {}", "show me {}", "what does {} look like", "an image of {}", "{}, please")
+
+
+def caption_variant(text: str, kind: str, k: int, rng: np.random.Generator) -> str:
+    """The k-th variant of `kind` (CAPTION_VARIANTS) of a caption."""
+    if kind == "recased":
+        return recase(text, k)
+    base = text.rstrip(".!?")
+    words = base.split()
+    if kind == "reordered":
+        if len(words) < 2:
+            return TEMPLATES[k % len(TEMPLATES)].format(base)
+        r = 1 + k % (len(words) - 1)
+        return " ".join(words[r:] + words[:r])
+    if kind == "synonym":
+        swapped = [SYNONYMS.get(w.lower(), w) for w in words]
+        return " ".join(swapped) if swapped != words else TEMPLATES[k % len(TEMPLATES)].format(base)
+    if kind == "typo":
+        long = [i for i, w in enumerate(words) if len(w) >= 4]
+        if not long:
+            return base + base[-1:]
+        i = long[int(rng.integers(len(long)))]
+        w = words[i]
+        j = int(rng.integers(1, len(w) - 2))
+        words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+        return " ".join(words)
+    if kind == "template":
+        return TEMPLATES[k % len(TEMPLATES)].format(base[:1].lower() + base[1:])
+    raise ValueError(f"caption variant {kind!r}: one of {sorted(CAPTION_VARIANTS)}")
+
+
 def jpeg_crop(image, rng: np.random.Generator, crop_frac: float, quality: int):
     """A random crop of `crop_frac` of each side, resized back, JPEG re-encoded at `quality`.
     Returns (the decoded RGB image, its JPEG bytes)."""

@@ -32,6 +32,9 @@ class VariantsConfig:
     jpeg_quality: int = 40            # raw media: images re-encoded at this JPEG quality ...
     crop_frac: float = 0.8            # ... and cropped to this fraction of each side
     snr_db: float = 20.0              # raw media: sounds with white noise at this SNR
+    captions: list[str] = field(default_factory=lambda: ["recased"])  # raw media: caption variant kinds (sim/augment.py
+                                      # CAPTION_VARIANTS): recased, reordered, synonym, typo,
+                                      # template (docs/cache.md: how far each moves MiniLM's embedding)
 
 
 @dataclass

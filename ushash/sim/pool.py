@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ushash.config import to_dict
-from ushash.sim.augment import add_noise, jpeg_crop, perturb_features, recase
+from ushash.sim.augment import CAPTION_VARIANTS, add_noise, caption_variant, jpeg_crop, perturb_features
 
 
 @dataclass
@@ -82,11 +82,13 @@ def pool_from_split(split, perturb: int = 2, noise: float = 0.1, seed: int = 0) 
 
 
 def media_members(modality: str, raw, cls: int, n_variants: int, rng: np.random.Generator, jpeg_quality: int,
-                  crop_frac: float, snr_db: float) -> list[tuple[str, object, int, str, bytes]]:
-    """A decoded medium and its `n_variants` transformations: (modality, medium, class, kind, exact key)."""
+                  crop_frac: float, snr_db: float, captions=("recased",)) -> list[tuple[str, object, int, str, bytes]]:
+    """A decoded medium and its `n_variants` transformations: (modality, medium, class, kind, exact key).
+    A caption gets `n_variants` of each kind in `captions` (ushash.sim.augment.CAPTION_VARIANTS)."""
     if modality == "text":
         return [("text", raw, cls, "original", text_key(raw))] + [
-            ("text", v, cls, "recased", text_key(v)) for v in (recase(raw, k) for k in range(n_variants))]
+            ("text", v, cls, kind, text_key(v)) for kind in captions
+            for v in (caption_variant(raw, kind, k, rng) for k in range(n_variants))]
     if modality == "image":
         buf = io.BytesIO()
         raw.save(buf, format="PNG")
@@ -103,7 +105,7 @@ def media_members(modality: str, raw, cls: int, n_variants: int, rng: np.random.
 
 
 def pool_from_media(rows, encoder, n_variants: int = 1, jpeg_quality: int = 40, crop_frac: float = 0.8,
-                    snr_db: float = 20.0, seed: int = 0, batch: int = 32) -> Pool:
+                    snr_db: float = 20.0, seed: int = 0, batch: int = 32, captions=("recased",)) -> Pool:
     """Classes = groups of dataset rows; members = the decoded media and real transformations of them,
     all encoded with `encoder` (the export's frozen encoder). Rows whose media do not decode are skipped."""
     from ushash.data import media
@@ -112,14 +114,17 @@ def pool_from_media(rows, encoder, n_variants: int = 1, jpeg_quality: int = 40, 
     gid = {g: i for i, g in enumerate(sorted({r.group for r in rows}))}
     pool = Pool(variant_note=f"raw media through the encoder: images JPEG q={jpeg_quality} re-encoded and "
                              f"centre-cropped to {crop_frac:.0%}; sounds with white noise at {snr_db} dB SNR and "
-                             f"-6 dB gain; captions re-cased without final punctuation; {n_variants} of each")
+                             f"-6 dB gain; captions: " + ", ".join(
+                                 f"{k} ({CAPTION_VARIANTS[k][1]}; {'changes' if CAPTION_VARIANTS[k][0] else 'keeps'} "
+                                 f"the MiniLM encoding)" for k in captions) + f"; {n_variants} of each")
     items: list[tuple[str, object, int, str, bytes]] = []
     for r in rows:
         try:
             raw = media.load(r.modality, r.source, sample_rate=encoder.sample_rate, seconds=encoder.audio_seconds)
         except media.MediaError:
             continue
-        items += media_members(r.modality, raw, gid[r.group], n_variants, rng, jpeg_quality, crop_frac, snr_db)
+        items += media_members(r.modality, raw, gid[r.group], n_variants, rng, jpeg_quality, crop_frac, snr_db,
+                               captions)
     for m in ("image", "text", "audio"):
         sel = [it for it in items if it[0] == m]
         if m not in encoder.modalities:
@@ -151,7 +156,8 @@ def build_pool(cfg, head) -> tuple[Pool, str]:
         rows = load_rows(recipe, str(cfg.split), **data)
         encoder = QueryEncoder(head).encoder()
         return pool_from_media(rows, encoder, n_variants=int(v.perturb), jpeg_quality=int(v.jpeg_quality),
-                               crop_frac=float(v.crop_frac), snr_db=float(v.snr_db), seed=int(cfg.stream.seed)), dataset
+                               crop_frac=float(v.crop_frac), snr_db=float(v.snr_db), seed=int(cfg.stream.seed),
+                               captions=tuple(v.get("captions") or ("recased",))), dataset
     from ushash.data.extract import resolve_features_dir, stored_split
     prov = {**src, "dataset": dataset, "encoder": {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint}}
     split = stored_split(prov, str(cfg.split), resolve_features_dir(prov, cfg))
