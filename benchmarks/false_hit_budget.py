@@ -37,7 +37,10 @@ from ushash.sim.stream import SimClock, make_stream  # noqa: E402
 THRESHOLDS = [0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.9, 0.88, 0.85, 0.8, 0.75, 0.7]
 
 
-def store_of(features_dir: Path, dataset: str, split: str, fingerprint: str):
+def store_of(features_dir: Path, dataset: str, split: str, fingerprint: str, name: str = "offline"):
+    exact = features_dir / dataset / split / f"{name}-{fingerprint}"
+    if (exact / "meta.json").exists():  # the store the head was trained from (no rows fingerprint in its name)
+        return open_split(exact)
     found = sorted(p for p in (features_dir / dataset / split).glob(f"*-{fingerprint}*")
                    if (p / "meta.json").exists())
     if len(found) != 1:
@@ -57,10 +60,11 @@ def cosine_best(head, pool, stream, budget: float) -> dict:
     return best or {"hit_rate": 0.0, "threshold": None}
 
 
-def run(export: str, features_dir: Path, budgets, n_val: int, n_test: int, settings: CalibrationSettings) -> dict:
+def run(export: str, features_dir: Path, budgets, n_val: int, n_test: int, settings: CalibrationSettings,
+        out_dir: Path) -> dict:
     head = load_export(export)
     dataset = (head.manifest.get("source") or {}).get("dataset")
-    sp = {s: store_of(features_dir, dataset, s, head.encoder.fingerprint) for s in ("val", "test")}
+    sp = {s: store_of(features_dir, dataset, s, head.encoder.fingerprint, head.encoder.name) for s in ("val", "test")}
     val, test = pool_from_split(sp["val"], seed=0), pool_from_split(sp["test"], seed=1)
     sv, st = make_stream(val, n_val, 1.0, 0), make_stream(test, n_test, 1.0, 1)
     out = {"dataset": dataset, "revision": head.revision, "bits": int(head.bits),
@@ -69,6 +73,8 @@ def run(export: str, features_dir: Path, budgets, n_val: int, n_test: int, setti
     for b in budgets:
         t0 = time.perf_counter()
         cal = calibrate(head, val, sv, b, settings, info={"dataset": dataset, "split": "val"})
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cal.save(out_dir / f"{dataset}-{b}.calibration.json")
         res = measure(head, test, st, calibration=cal)
         cos = cosine_best(head, test, st, b)
         out["budgets"][str(b)] = {"calibration": cal.to_dict(), "table": cal.table(), "test": res,
@@ -76,6 +82,7 @@ def run(export: str, features_dir: Path, budgets, n_val: int, n_test: int, setti
                                   "cosine_headroom": headroom(cos["hit_rate"], res["exact_hit_rate"],
                                                               res["oracle_hit_rate"]),
                                   "seconds": round(time.perf_counter() - t0, 1)}
+        print(cal.table(), flush=True)
         print(f"{dataset} budget {b}: test hit {res['hit_rate']:.4f} false/hit {res['false_per_hit']:.4f} "
               f"(bound {res['false_per_hit_upper']:.4f}) headroom {res['headroom_captured']:.3f}; cosine "
               f"{cos['hit_rate']:.4f} at {cos.get('threshold')}", flush=True)
@@ -112,10 +119,12 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=40000)
     ap.add_argument("--test-requests", type=int, default=20000)
     ap.add_argument("--marginal", type=int, default=1)
+    ap.add_argument("--count", default="hits", choices=["hits", "distinct"])
     ap.add_argument("--out", default=str(ROOT / "experiments" / "budget"))
     a = ap.parse_args(argv)
-    settings = CalibrationSettings(marginal=bool(a.marginal))
-    results = [run(e, Path(a.features_dir), a.budgets, a.requests, a.test_requests, settings) for e in a.export]
+    settings = CalibrationSettings(marginal=bool(a.marginal), count=a.count)
+    results = [run(e, Path(a.features_dir), a.budgets, a.requests, a.test_requests, settings, Path(a.out))
+               for e in a.export]
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()}, 2 cores shared",
             "command": "python benchmarks/false_hit_budget.py " + " ".join(
                 f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
