@@ -54,8 +54,9 @@ class UnknownTenant(KeyError):
         return str(self.args[0]) if self.args else "unknown tenant"
 
 
-class InvalidTenant(ValueError):
-    """A tenant name that is not 1-64 characters of [A-Za-z0-9_.-] (bad input, not a missing key)."""
+class InvalidTenant(RequestError):
+    """A tenant name that is not 1-64 characters of [A-Za-z0-9_.-]: bad input (a RequestError, so a
+    ValueError, and a 400 from the service), not a missing key."""
 
 
 @dataclass
