@@ -118,3 +118,24 @@ def test_media_file_paths_are_read_and_bounded(tmp_path):
         f.truncate(MAX_MEDIA_FILE_BYTES + 1)
     with pytest.raises(RequestError, match="over"):
         read_media_file("audio", big)
+
+
+def test_top_k_is_traced_and_serves_only_the_revision_that_encoded_the_query(cache):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from ushash.serving.cache.telemetry import configure_tracing
+
+    exporter = InMemorySpanExporter()
+    cache.trace(configure_tracing(exporter=exporter))
+    rng = np.random.default_rng(2)
+    x = np.ones(24, np.float32)
+    for i in range(3):
+        cache.store(None, f"answer {i}", features=_near(rng, x, 0.01 * (i + 1)))
+    assert len(cache.check(features=x, num_results=3)) == 3
+    verify = [s for s in exporter.get_finished_spans() if s.name == "ushash.verify"]
+    assert verify and verify[-1].attributes["cache.hits"] == 3
+    q = cache.query("text", features=x)
+    assert len(cache.lookup_top(q, k=3)) == 3
+    cache.reload(LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0, revision="next"))
+    assert cache.lookup_top(q, k=3) == []          # encoded by the head served before the reload
+    assert cache.metrics.value("cache_rejections_total", reason="query_revision") >= 1
