@@ -161,7 +161,12 @@ def demo_body() -> str | None:
     keep = [l for l in lines if l.strip().startswith(("|", "Protocol", "#"))]
     if not keep:
         return None
-    return f"Printed by {stamp_of('demo')}:\n\n" + "\n".join(keep)
+    out: list[str] = []
+    for l in keep:  # a blank line between a heading or protocol line and a table, as markdown needs
+        if out and (l.startswith("|") != out[-1].startswith("|")):
+            out.append("")
+        out.append(l)
+    return f"Printed by {stamp_of('demo')}:\n\n" + "\n".join(out)
 
 
 def printed_body(step: str) -> str | None:
