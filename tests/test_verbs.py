@@ -43,7 +43,7 @@ def test_a_verb_returns_what_main_returns():
     assert user_errors(lambda cfg: 0.5)({}) == 0.5
 
 
-@pytest.mark.parametrize("verb", ["config", "demo", "eval", "export", "serve", "cachesim"])
+@pytest.mark.parametrize("verb", ["config", "demo", "eval", "export", "serve", "cachesim", "proxy"])
 def test_help_lists_exactly_the_groups_a_verb_reads(verb):
     """`--help` names the verb's own config groups and every option of each, nothing else."""
     import re
