@@ -158,3 +158,45 @@ def test_recipe_beats_the_previous_default_beyond_seed_noise(tmp_path):
     noise = max(np.std(new_s, ddof=1), np.std(old_s, ddof=1))
     print(f"recipe {np.mean(new_s):.3f} ± {np.std(new_s, ddof=1):.3f}, previous default {np.mean(old_s):.3f} ± {np.std(old_s, ddof=1):.3f}")
     assert gain > 3 * noise, (new_s, old_s)
+
+
+# ---------------------------------------------------------------------------------------------- distillation options
+
+def test_angular_target_is_the_code_similarity_of_random_hyperplanes():
+    """distill_target(t, "angular") = the expected 1 - 2 d_H / bits of random-hyperplane codes of two unit
+    vectors at cosine t (naive reference: 20,000 seeded Gaussian hyperplanes); "cosine" is t itself."""
+    from ushash.hashing.losses import distill_target
+    rng = np.random.default_rng(0)
+    planes = rng.normal(size=(20000, 16))
+    a = rng.normal(size=16); a /= np.linalg.norm(a)
+    for t in (-0.5, 0.0, 0.6, 0.9, 0.99):
+        r = rng.normal(size=16); r -= (r @ a) * a; r /= np.linalg.norm(r)
+        b = t * a + np.sqrt(1 - t * t) * r
+        empirical = 1 - 2 * np.mean(np.sign(planes @ a) != np.sign(planes @ b))
+        got = float(distill_target(torch.tensor(t, dtype=torch.float64), "angular"))
+        assert abs(got - empirical) < 0.02, (t, got, empirical)
+        assert float(distill_target(torch.tensor(t), "cosine")) == pytest.approx(t)
+    with pytest.raises(ValueError, match="kernel"):
+        distill_target(torch.tensor(0.5), "rbf")
+
+
+def test_distill_pairs_all_adds_the_pairs_within_a_modality():
+    """distill_pairs=cross distils image-text pairs only; all: every pair of the stacked batch (naive loop)."""
+    from ushash.hashing.methods.ushash import objective
+    from ushash.hashing.module import USHashModule
+    torch.manual_seed(0)
+    n, bits, dim = 6, 16, 8
+    h = {m: torch.tanh(torch.randn(n, bits)) for m in ("image", "text")}
+    z = {m: torch.nn.functional.normalize(torch.randn(n, dim), dim=-1) for m in h}
+    t = {m: torch.nn.functional.normalize(torch.randn(n, dim), dim=-1) for m in h}
+    g = {m: torch.arange(n) for m in h}
+    present = {m: torch.ones(n, dtype=torch.bool) for m in h}
+    for pairs in ("cross", "all"):
+        mod = USHashModule({"image": 4, "text": 4}, bits=bits, dim=dim, distill_pairs=pairs)
+        parts, _ = objective(mod, h, z, g, present, {}, teacher=t)
+        rows = [(m, i) for m in h for i in range(n)]
+        gaps = [(float(h[ma][i] @ h[mb][j]) / bits - float(t[ma][i] @ t[mb][j])) ** 2
+                for ma, i in rows for mb, j in rows if pairs == "all" or (ma, mb) == ("image", "text")]
+        assert float(parts["distill"]) == pytest.approx(np.mean(gaps), rel=1e-5)
+    with pytest.raises(ValueError, match="distill_pairs"):
+        USHashModule({"image": 4, "text": 4}, bits=bits, dim=dim, distill_pairs="some")

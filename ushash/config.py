@@ -75,6 +75,8 @@ class ModelConfig:
     relax: str = "tanh"               # tanh(beta * sqrt(dim) * l) with beta rising, or ste (straight-through sign)
     beta_start: float = 1.0
     beta_end: float = 16.0
+    distill_kernel: str = "cosine"    # code similarity asked for a teacher cosine t: cosine (t) or angular (1 - 2 arccos(t) / pi)
+    distill_pairs: str = "cross"      # pairs distilled: cross (image-text, ...) or all (within a modality too)
     loss: LossConfig = field(default_factory=LossConfig)
 
 

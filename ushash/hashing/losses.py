@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn import functional as F
 
@@ -52,11 +54,29 @@ def contrastive(ha: torch.Tensor, hb: torch.Tensor, ga: torch.Tensor, gb: torch.
     return 0.5 * (_side(sim, pos) + _side(sim.T, pos.T))
 
 
-def similarity_distillation(ha: torch.Tensor, hb: torch.Tensor, ta: torch.Tensor, tb: torch.Tensor) -> torch.Tensor:
-    """Mean squared gap between the codes' similarities h_a . h_b / bits and the teacher's cosines t_a . t_b
-    (t: unit rows), over every pair of the batch, positives and negatives alike: the codes keep the teacher
-    space's neighbourhoods, not only the training pairs."""
-    return ((ha @ hb.T / ha.shape[1] - ta @ tb.T) ** 2).mean()
+DISTILL_KERNELS = ("cosine", "angular")
+
+
+def distill_target(t: torch.Tensor, kernel: str = "cosine") -> torch.Tensor:
+    """The code similarity (1 - 2 d_H / bits for exact codes) a teacher cosine t asks for. "cosine": t itself.
+    "angular": 1 - 2 arccos(t) / pi, the expected code similarity of random-hyperplane codes of that pair
+    (Charikar's SimHash), which spreads near neighbours over more bits than the linear map does: a teacher
+    cosine of 0.9 asks for 9 of 64 bits apart instead of 3."""
+    if kernel == "cosine":
+        return t
+    if kernel == "angular":
+        return 1.0 - 2.0 * torch.arccos(t.clamp(-1.0, 1.0)) / math.pi
+    raise ValueError(f"distillation kernel {kernel!r}: expected one of {DISTILL_KERNELS}")
+
+
+def similarity_distillation(ha: torch.Tensor, hb: torch.Tensor, ta: torch.Tensor, tb: torch.Tensor,
+                            kernel: str = "cosine") -> torch.Tensor:
+    """Mean squared gap between the codes' similarities h_a . h_b / bits and the teacher's (t: unit rows,
+    `distill_target` of their cosines), over every pair of the batch, positives and negatives alike: the codes
+    keep the teacher space's neighbourhoods, not only the training pairs."""
+    with torch.no_grad():
+        target = distill_target(ta @ tb.T, kernel)
+    return ((ha @ hb.T / ha.shape[1] - target) ** 2).mean()
 
 
 def quantization(h: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from ushash.hashing.heads import USHash
 _M, _L = ModelConfig(), LossConfig()
 
 INITS = ("gcca", "random")
+DISTILL_PAIRS = ("cross", "all")
 MAX_LOGIT_SCALE = 100.0  # CLIP's clamp on exp(logit_scale)
 
 
@@ -42,7 +43,8 @@ class USHashModule(pl.LightningModule):
                  beta_start: float = _M.beta_start, beta_end: float = _M.beta_end, init: str = _M.init,
                  head_lr: float | None = _M.head_lr, w_contrastive: float = _L.contrastive, w_float: float = _L.float,
                  w_quant: float = _L.quant, w_balance: float = _L.balance, w_decor: float = _L.decor,
-                 w_proto: float = _L.proto, w_distill: float = _L.distill, max_epochs: int = 30,
+                 w_proto: float = _L.proto, w_distill: float = _L.distill, distill_kernel: str = _M.distill_kernel,
+                 distill_pairs: str = _M.distill_pairs, max_epochs: int = 30,
                  provenance: dict | None = None, method: str = "ushash", method_args: dict | None = None,
                  n_train_groups: int = 0):
         """Defaults: ushash.config.ModelConfig / LossConfig (the same as configs/model/ushash.yaml).
@@ -72,6 +74,10 @@ class USHashModule(pl.LightningModule):
         if init == "gcca" and int(layers) != 1:
             raise ValueError(f"model.init=gcca starts a linear head from the closed-form space; model.layers={layers} "
                              "asks for an MLP: set model.layers=1, or model.init=random for an MLP head")
+        if distill_kernel not in losses.DISTILL_KERNELS:
+            raise ValueError(f"model.distill_kernel={distill_kernel!r}: expected one of {losses.DISTILL_KERNELS}")
+        if distill_pairs not in DISTILL_PAIRS:
+            raise ValueError(f"model.distill_pairs={distill_pairs!r}: expected one of {DISTILL_PAIRS}")
         if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0):
             raise ValueError(f"model.temperature={temperature!r}: expected a positive number")
         method, method_args = spec.name, dict(method_args or {})  # canonical name; plain dict in the checkpoint

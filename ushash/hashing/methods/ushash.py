@@ -40,12 +40,18 @@ def objective(module, h, z, g, present, args, teacher=None):
         l_con = l_con + losses.contrastive(h[a][both], h[b][both], ga, gb, t_code, similarity="cosine")
         # the same objective on the continuous embeddings keeps z well-shaped (and is the float baseline)
         l_float = l_float + losses.contrastive(z[a][both], z[b][both], ga, gb, t_float, similarity="cosine")
-        if teacher is not None and teacher.get(a) is not None and teacher.get(b) is not None:
+        if (hp.distill_pairs == "cross" and teacher is not None and teacher.get(a) is not None
+                and teacher.get(b) is not None):
             l_distill = l_distill + losses.similarity_distillation(h[a][both], h[b][both], teacher[a][both],
-                                                                   teacher[b][both])
+                                                                   teacher[b][both], hp.distill_kernel)
         n_pairs += 1
     n_pairs = max(n_pairs, 1)
     hs = stacked(h, present)
+    if hp.distill_pairs == "all" and teacher is not None and all(teacher.get(m) is not None for m in h):
+        # every pair of rows of the batch, within a modality too: a cache compares a request with entries of
+        # its own modality first, so their distances are trained, not left to follow from the cross-modal ones
+        ts = stacked(teacher, present)
+        l_distill = losses.similarity_distillation(hs, hs, ts, ts, hp.distill_kernel) * n_pairs
     parts = {
         "contrastive": l_con / n_pairs, "float": l_float / n_pairs, "distill": l_distill / n_pairs,
         "quant": losses.quantization(hs), "balance": losses.balance(hs), "decor": losses.decorrelation(hs),
