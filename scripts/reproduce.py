@@ -55,11 +55,14 @@ ABLATIONS = {
     "angular distillation target (model.distill_kernel=angular)": "model.distill_kernel=angular",
     "distillation within modalities too (model.distill_pairs=all)": "model.distill_pairs=all",
     "batches of 512 groups (model.batch_size=512)": "model.batch_size=512",
+    "label-supervised positives (method=ushash_labels; reads labels)": "method=ushash_labels",
 }
 
 
 def ablation_overrides(label: str) -> list[str]:
-    return ["method=ushash", f"seed={ABLATION_SEEDS}", *ABLATIONS[label].split()]
+    extra = ABLATIONS[label].split()
+    method = next((o for o in extra if o.startswith("method=")), "method=ushash")
+    return [method, f"seed={ABLATION_SEEDS}", *[o for o in extra if not o.startswith("method=")]]
 
 
 def ablation_step(dataset: str, i: int) -> str:
@@ -231,7 +234,7 @@ def ablation_body() -> str | None:
                 one = json.loads((ROOT / "experiments" / exp / "runs" / f"{run['key']}-{run['digest'][:8]}"
                                   / "result.json").read_text())
                 vals.append(one["val_score"])
-            summ = agg["summary"]["ushash"]["64"]
+            summ = agg["summary"][ablation_overrides(label)[0].split("=", 1)[1]]["64"]
             fmt = lambda m: f"{m[0]:.3f} ± {m[1]:.3f}"
             cells += [f"{np.mean(vals):.3f} ± {np.std(vals, ddof=1) if len(vals) > 1 else 0:.3f}",
                       fmt(summ["paired"]["tie_map@10"]["mean"]), fmt(summ["label"]["tie_map@10"]["mean"])]

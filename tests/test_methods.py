@@ -43,7 +43,7 @@ def label_map(split, method) -> float:
 # ---------------------------------------------------------------------------------------------- registry
 
 def test_registry_has_every_method_and_a_config_for_each():
-    expected = {"ushash", "pairwise", "csq", "orthohash", "lsh", "pca_sign", "itq", "pca_rotation", "float"}
+    expected = {"ushash", "ushash_labels", "pairwise", "csq", "orthohash", "lsh", "pca_sign", "itq", "pca_rotation", "float"}
     assert set(methods.names()) == expected
     assert set(methods.names("fitted")) == {"lsh", "pca_sign", "itq", "pca_rotation", "float"}
     files = {p.stem: yaml.safe_load(p.read_text()) for p in (Path(CONFIG_DIR) / "method").glob("*.yaml")}

@@ -192,7 +192,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
 # ---------------------------------------------------------------------------------------------- aggregation
 
 def _entry_order(name: str) -> tuple:
-    order = ["ushash", "ushash_float", "pairwise", "csq", "orthohash", "itq", "pca_rotation", "pca_sign", "lsh", "float"]
+    order = ["ushash", "ushash_float", "ushash_labels", "pairwise", "csq", "orthohash", "itq", "pca_rotation", "pca_sign", "lsh", "float"]
     return (order.index(name) if name in order else len(order), name)
 
 

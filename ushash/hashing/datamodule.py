@@ -36,6 +36,24 @@ class GroupBatches(Dataset):
             self.members[m] = members
         self.rng = np.random.default_rng(seed)
 
+    def label_matrix(self, split: FeatureSplit) -> torch.Tensor:
+        """[n groups, n labels] bool: the class labels of each training group (the union over its rows of
+        every modality); a group whose rows carry no label has an all-false row. Made once."""
+        if getattr(self, "_labels", None) is None:
+            per_group: list[set] = [set() for _ in self.groups]
+            for m in self.modalities:
+                labels = split.tables[m].labels
+                for g, rows in enumerate(self.members[m]):
+                    for r in rows:
+                        per_group[g].update(labels[r])
+            vocab = {lab: i for i, lab in enumerate(sorted(set().union(*per_group)))}
+            mat = torch.zeros(len(self.groups), max(len(vocab), 1), dtype=torch.bool)
+            for g, labs in enumerate(per_group):
+                for lab in labs:
+                    mat[g, vocab[lab]] = True
+            self._labels = mat
+        return self._labels
+
     def __len__(self) -> int:
         return len(self.groups)
 

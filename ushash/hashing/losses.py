@@ -27,13 +27,16 @@ def relax(logits: torch.Tensor, beta: float, mode: str = "tanh") -> torch.Tensor
 
 
 def contrastive(ha: torch.Tensor, hb: torch.Tensor, ga: torch.Tensor, gb: torch.Tensor,
-                temperature: float | torch.Tensor = 0.2, similarity: str = "dot") -> torch.Tensor:
+                temperature: float | torch.Tensor = 0.2, similarity: str = "dot",
+                positives: torch.Tensor | None = None) -> torch.Tensor:
     """Symmetric InfoNCE between two modalities' relaxed codes (or embeddings).
 
     similarity "dot": h_a . h_b / width (1 - 2 * Hamming / bits for exact codes); "cosine": the cosine of the
     rows, the same for exact codes and independent of how far tanh() has saturated.
     ga, gb: integer group ids; every (i, j) with ga[i] == gb[j] is a positive (several captions per image).
     temperature: a number or a 0-d tensor (a learned scale).
+    positives: a [len(ha), len(hb)] boolean matrix of positives instead of the group equality (e.g. rows that
+    share a class label too).
     """
     if similarity == "cosine":
         sim = F.normalize(ha, dim=-1) @ F.normalize(hb, dim=-1).T / temperature
@@ -41,7 +44,7 @@ def contrastive(ha: torch.Tensor, hb: torch.Tensor, ga: torch.Tensor, gb: torch.
         sim = ha @ hb.T / ha.shape[1] / temperature
     else:
         raise ValueError(f"similarity {similarity!r}: expected 'dot' or 'cosine'")
-    pos = (ga[:, None] == gb[None, :]).float()
+    pos = (ga[:, None] == gb[None, :]).float() if positives is None else positives.float()
 
     def _side(s: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         keep = p.sum(1) > 0

@@ -29,7 +29,17 @@ def stacked(h: dict, present: dict) -> torch.Tensor:
     return torch.cat([h[m][present[m]] for m in h])
 
 
-def objective(module, h, z, g, present, args, teacher=None):
+def label_positives(module, ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
+    """[len(ga), len(gb)] bool: the same group, or groups sharing a class label of the training split."""
+    dm = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
+    if dm is None or getattr(dm, "train_set", None) is None:
+        raise ValueError(f"method {module.hparams.method} needs the FeatureDataModule (the training split's labels)")
+    lab = dm.train_set.label_matrix(dm.train_split).to(ga.device).float()
+    return (ga[:, None] == gb[None, :]) | ((lab[ga] @ lab[gb].T) > 0)
+
+
+def objective(module, h, z, g, present, args, teacher=None, positives=None):
+    """positives: None (the pairs: the same group) or a function (module, ga, gb) -> bool matrix."""
     hp = module.hparams
     ref = next(iter(h.values()))
     l_con = l_float = l_distill = ref.new_zeros(())
@@ -37,9 +47,11 @@ def objective(module, h, z, g, present, args, teacher=None):
     t_code, t_float = module.code_temperature(), module.float_temperature()
     for a, b, both in cross_modal_pairs(h, present):
         ga, gb = g[a][both], g[b][both]
-        l_con = l_con + losses.contrastive(h[a][both], h[b][both], ga, gb, t_code, similarity="cosine")
+        pos = positives(module, ga, gb) if positives else None
+        l_con = l_con + losses.contrastive(h[a][both], h[b][both], ga, gb, t_code, similarity="cosine", positives=pos)
         # the same objective on the continuous embeddings keeps z well-shaped (and is the float baseline)
-        l_float = l_float + losses.contrastive(z[a][both], z[b][both], ga, gb, t_float, similarity="cosine")
+        l_float = l_float + losses.contrastive(z[a][both], z[b][both], ga, gb, t_float, similarity="cosine",
+                                               positives=pos)
         if (hp.distill_pairs == "cross" and teacher is not None and teacher.get(a) is not None
                 and teacher.get(b) is not None):
             l_distill = l_distill + losses.similarity_distillation(h[a][both], h[b][both], teacher[a][both],
@@ -84,5 +96,13 @@ def closed_form_start(train, val, bits: int, seed: int, space_settings: dict):
     return space, np.concatenate([protos, extra / np.linalg.norm(extra, axis=1, keepdims=True)])
 
 
+def supervised_objective(module, h, z, g, present, args, teacher=None):
+    return objective(module, h, z, g, present, args, teacher=teacher, positives=label_positives)
+
+
 register(MethodSpec(name="ushash", title="US-HASH", kind="trained", objective=objective, aliases=("us-hash", "us_hash"),
                     reference="this project (docs/design.md)"))
+register(MethodSpec(name="ushash_labels", title="US-HASH, label-supervised (positives share a class label)",
+                    kind="trained", objective=supervised_objective, aliases=("ushash-labels",),
+                    reference="this project; positives as in SupCon (Khosla et al., NeurIPS 2020). Uses the "
+                              "training split's class labels: not comparable with the pair-trained methods"))
