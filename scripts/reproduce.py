@@ -48,10 +48,8 @@ ABLATION_SETS = {"tuxpaint": ("sweep_tuxpaint64", "tuxpaint-offline-64b"), "emoj
 ABLATIONS = {
     "shipped defaults": "",
     "no distillation (model.loss.distill=0)": "model.loss.distill=0",
-    "no InfoNCE on z (model.loss.float=0)": "model.loss.float=0",
     "fixed temperature 0.5 (model.learn_temperature=false)": "model.learn_temperature=false",
     "random-init 2-layer MLP (model.init=random model.layers=2)": "model.init=random model.layers=2",
-    "no early stop (early_stop.patience=null)": "early_stop.patience=null",
     "angular distillation target (model.distill_kernel=angular)": "model.distill_kernel=angular",
     "distillation within modalities too (model.distill_pairs=all)": "model.distill_pairs=all",
     "batches of 512 groups (model.batch_size=512)": "model.batch_size=512",
