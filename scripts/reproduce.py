@@ -227,14 +227,10 @@ def ablation_body() -> str | None:
                 cells += ["–"] * 3
                 continue
             agg = json.loads(res.read_text())
-            vals = []
-            for run in agg["runs"]:
-                one = json.loads((ROOT / "experiments" / exp / "runs" / f"{run['key']}-{run['digest'][:8]}"
-                                  / "result.json").read_text())
-                vals.append(one["val_score"])
+            vals = [run["val_score"] for run in agg["runs"] if run.get("val_score") is not None]
             summ = agg["summary"][ablation_overrides(label)[0].split("=", 1)[1]]["64"]
             fmt = lambda m: f"{m[0]:.3f} ± {m[1]:.3f}"
-            cells += [f"{np.mean(vals):.3f} ± {np.std(vals, ddof=1) if len(vals) > 1 else 0:.3f}",
+            cells += [f"{np.mean(vals):.3f} ± {np.std(vals, ddof=1) if len(vals) > 1 else 0:.3f}" if vals else "–",
                       fmt(summ["paired"]["tie_map@10"]["mean"]), fmt(summ["label"]["tie_map@10"]["mean"])]
             stamps.append(stamp_of(ablation_step(dataset, i)))
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
