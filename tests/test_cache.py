@@ -14,6 +14,7 @@ from ushash.serving.cache.lsh import LSHHead
 from ushash.core.codes import hamming
 
 BACKENDS = [
+    pytest.param({"backend": "mindex", "mih_min_entries": 64}, id="mindex"),
     pytest.param({"backend": "flat"}, id="faiss-flat"),
     pytest.param({"backend": "mih"}, id="faiss-mih"),
     pytest.param({"backend": "torch", "device": "cpu"}, id="torch-cpu"),

@@ -7,9 +7,10 @@ from ushash.serving.cache.search import FaissBackend, make_backend
 from ushash.core.codes import hamming
 
 BACKENDS = [
+    pytest.param("mindex", "cpu", id="mindex"),
     pytest.param("flat", "cpu", id="faiss-flat"),
     pytest.param("mih", "cpu", id="faiss-mih"),
-    pytest.param("auto", "cpu", id="faiss-auto"),
+    pytest.param("faiss", "cpu", id="faiss-auto"),
     pytest.param("torch", "cpu", id="torch-cpu"),
     pytest.param("torch", "cuda", id="torch-cuda", marks=pytest.mark.gpu),
 ]
@@ -103,3 +104,64 @@ def test_search_many_equals_single_searches(kind, device):
             s1, d1 = b.search(q, radius)
             np.testing.assert_array_equal(slots[lims[i]:lims[i + 1]], s1)
             np.testing.assert_array_equal(dists[lims[i]:lims[i + 1]], d1)
+
+
+@pytest.mark.parametrize("bits", [40, 64, 128])
+def test_mindex_tables_tail_merges_and_scans_match_a_naive_reference(bits):
+    """The own multi-index through every path: the scan while small, chunk tables once built, the scanned
+    tail and its merges, tombstones and renumbering, and the scan it picks for wide radii; batches and
+    single queries against a naive popcount reference, ties (equal distances, duplicate codes) included."""
+    from ushash.serving.cache.search import MIndexBackend
+
+    rng = np.random.default_rng(bits + 1)
+    nb = bits // 8
+    b = MIndexBackend(bits, min_entries=200, tail_max=64)
+    centres = rng.integers(0, 256, size=(8, nb), dtype=np.uint8)
+    live: dict[int, np.ndarray] = {}
+    slot = 0
+    saw_tables = saw_tail = False
+    for step in range(12):
+        n = int(rng.integers(1, 150))
+        codes = centres[rng.integers(0, 8, n)].copy()
+        k = rng.integers(0, 4, n)
+        for j in range(3):
+            rows = np.flatnonzero(k > j)
+            bit = rng.integers(0, bits, len(rows))
+            codes[rows, bit // 8] ^= (1 << (bit % 8)).astype(np.uint8)
+        codes[: n // 10] = codes[n // 10 : 2 * (n // 10)]          # duplicate codes: ties by slot
+        slots = rng.permutation(np.arange(slot, slot + 3 * n))[:n]  # sparse, unordered slots
+        slot += 3 * n
+        b.add_many(slots, codes)
+        live.update({int(s): c for s, c in zip(slots, codes)})
+        if step % 3 == 2:   # re-adding a live slot replaces its code
+            s0 = int(rng.choice(sorted(live)))
+            b.add(s0, centres[0])
+            live[s0] = centres[0].copy()
+        for s in rng.choice(sorted(live), size=len(live) // 4, replace=False):
+            b.remove(int(s))
+            del live[int(s)]
+        assert len(b) == len(live)
+        saw_tables |= b.uses_tables
+        saw_tail |= b.uses_tables and b._mi.n > b._mi.nbase
+        qs = np.concatenate([codes[:6], centres[:2], rng.integers(0, 256, size=(2, nb), dtype=np.uint8)])
+        for radius in (0, 1, 3, 4, 7, 12, bits):
+            lims, ss, dd = b.search_many(qs, radius)
+            for i, q in enumerate(qs):
+                ref_s, ref_d = _reference(live, q, radius)
+                np.testing.assert_array_equal(ss[lims[i]:lims[i + 1]], ref_s)
+                np.testing.assert_array_equal(dd[lims[i]:lims[i + 1]], ref_d)
+                s1, d1 = b.search(q, radius)
+                np.testing.assert_array_equal(s1, ref_s)
+                np.testing.assert_array_equal(d1, ref_d)
+    assert saw_tables and saw_tail
+
+
+def test_flip_masks_enumerate_every_probe_once():
+    from math import comb
+
+    from ushash.serving.cache.mindex import flip_masks
+
+    for w, f in ((16, 0), (16, 1), (16, 3), (5, 9)):
+        m = flip_masks(w, f)
+        assert len(set(m.tolist())) == len(m) == sum(comb(w, k) for k in range(min(f, w) + 1))
+        assert all(bin(int(x)).count("1") <= f and int(x) < (1 << w) for x in m)

@@ -48,10 +48,12 @@ class CacheConfig:
     max_candidates: int = 32                 # candidates within the radius checked per lookup, nearest first
     policy: str = "wtinylfu"                 # lru | lfu | wtinylfu | lruk
     policy_options: Dict[str, Any] = field(default_factory=dict)  # wtinylfu: window, protected; lruk: k, half_life_s
-    backend: str = "auto"                    # auto | flat | mih (faiss, CPU) | torch (tensors on `device`)
+    backend: str = "auto"                    # auto = mindex (own multi-index, numba) | flat | mih | faiss (faiss:
+                                             # flat, MIH, flat then MIH) | torch (tensors on `device`)
     device: str = "cpu"                      # torch backend: cuda, cuda:1, cpu
     mih_nhash: Optional[int] = None          # multi-index hash tables; None: bits // 16
-    mih_min_entries: int = 20000             # auto: switch from flat to multi-index hashing at this size
+    mih_min_entries: int = 20000             # faiss: flat below this size, then MIH; mindex: tables from
+                                             # min(this, 4096) codes (a scan below)
     ttl_s: Optional[float] = 3600.0          # time to live; 0 / None: no expiry
     ttl_jitter: float = 0.1                  # expiry = now + ttl * (1 - jitter * U[0, 1))
     adaptive_ttl: bool = False               # ttl = ttl_s x mem_factor x lat_factor (serving/cache/adaptive.py):
@@ -128,7 +130,7 @@ class CacheConfig:
         """The settings that depend on the head, checked when one is loaded (before serving anything):
         the multi-index hash tables must divide the code, radii fit in it, and the torch device exist."""
         nhash = self.mih_nhash or max(1, bits // 16)
-        if str(self.backend).lower() in ("auto", "mih") and bits % nhash:
+        if str(self.backend).lower() in ("auto", "mih", "faiss") and bits % nhash:
             raise ValueError(f"cache.mih_nhash={nhash} must divide the head's {bits} bits (e.g. {bits // 16 or 1})")
         if self.radius > bits or (self.observe_radius or 0) > bits:
             raise ValueError(f"cache.radius / observe_radius must be <= the head's {bits} bits")

@@ -1,6 +1,7 @@
 """Hamming range search over a changing set of packed codes: the cache's L1 index (one per tenant).
 
-    b = make_backend("auto", bits=64)        # "flat", "mih", "auto" (faiss, CPU) or "torch" (CUDA tensors)
+    b = make_backend("auto", bits=64)        # "auto"/"mindex" (own, numba), "flat", "mih", "faiss" (faiss),
+                                              # or "torch" (CUDA tensors)
     b.add(slot, code)                         # code: uint8 [bits / 8]; slot: the cache's entry id
     b.remove(slot)
     slots, dists = b.search(code, radius)     # every live entry with distance <= radius (inclusive),
@@ -13,11 +14,14 @@ with tombstones: a removed entry stays in the index, is filtered out of results,
 rebuilt from the live codes once tombstones outnumber live entries (amortised O(1) per removal).
 faiss's binary `range_search` is strict (distance < radius), so radius + 1 is passed (see ushash.core.index).
 
+- "mindex" (and "auto", the default): this package's multi-index (mindex.py): sorted chunk tables, 16 B
+  per 64-bit code beside the code and its slot, searched in one numba call per batch, a popcount scan
+  while small or when cheaper; exact for every radius. No faiss.
 - "flat": `IndexBinaryFlat`, a scan of every code; best for small caches.
 - "mih": `IndexBinaryMultiHash(bits, nhash, bits / nhash)`: exact for any radius with
   nflip = radius // nhash bit flips per substring (pigeonhole), and fast while nflip == 0, i.e.
   radius < nhash (default nhash = bits / 16: 4 tables for 64 bits, exact and fast up to radius 3).
-- "auto": flat until `mih_min_entries` live entries, then multi-index hashing.
+- "faiss": flat until `mih_min_entries` live entries, then multi-index hashing (faiss's "auto").
 - "torch": codes in a uint8 tensor on `device` (CUDA, or CPU for tests), XOR + byte-popcount table;
   slots are reused in place, no tombstones. faiss-gpu has no in-place update either; this avoids it.
 """
@@ -28,7 +32,7 @@ import numpy as np
 
 from ushash.core import codes as codes_lib
 
-BACKENDS = ("auto", "flat", "mih", "torch")
+BACKENDS = ("auto", "mindex", "flat", "mih", "faiss", "torch")
 
 
 class HammingBackend:
@@ -284,6 +288,58 @@ class FaissBackend(HammingBackend):
         return len(self._slot2pos)
 
 
+class MIndexBackend(HammingBackend):
+    """This package's multi-index (ushash.serving.cache.mindex): chunk tables + a scanned tail, tombstones
+    renumbered away once they outnumber live codes."""
+
+    kind = "mindex"
+
+    def __init__(self, bits: int, min_entries: int = 4096, tail_max: int = 4096):
+        super().__init__(bits)
+        from ushash.serving.cache.mindex import MultiIndex
+
+        self._mi = MultiIndex(self.bits, min_entries=min_entries, tail_max=tail_max)
+        self._slot2pos = _SlotMap()
+
+    @property
+    def uses_tables(self) -> bool:
+        return self._mi.offs is not None
+
+    def _append(self, slots: np.ndarray, codes: np.ndarray) -> None:
+        if int(slots.min()) < 0 or int(slots.max()) >= (1 << 40):
+            raise ValueError("slots must be in [0, 2^40)")
+        pos = self._mi.append(slots, self._mi.words(codes))
+        self._slot2pos.set_many(slots, pos)
+
+    def remove(self, slot: int) -> None:
+        pos = self._slot2pos.pop(int(slot), None)
+        if pos is None:
+            return
+        mi = self._mi
+        mi.p2s[pos] = -1
+        if mi.n - len(self._slot2pos) > max(1024, len(self._slot2pos)):
+            slots = mi.compact()
+            self._slot2pos = _SlotMap()
+            self._slot2pos.set_many(slots, np.arange(len(slots), dtype=np.int64))
+
+    def search_many(self, codes: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not isinstance(codes, np.ndarray) or codes.dtype != np.uint8 or codes.ndim != 2 or codes.shape[1] != self.nbytes:
+            return super().search_many(codes, radius)   # the shared checks raise
+        b = len(codes)
+        if b == 0 or len(self._slot2pos) == 0 or radius < 0:
+            return np.zeros(b + 1, np.int64), _EMPTY[0], _EMPTY[1]
+        return self._mi.search(self._mi.words(codes), min(int(radius), self.bits), len(self._slot2pos))
+
+    def __len__(self) -> int:
+        return len(self._slot2pos)
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the index's arrays (codes, slots, tables, slot -> position map), capacity included."""
+        a = self._slot2pos._a
+        return self._mi.nbytes + (a.nbytes if a is not None else 0)
+
+
 class TorchBackend(HammingBackend):
     """Codes in a uint8 tensor on `device`; distances by XOR and a 256-entry popcount table."""
 
@@ -363,8 +419,12 @@ def make_backend(kind: str, bits: int, device: str = "cpu", mih_nhash: int | Non
     kind = str(kind).lower()
     if kind == "torch":
         return TorchBackend(bits, device=device)
-    if kind in ("auto", "flat", "mih"):
+    if kind in ("auto", "mindex", "flat", "mih", "faiss"):
         if str(device).startswith("cuda"):
             raise ValueError(f"search backend {kind!r} runs on the CPU; use backend 'torch' for device {device!r}")
-        return FaissBackend(bits, kind=kind, mih_nhash=mih_nhash, mih_min_entries=mih_min_entries)
+        if kind in ("auto", "mindex"):
+            m = min(4096, int(mih_min_entries))   # tables from this many codes; a tail of up to m / 2, <= 2048
+            return MIndexBackend(bits, min_entries=m, tail_max=min(2048, max(32, m // 2)))
+        return FaissBackend(bits, kind="auto" if kind == "faiss" else kind, mih_nhash=mih_nhash,
+                            mih_min_entries=mih_min_entries)
     raise ValueError(f"unknown search backend {kind!r}; choose one of {BACKENDS}")

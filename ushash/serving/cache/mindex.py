@@ -1,0 +1,344 @@
+"""A compact multi-index Hamming range search in numpy + numba: the L1's default CPU index ("mindex").
+
+Codes are cut into m = ceil(bits / 16) chunks of (at most) 16 bits. A code within distance r of a query
+agrees with it to within f = r // m bits in at least one chunk (pigeonhole), so a search probes, in each
+chunk's table, every chunk value within f bits of the query's, and checks the full distance of the codes
+found there. A table is the positions of the indexed codes sorted by that chunk's value (int32 [n]), their
+codes' first 64 bits beside them (uint64 [n], so that a probe reads one contiguous run rather than one
+cache line per code) and the start of each value's run (int32 [2^16 + 1]): 12 B per code and chunk, 48 B
+per 64-bit code, against faiss IndexBinaryMultiHash's ~200 B of hash tables. A code found through an earlier chunk is skipped in
+the later ones (its earlier chunk is within f bits too), so each result is reported once.
+
+The tables are built for the codes at positions [0, nbase); codes added since (the tail, at most
+`tail_max` of them) are scanned; when the tail is full it is merged into the tables in one sequential
+pass per chunk (a memory copy: ~10 ms at 1M codes, every `tail_max` adds). Removals are tombstones
+(position -> slot -1, checked for the codes within the radius only), and the positions are renumbered
+and the tables rebuilt once tombstones outnumber live codes: amortised O(1) per add and per removal. Below `min_entries` codes, and whenever the probes would cost more than a scan (wide
+radii), a query is a popcount scan of every code instead.
+
+Results come sorted by (distance, slot) per query, from one compiled call for a whole batch (no Python
+per query or per candidate); the popcount is LLVM's ctpop (one instruction on x86-64 with POPCNT).
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import intrinsic
+
+CHUNK_BITS = 16
+NVALUES = 1 << CHUNK_BITS
+
+
+@intrinsic
+def _ctpop(typingctx, x):
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+
+    return x(x), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dist(codes, pos, q, qi, nwords):
+    d = np.int64(0)
+    for w in range(nwords):
+        d += np.int64(_ctpop(codes[pos, w] ^ q[qi, w]))
+    return d
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _chunk(row, arr, j):
+    """Chunk j (16 bits) of the code in row `row` of uint64 array `arr`."""
+    return np.int64((arr[row, j >> 2] >> np.uint64(16 * (j & 3))) & np.uint64(0xFFFF))
+
+
+@njit(cache=True, nogil=True)
+def _sort_run(out_s, out_d, a, b):
+    """Sort out_[a:b] by (distance, slot): insertion sort for short runs, else argsort of one int64 key."""
+    n = b - a
+    if n < 2:
+        return
+    if n <= 32:
+        for i in range(a + 1, b):
+            s, d = out_s[i], out_d[i]
+            j = i - 1
+            while j >= a and (out_d[j] > d or (out_d[j] == d and out_s[j] > s)):
+                out_s[j + 1] = out_s[j]
+                out_d[j + 1] = out_d[j]
+                j -= 1
+            out_s[j + 1] = s
+            out_d[j + 1] = d
+        return
+    key = np.empty(n, np.int64)
+    for i in range(n):
+        key[i] = (np.int64(out_d[a + i]) << 40) | out_s[a + i]   # slots < 2^40 (checked on add)
+    order = np.argsort(key)
+    ts = out_s[a:b].copy()
+    td = out_d[a:b].copy()
+    for i in range(n):
+        out_s[a + i] = ts[order[i]]
+        out_d[a + i] = td[order[i]]
+
+
+@njit(cache=True, nogil=True)
+def _search(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, radius, use_tables, lims, out_s, out_d):
+    """Every live code within `radius` of each query into (lims [B + 1], out_s, out_d), each query's sorted
+    by (distance, slot); returns the number of results, which may exceed the buffers' length (then
+    nothing is complete: call again with buffers that long). q, codes: uint64 [*, nwords]; positions
+    [0, nbase) through the tables (when use_tables), the rest scanned; masks: the chunk-value flips to
+    probe (popcount <= radius // nchunks). A table run holds its codes' first words inline (tc), so a
+    probe reads one contiguous run, and the position's columns only for the codes that pass. (The buffers
+    are the caller's: an array reassigned inside the loop would cost reference counting per code.)"""
+    nq, nwords = q.shape
+    cap = len(out_s)
+    f = radius // nchunks
+    m = 0
+    scan_from = nbase if use_tables else 0
+    for qi in range(nq):
+        start = m
+        if use_tables:
+            for j in range(nchunks):
+                qv = _chunk(qi, q, j)
+                for t in range(len(masks)):
+                    v = qv ^ masks[t]
+                    for k in range(offs[j, v], offs[j, v + 1]):
+                        c0 = tc[j, k]
+                        d = np.int64(_ctpop(c0 ^ q[qi, 0]))
+                        if d > radius:   # the first word alone is too far already
+                            continue
+                        pos = ids[j, k]
+                        dup = False
+                        for i in range(j):   # found through an earlier chunk already
+                            ci = _chunk(pos, codes, i) if i >= 4 else \
+                                np.int64((c0 >> np.uint64(16 * i)) & np.uint64(0xFFFF))
+                            if _ctpop(ci ^ _chunk(qi, q, i)) <= f:
+                                dup = True
+                                break
+                        if dup:
+                            continue
+                        if nwords > 1:
+                            d = _dist(codes, pos, q, qi, nwords)
+                            if d > radius:
+                                continue
+                        slot = p2s[pos]
+                        if slot >= 0:
+                            if m < cap:
+                                out_s[m] = slot
+                                out_d[m] = d
+                            m += 1
+        for pos in range(scan_from, n):
+            d = _dist(codes, pos, q, qi, nwords)
+            if d <= radius:
+                slot = p2s[pos]
+                if slot >= 0:
+                    if m < cap:
+                        out_s[m] = slot
+                        out_d[m] = d
+                    m += 1
+        if m <= cap:
+            _sort_run(out_s, out_d, start, m)
+        lims[qi + 1] = m
+    return m
+
+
+@njit(cache=True, nogil=True)
+def _build(codes, p2s, n, nchunks):
+    """Tables for the live codes at positions [0, n): offs int32 [nchunks, 2^16 + 1], ids int32 [nchunks, live]
+    (positions sorted by the chunk's value) and tc uint64 [nchunks, live] (their codes' first words)."""
+    live = 0
+    for pos in range(n):
+        if p2s[pos] >= 0:
+            live += 1
+    offs = np.zeros((nchunks, NVALUES + 1), np.int32)
+    ids = np.empty((nchunks, live), np.int32)
+    tc = np.empty((nchunks, live), np.uint64)
+    fill = np.empty(NVALUES, np.int32)
+    for j in range(nchunks):
+        for pos in range(n):
+            if p2s[pos] >= 0:
+                offs[j, _chunk(pos, codes, j) + 1] += 1
+        for v in range(NVALUES):
+            offs[j, v + 1] += offs[j, v]
+            fill[v] = offs[j, v]
+        for pos in range(n):
+            if p2s[pos] >= 0:
+                v = _chunk(pos, codes, j)
+                ids[j, fill[v]] = pos
+                tc[j, fill[v]] = codes[pos, 0]
+                fill[v] += 1
+    return offs, ids, tc
+
+
+@njit(cache=True, nogil=True)
+def _merge(codes, p2s, nbase, n, offs, ids, tc, nchunks):
+    """The tables of [0, nbase) plus the live codes of the tail [nbase, n): one sequential pass per chunk
+    (each value's run: its old run as it is, then the tail's codes of that value in position order).
+    Tombstones already in the tables stay until the next rebuild (`compact`): copying runs verbatim is
+    what keeps a merge a memory copy."""
+    tail = 0
+    for pos in range(nbase, n):
+        if p2s[pos] >= 0:
+            tail += 1
+    total = ids.shape[1] + tail
+    noffs = np.empty((nchunks, NVALUES + 1), np.int32)
+    nids = np.empty((nchunks, total), np.int32)
+    ntc = np.empty((nchunks, total), np.uint64)
+    tcount = np.zeros(NVALUES + 1, np.int32)
+    tpos = np.empty(max(1, tail), np.int32)
+    fill = np.empty(NVALUES, np.int32)
+    for j in range(nchunks):
+        tcount[:] = 0
+        for pos in range(nbase, n):
+            if p2s[pos] >= 0:
+                tcount[_chunk(pos, codes, j) + 1] += 1
+        for v in range(NVALUES):
+            tcount[v + 1] += tcount[v]
+            fill[v] = tcount[v]
+        for pos in range(nbase, n):
+            if p2s[pos] >= 0:
+                v = _chunk(pos, codes, j)
+                tpos[fill[v]] = pos
+                fill[v] += 1
+        for v in range(NVALUES + 1):
+            noffs[j, v] = offs[j, v] + tcount[v]
+        # the old table in bulk, each tail code inserted at the end of its value's old run (a loop per
+        # value instead would cost ~100 ns per value: 65,536 short loops)
+        src = dst = 0
+        for t in range(tail):
+            end = offs[j, _chunk(tpos[t], codes, j) + 1]
+            for k in range(src, end):
+                nids[j, dst] = ids[j, k]
+                ntc[j, dst] = tc[j, k]
+                dst += 1
+            src = end
+            nids[j, dst] = tpos[t]
+            ntc[j, dst] = codes[tpos[t], 0]
+            dst += 1
+        for k in range(src, ids.shape[1]):
+            nids[j, dst] = ids[j, k]
+            ntc[j, dst] = tc[j, k]
+            dst += 1
+    return noffs, nids, ntc
+
+
+def flip_masks(width: int, flips: int) -> np.ndarray:
+    """Every value of `width` bits with at most `flips` bits set (the chunk probes), as int64."""
+    out = [0]
+    for k in range(1, min(flips, width) + 1):
+        out += [sum(1 << b for b in c) for c in combinations(range(width), k)]
+    return np.array(out, np.int64)
+
+
+class MultiIndex:
+    """Positions -> codes (uint64 words) and slots, the chunk tables and the tail (module docstring).
+    Slot bookkeeping (slot -> position) is the caller's (search.MIndexBackend)."""
+
+    def __init__(self, bits: int, min_entries: int = 4096, tail_max: int = 4096):
+        self.bits = int(bits)
+        self.nwords = -(-self.bits // 64)
+        self.nchunks = -(-self.bits // CHUNK_BITS)
+        self.min_entries = int(min_entries)
+        self.tail_max = int(tail_max)
+        self.codes = np.zeros((16, self.nwords), np.uint64)
+        self.p2s = np.full(16, -1, np.int64)
+        self.n = 0          # positions used (live + tombstones)
+        self.nbase = 0      # positions covered by the tables
+        self.offs = self.ids = self.tc = None
+        self._masks: dict[int, np.ndarray] = {}
+
+    def words(self, packed: np.ndarray) -> np.ndarray:
+        """uint8 [N, bits / 8] -> uint64 [N, nwords] (little-endian, zero-padded)."""
+        nb = 8 * self.nwords
+        if packed.shape[1] != nb:
+            p = np.zeros((len(packed), nb), np.uint8)
+            p[:, : packed.shape[1]] = packed
+            packed = p
+        return np.ascontiguousarray(packed).view("<u8").astype(np.uint64, copy=False)
+
+    def _grow(self, need: int) -> None:
+        cap = len(self.p2s)
+        if need <= cap:
+            return
+        while cap < need:
+            cap *= 2
+        codes = np.zeros((cap, self.nwords), np.uint64)   # zeros: pages not yet written cost no memory
+        codes[: self.n] = self.codes[: self.n]
+        p2s = np.zeros(cap, np.int64)
+        p2s[: self.n] = self.p2s[: self.n]
+        p2s[self.n:] = -1
+        self.codes, self.p2s = codes, p2s
+
+    def append(self, slots: np.ndarray, words: np.ndarray) -> np.ndarray:
+        """Store codes at fresh positions; returns the positions."""
+        k = len(slots)
+        self._grow(self.n + k)
+        pos = np.arange(self.n, self.n + k, dtype=np.int64)
+        self.codes[self.n : self.n + k] = words
+        self.p2s[self.n : self.n + k] = slots
+        self.n += k
+        if (self.n - self.nbase >= self.tail_max) if self.offs is not None else (self.n >= self.min_entries):
+            self.merge()
+        return pos
+
+    def merge(self) -> None:
+        if self.offs is None:
+            self.offs, self.ids, self.tc = _build(self.codes, self.p2s, self.n, self.nchunks)
+        else:
+            self.offs, self.ids, self.tc = _merge(self.codes, self.p2s, self.nbase, self.n, self.offs, self.ids,
+                                                  self.tc, self.nchunks)
+        self.nbase = self.n
+
+    def compact(self) -> np.ndarray:
+        """Renumber the live codes to positions [0, live), rebuild; returns the live slots in their new order."""
+        live = np.flatnonzero(self.p2s[: self.n] >= 0)
+        codes, slots = self.codes[live].copy(), self.p2s[live].copy()
+        self.codes[: len(live)] = codes
+        self.p2s[: len(live)] = slots
+        self.p2s[len(live) : self.n] = -1
+        self.n = len(live)
+        self.offs = self.ids = self.tc = None
+        self.nbase = 0
+        if self.n >= self.min_entries:
+            self.merge()
+        return slots
+
+    def masks(self, flips: int) -> np.ndarray:
+        m = self._masks.get(flips)
+        if m is None:
+            m = self._masks[flips] = flip_masks(CHUNK_BITS, flips)
+        return m
+
+    def search(self, qwords: np.ndarray, radius: int, live: int):
+        """(lims, slots, dists) for queries uint64 [B, nwords] (see _search)."""
+        use = self.offs is not None
+        masks = self.masks(radius // self.nchunks) if use else self.masks(0)
+        if use:
+            # probes cost ~ chunks x probes x (run length + 1); a scan ~ every code: take the cheaper
+            probes = self.nchunks * len(masks) * (self.nbase / NVALUES + 1.0)
+            use = probes < 0.5 * live
+        args = (qwords, self.codes, self.p2s, self.n, self.nbase, self.offs if use else _NO_OFFS,
+                self.ids if use else _NO_IDS, self.tc if use else _NO_TC, masks, self.nchunks, int(radius), use)
+        lims = np.zeros(len(qwords) + 1, np.int64)
+        cap = max(64, 16 * len(qwords))
+        while True:
+            out_s, out_d = np.empty(cap, np.int64), np.empty(cap, np.int32)
+            m = _search(*args, lims, out_s, out_d)
+            if m <= cap:
+                return lims, out_s[:m], out_d[:m]
+            cap = m
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the positions' columns and the tables (capacity included)."""
+        t = 0 if self.offs is None else self.offs.nbytes + self.ids.nbytes + self.tc.nbytes
+        return self.codes.nbytes + self.p2s.nbytes + t
+
+
+_NO_OFFS = np.zeros((1, 2), np.int32)
+_NO_IDS = np.zeros((1, 0), np.int32)
+_NO_TC = np.zeros((1, 0), np.uint64)
