@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+from numba import njit
 
 from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found
 from ushash.serving.cache.freshness import ExpiryHeap
@@ -28,6 +29,45 @@ from ushash.serving.cache.hitcheck import Batch
 from ushash.serving.cache.policies import make_policy
 from ushash.serving.cache.protection import BloomGuard
 from ushash.serving.cache.search import make_backend
+
+
+@njit(cache=True, nogil=True)
+def _gather(lims, slots, dists, radius, max_candidates, revision, rev_ok, expires, modality, plen):
+    """From a search's results (each query's sorted by distance): per query the number of results and the
+    nearest distance (-1: none), and the candidates (those within `radius`, at most `max_candidates` per
+    query) as flat columns: lims, slot, distance, of the revision served, expiry, modality, has a payload."""
+    b = len(lims) - 1
+    counts = np.empty(b, np.int64)
+    nearest = np.empty(b, np.int64)
+    qlims = np.zeros(b + 1, np.int64)
+    tot = 0
+    for qi in range(b):
+        a, e = lims[qi], lims[qi + 1]
+        counts[qi] = e - a
+        nearest[qi] = dists[a] if e > a else -1
+        c = 0
+        while a + c < e and c < max_candidates and dists[a + c] <= radius:
+            c += 1
+        tot += c
+        qlims[qi + 1] = tot
+    s = np.empty(tot, np.int64)
+    d = np.empty(tot, np.int64)
+    cur = np.empty(tot, np.bool_)
+    exp = np.empty(tot, np.float64)
+    mod = np.empty(tot, np.int64)
+    hasp = np.empty(tot, np.bool_)
+    for qi in range(b):
+        a = lims[qi]
+        for j in range(qlims[qi + 1] - qlims[qi]):
+            w = qlims[qi] + j
+            slot = slots[a + j]
+            s[w] = slot
+            d[w] = dists[a + j]
+            cur[w] = rev_ok[revision[slot]]
+            exp[w] = expires[slot]
+            mod[w] = modality[slot]
+            hasp[w] = plen[slot] > 0
+    return counts, nearest, qlims, s, d, cur, exp, mod, hasp
 
 
 class L1Tier:
@@ -135,65 +175,66 @@ class L1Tier:
     def find_many(self, queries: list, tenant: str, revision: str, check, now: float, k: int = 1) -> list[Found]:
         """`find` for a batch of Queries: one index search and one vectorised hit check for all. With k > 1
         (one query) the next k - 1 servable entries too (`Found.more`)."""
-        out = [MISS] * len(queries)
+        nq = len(queries)
+        out = [MISS] * nq
         with self.lock:
-            self.expire(now)
+            if len(self._expiry):
+                self.expire(now)
             ti = self._tenant_ids.get(tenant)
-            if ti is None or not queries:
+            if ti is None or not nq:
                 return out
-            todo = list(range(len(queries)))
-            if self.bloom is not None:
-                skip = Found(skip_next=self.config.bloom_guard_l2)
-                keep = []
-                for i in todo:
-                    if self.bloom.may_contain(ti, queries[i].code):
-                        keep.append(i)
-                    else:
-                        out[i] = skip
-                if len(keep) < len(todo):
-                    self.metrics.bloom_skips.inc(len(todo) - len(keep))
-                todo = keep
-            if not todo:
-                return out
-            qs = [queries[i] for i in todo]
-            codes = np.frombuffer(b"".join(q.code for q in qs), np.uint8).reshape(len(qs), self.code_bytes)
+            cb = self.code_bytes
+            codes = np.frombuffer(queries[0].code if nq == 1 else b"".join(q.code for q in queries),
+                                  np.uint8).reshape(nq, cb)
             lims, slots, dists = self._backends[ti].search_many(codes, self.observe_radius)
-            counts = lims[1:] - lims[:-1]
-            nearest_d = dists[np.minimum(lims[:-1], max(0, len(dists) - 1))] if len(dists) else counts
-            # each query's candidates: within the radius (a prefix: distances are sorted), at most max_candidates
-            mc = self.config.max_candidates
-            if len(qs) == 1:
-                nc = min(int(np.count_nonzero(dists <= self.radius)), mc)   # not `k`: that is the top-k asked for
-                slots, dists = slots[:nc], dists[:nc]
-                qlims = np.array([0, nc], np.int64)
-            else:
-                rank = np.arange(len(slots)) - np.repeat(lims[:-1], counts)
-                sel = np.flatnonzero((dists <= self.radius) & (rank < mc))
-                slots, dists = slots[sel], dists[sel]
-                qlims = np.zeros(len(qs) + 1, np.int64)
-                np.cumsum(np.bincount(np.repeat(np.arange(len(qs)), counts)[sel], minlength=len(qs)), out=qlims[1:])
             t = self.table
-            mods = list(self._modalities)
-            qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in qs], np.int64)
-            has_z = np.array([q.z is not None for q in qs], bool)
-            qz = None
-            if len(qs) == 1:
-                qz = None if qs[0].z is None else qs[0].z[None]
-            elif has_z.any():
-                dim = next(q.z for q in qs if q.z is not None).shape[0]
-                qz = np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in qs])
+            revs = self._revisions
+            rev_ok = np.array([r == revision for r in revs], bool)
+            # each query's candidates within the radius (a prefix: distances are sorted), at most
+            # max_candidates (not `k`: that is the top-k asked for), and their columns, in one compiled pass
+            counts, nearest_d, qlims, slots, dists, cur, exp, mod, hasp = _gather(
+                lims, slots, dists, self.radius, self.config.max_candidates, t.revision, rev_ok, t.expires,
+                t.modality, t.plen)
+            if self.bloom is not None:
+                # the filter holds every live code's chunks, so it can only say "no" for a query the search
+                # found nothing for: asked for those only, it gives the same answers (and skip_next) as
+                # asking first, without costing the lookups that have candidates
+                skip = Found(skip_next=self.config.bloom_guard_l2)
+                n_skip = 0
+                for i in np.flatnonzero(counts == 0).tolist():
+                    if not self.bloom.may_contain(ti, queries[i].code):
+                        out[i] = skip
+                        n_skip += 1
+                if n_skip:
+                    self.metrics.bloom_skips.inc(n_skip)
+            if len(slots) == 0:   # nothing within the radius: the nearest seen, if any, is all there is to say
+                for i in np.flatnonzero(counts).tolist():
+                    out[i] = Found(nearest=int(nearest_d[i]))
+                return out
+            mods = self._modalities
+            if nq == 1:
+                q0 = queries[0]
+                qmod = np.array([mods.index(q0.modality) if q0.modality in mods else len(mods)], np.int64)
+                has_z = np.array([q0.z is not None])
+                qz = None if q0.z is None else q0.z[None]
+            else:
+                qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in queries], np.int64)
+                has_z = np.array([q.z is not None for q in queries], bool)
+                qz = None
+                if has_z.any():
+                    dim = next(q.z for q in queries if q.z is not None).shape[0]
+                    qz = np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in queries])
             codec = self.payload_codec
             payload = t.payload
 
             def records(idx, modality):
                 return np.ascontiguousarray(payload[slots[idx], : codec.nbytes(modality)])
 
-            revs = self._revisions
-            current = (t.revision[slots] == 0) if len(revs) == 1 and revs[0] == revision else \
-                np.array([r == revision for r in revs], bool)[t.revision[slots]]
-            batch = Batch(lims=qlims, dists=dists, modality=t.modality[slots], current=current,
-                          expires=t.expires[slots], has_payload=t.plen[slots] > 0, records=records)
-            if k > 1 and len(qs) == 1:
+            batch = Batch(lims=qlims, dists=dists, modality=mod, current=cur, expires=exp, has_payload=hasp,
+                          records=records)
+            mods = list(mods)
+            todo = range(nq)
+            if k > 1 and nq == 1:
                 ranked = check.select_top(qz, has_z, qmod, mods, batch, now, trusted=True, k=k)
                 n, nearest = int(counts[0]), int(nearest_d[0])
                 if n == 0:
@@ -209,15 +250,15 @@ class L1Tier:
                 out[todo[0]] = Found(t.read(slot, mods, revs), int(dists[c0]), cs0, f"l1:{slot}", nearest, more=more)
                 return out
             chosen, cos = check.select(qz, has_z, qmod, mods, batch, now, trusted=True)
-            for j, (i, n, nearest, c, cs) in enumerate(zip(todo, counts.tolist(), nearest_d.tolist(), chosen.tolist(),
-                                                           cos.tolist())):
+            policy = self.policy
+            for i, n, nearest, c, cs in zip(todo, counts.tolist(), nearest_d.tolist(), chosen.tolist(), cos.tolist()):
                 if n == 0:
                     continue
                 if c < 0:
                     out[i] = Found(nearest=nearest)
                     continue
                 slot = int(slots[c])
-                self.policy.access(slot)
+                policy.access(slot)
                 out[i] = Found(t.read(slot, mods, revs), int(dists[c]), None if cs != cs else cs, f"l1:{slot}", nearest)
         return out
 
