@@ -478,3 +478,57 @@ def test_expiry_records_and_tenant_indexes_are_bounded(head):
     assert cache.l1.tenants == len({int(cache.table.tenant[s]) for s in cache.table.live_slots()}) <= len(cache)
     assert cache.delete_tenant(cache.l1._tenant_names[int(cache.table.tenant[cache.table.live_slots()[0]])]) == 1
     assert cache.l1.tenants == len(cache)
+
+
+@pytest.mark.parametrize("cross_modal", [True, False])
+def test_fused_l1_path_equals_the_general_path(cross_modal):
+    """On the own multi-index with int4 payloads, L1 decides a batch in one compiled call (l1._find_fused);
+    it must give exactly the general path's answers (value, distance, cosine, entry, nearest) and refusal
+    counts: ties (duplicate entries), expiring entries, queries without z, payload refusals,
+    max_candidates cutting a run, an observe radius beyond the radius, single lookups and batches."""
+    from ushash.serving.cache.l1 import L1Tier
+    from ushash.serving.payload import PayloadCodec
+
+    codec = PayloadCodec.default(32, ("image", "text"), {"all": {"kind": "int4", "scale": "group", "group_size": 8}})
+    hd = LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0, payload=codec)
+    rng = np.random.default_rng(11)
+    clock = FakeClock()
+    cfg = {"radius": 4, "observe_radius": 6, "payload_threshold": 0.3, "ttl_s": 50, "ttl_jitter": 0.5,
+           "max_candidates": 3, "mih_min_entries": 64, "backend": "mindex", "cross_modal": cross_modal}
+    fused, general = (SemanticCache(hd, cfg, clock=clock, rng=random.Random(0)) for _ in range(2))
+    general.l1._fused_params = lambda check: None
+    centres = rng.integers(0, 256, size=(5, 8), dtype=np.uint8)
+    zc = [_unit(rng) for _ in range(5)]
+    qs = []
+    for i in range(500):
+        c = rng.integers(5)
+        code = _flip(centres[c].tobytes(), rng.integers(0, 64, size=rng.integers(0, 5)))
+        z = zc[c] + 0.7 * _unit(rng)
+        qs.append(fused.query_from_code(["image", "text"][i % 2], np.frombuffer(code, np.uint8),
+                                        None if i % 9 == 0 else z))
+    seen_fused = 0
+    for start in range(0, 400, 40):
+        for cache in (fused, general):
+            cache.store_many(qs[start:start + 40], [f"v{start + j}" for j in range(40)])
+            cache.store_many(qs[start:start + 5], [f"w{start + j}" for j in range(5)])   # replaced
+            if start % 80 == 0:   # a duplicate, stored separately: an exact tie
+                cache.store(qs[start + 7], f"d{start}")
+        clock.t += 9.0   # earlier entries expire as the stream goes on
+        probe = qs[start + 40:start + 80] + qs[:30:3]
+        fused.l1.lock.acquire()
+        seen_fused += fused.l1._fused_params(fused.hit_check) is not None
+        fused.l1.lock.release()
+        a = fused.lookup_many(probe) + [fused.lookup(q) for q in probe[:10]]
+        b = general.lookup_many(probe) + [general.lookup(q) for q in probe[:10]]
+        assert [(h.value, h.distance, h.cosine, h.entry) if h else None for h in a] == \
+               [(h.value, h.distance, h.cosine, h.entry) if h else None for h in b]
+        fa = fused.l1.find_many(probe, "default", fused.revision, fused.hit_check, clock.t)
+        fb = general.l1.find_many(probe, "default", general.revision, general.hit_check, clock.t)
+        assert fa == fb
+    assert seen_fused
+    for reason in ("revision", "expired", "payload"):
+        assert fused.metrics.value("cache_rejections_total", reason=reason) == \
+               general.metrics.value("cache_rejections_total", reason=reason), reason
+    assert fused.metrics.value("cache_rejections_total", reason="payload") > 0
+    assert fused.metrics.value("cache_evictions_total", reason="expired") > 0
+    assert isinstance(fused.l1, L1Tier)

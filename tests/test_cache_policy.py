@@ -175,3 +175,44 @@ def test_unknown_policy_and_options():
         make_policy("arc", 10)
     with pytest.raises(ValueError, match="takes no options"):
         make_policy("lru", 10, k=2)
+
+
+def test_wtinylfu_compiled_access_equals_the_python_one():
+    """The compiled hit path (access / access_many) leaves exactly the state the Python methods leave:
+    links, segments, bytes per segment, sketch counters and aging, under a seeded stream of inserts,
+    hits and removals that overflows the protected segment and halves the sketch."""
+    import numpy as np
+
+    from ushash.serving.cache.policies.wtinylfu import WTinyLFU
+
+    rng = np.random.default_rng(5)
+    a, b = WTinyLFU(4000, window=0.05), WTinyLFU(4000, window=0.05)
+    held: list[int] = []
+    aged, last, width = False, 0, 0
+    for step in range(6000):
+        aged |= a.sketch.additions < last and len(a.sketch.table) == width   # halved, not reset by growth
+        last, width = a.sketch.additions, len(a.sketch.table)
+        r = rng.random()
+        if r < 0.3 or not held:
+            k = int(rng.integers(0, 300))
+            ident = int(rng.integers(0, 1 << 63)) if rng.random() < 0.5 else None
+            size = int(rng.integers(1, 200))
+            ea, eb = a.insert(k, size, ident), b.insert(k, size, ident)
+            assert [int(x) for x in ea] == [int(x) for x in eb]
+            held = [x for x in range(300) if x in a]
+        elif r < 0.95:
+            ks = [int(rng.choice(held)) for _ in range(int(rng.integers(1, 4)))] + [int(rng.integers(300, 400))]
+            a.access_many(ks)
+            for k in ks:
+                b._access_py(k)
+        else:
+            k = int(rng.choice(held))
+            a.remove(k), b.remove(k)
+            held.remove(k)
+        if step % 500 == 0:
+            for name in ("_prev", "_next", "_seg", "_size", "_ident", "_head", "_tail", "_bytes"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+            np.testing.assert_array_equal(a.sketch.table, b.sketch.table)
+            assert a.sketch.additions == b.sketch.additions
+    assert aged
+    assert a.used_bytes == b.used_bytes <= 4000

@@ -290,9 +290,9 @@ class SemanticCache(CheckStore):
             # nearest: the hit's distance; on a miss the nearest candidate seen, or bits + 1 (the +Inf
             # bucket) when nothing was within observe_radius
             dt = (time.perf_counter() - t0) / max(1, n)
-            for hit, tier, d in zip(hits, tiers, nearest):
-                d = hit.distance if hit else (d if d is not None else self.bits + 1)
-                self.metrics.record_lookup(hit is not None, hit.tier if hit else tier, d, dt)
+            miss_d = self.bits + 1
+            self.metrics.record_lookups([(True, h.tier, h.distance) if h else (False, tier, miss_d if d is None else d)
+                                         for h, tier, d in zip(hits, tiers, nearest)], dt)
         return hits
 
     def _hit(self, f, tier: str, now: float, q: Query | None = None) -> Hit:

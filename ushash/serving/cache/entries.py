@@ -271,6 +271,22 @@ class EntryTable:
                      created=float(self.created[slot]), expires=float(self.expires[slot]),
                      compute_s=float(self.compute_s[slot]), id=self.l2id[slot])
 
+    def read_many(self, slots: list[int], modalities: list[str], revisions: list[str]) -> list[Entry]:
+        """`read` of each slot, the columns gathered once for all (the same Entries, field for field)."""
+        if len(slots) == 1:
+            return [self.read(slots[0], modalities, revisions)]
+        ix = np.asarray(slots, np.int64)
+        cb, pw = self.code_bytes, self.payload_bytes
+        codes, pays = self.code[ix].tobytes(), self.payload[ix].tobytes()
+        plen, voff, vlen = self.plen[ix].tolist(), self.voff[ix].tolist(), self.vlen[ix].tolist()
+        mod, rev, kind = self.modality[ix].tolist(), self.revision[ix].tolist(), self.kind[ix].tolist()
+        created, expires, cs = self.created[ix].tolist(), self.expires[ix].tolist(), self.compute_s[ix].tolist()
+        arena, l2id = self.arena, self.l2id
+        return [Entry(code=codes[i * cb:(i + 1) * cb], payload=pays[i * pw:i * pw + plen[i]],
+                      modality=modalities[mod[i]], value=arena[voff[i]:voff[i] + vlen[i]].tobytes(),
+                      kind=VALUE_KINDS[kind[i]], revision=revisions[rev[i]], created=created[i], expires=expires[i],
+                      compute_s=cs[i], id=l2id[s]) for i, s in enumerate(slots)]
+
     def release(self, slot: int) -> None:
         if not self.alive[slot]:
             return

@@ -25,10 +25,12 @@ from numba import njit
 
 from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found
 from ushash.serving.cache.freshness import ExpiryHeap
-from ushash.serving.cache.hitcheck import Batch
+from ushash.serving.cache.hitcheck import _CHECK, _EXPIRED, _MODALITY, _NO_PAYLOAD, _REVISION, _SERVABLE, Batch, HitCheck
+from ushash.serving.cache.mindex import _search
+from ushash.serving.payload.format import int4_group_cosine
 from ushash.serving.cache.policies import make_policy
 from ushash.serving.cache.protection import BloomGuard
-from ushash.serving.cache.search import make_backend
+from ushash.serving.cache.search import MIndexBackend, make_backend
 
 
 @njit(cache=True, nogil=True)
@@ -70,6 +72,79 @@ def _gather(lims, slots, dists, radius, max_candidates, revision, rev_ok, expire
     return counts, nearest, qlims, s, d, cur, exp, mod, hasp
 
 
+@njit(cache=True, nogil=True)
+def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_radius, use_tables, radius,
+                max_candidates, revision, rev_ok, expires, modality, plen, payload, qmod, has_z, qz, now,
+                cross_modal, check, thr, o_vals, length, group):
+    """One compiled call for a batch of lookups on the own multi-index with the int4 group-scaled payloads
+    (or no payload check) and one threshold: the search (mindex._search), the candidates (`_gather`), the
+    hit check's triage, cosines and pick (hitcheck._triage / _pick, the same decisions in the same order;
+    the cosine is format.int4_group_cosine, the same arithmetic as the codec's). Per query: the slot
+    chosen (-1: none), its distance and cosine (NaN: not checked), the number of results and the nearest
+    distance (-1: none); and the revision, expired and payload refusal counts."""
+    nq = q.shape[0]
+    lims = np.zeros(nq + 1, np.int64)
+    cap = max(64, 16 * nq)
+    while True:
+        out_s = np.empty(cap, np.int64)
+        out_d = np.empty(cap, np.int32)
+        m = _search(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_radius, use_tables, lims,
+                    out_s, out_d)
+        if m <= cap:
+            break
+        cap = m
+    chosen = np.full(nq, -1, np.int64)
+    cdist = np.full(nq, -1, np.int64)
+    ccos = np.full(nq, np.nan, np.float32)
+    counts = np.empty(nq, np.int64)
+    nearest = np.empty(nq, np.int64)
+    n_rev = n_exp = n_bad = 0
+    for qi in range(nq):
+        a, e = lims[qi], lims[qi + 1]
+        counts[qi] = e - a
+        nearest[qi] = out_d[a] if e > a else -1
+        best, bd, bc, bst = -1, 0, np.float32(0.0), 0
+        c = 0
+        while a + c < e and c < max_candidates and out_d[a + c] <= radius:
+            j = a + c
+            c += 1
+            slot = out_s[j]
+            if not rev_ok[revision[slot]]:
+                n_rev += 1
+                continue
+            if expires[slot] <= now:
+                n_exp += 1
+                continue
+            mj = modality[slot]
+            if not cross_modal and mj != qmod[qi]:
+                continue
+            if check and has_z[qi]:
+                if plen[slot] <= 0:
+                    n_bad += 1
+                    continue
+                cj = int4_group_cosine(payload, slot, 0, o_vals[mj], length[mj], group[mj], qz, qi)
+                if np.float64(cj) < thr:
+                    n_bad += 1
+                    continue
+                st = _CHECK
+            else:
+                cj = np.float32(0.0)
+                st = _SERVABLE
+            d = out_d[j]
+            if best < 0 or d < bd or (d == bd and cj > bc):
+                best, bd, bc, bst = slot, d, cj, st
+        if best >= 0:
+            chosen[qi] = best
+            cdist[qi] = bd
+            if bst == _CHECK:
+                ccos[qi] = bc
+    return chosen, cdist, ccos, counts, nearest, n_rev, n_exp, n_bad
+
+
+_NO_Z = np.zeros((1, 1), np.float32)
+_NO_OFFS, _NO_IDS, _NO_TC = np.zeros((1, 2), np.int32), np.zeros((1, 0), np.int32), np.zeros((1, 0), np.uint64)
+
+
 class L1Tier:
     name = "l1"
 
@@ -101,6 +176,7 @@ class L1Tier:
             self.bloom = BloomGuard(self.bits, self.observe_radius, expected_items=expected,
                                     fp_rate=c.bloom_fp_rate, chunks=c.bloom_chunks)
         self.lock = threading.RLock()
+        self._fused_cache = None
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
     @property
@@ -186,7 +262,12 @@ class L1Tier:
             cb = self.code_bytes
             codes = np.frombuffer(queries[0].code if nq == 1 else b"".join(q.code for q in queries),
                                   np.uint8).reshape(nq, cb)
-            lims, slots, dists = self._backends[ti].search_many(codes, self.observe_radius)
+            backend = self._backends[ti]
+            if k == 1 and isinstance(backend, MIndexBackend):
+                fused = self._fused_params(check)
+                if fused is not None:
+                    return self._find_fused(queries, ti, backend, codes, revision, fused, now, out)
+            lims, slots, dists = backend.search_many(codes, self.observe_radius)
             t = self.table
             revs = self._revisions
             rev_ok = np.array([r == revision for r in revs], bool)
@@ -260,6 +341,88 @@ class L1Tier:
                 slot = int(slots[c])
                 policy.access(slot)
                 out[i] = Found(t.read(slot, mods, revs), int(dists[c]), None if cs != cs else cs, f"l1:{slot}", nearest)
+        return out
+
+    def _fused_params(self, check):
+        """(check payloads, threshold, cross_modal, per-modality int4 layout) when `_find_fused` decides
+        exactly what the general path does: the plain HitCheck (no per-pair points), and payloads, if
+        checked, all int4 group-scaled; else None."""
+        chk = getattr(check, "inner", check)   # telemetry.TracedCheck traces the L2's choose only
+        if not isinstance(chk, HitCheck) or chk.points is not None:
+            return None
+        codec = chk.codec
+        on = chk.payload_check and codec is not None
+        key = (on, len(self._modalities), chk.threshold, chk.cross_modal)
+        if self._fused_cache is not None and self._fused_cache[0] == key:
+            return self._fused_cache[1]
+        nm = max(1, len(self._modalities))
+        o_vals, length, group = np.zeros(nm, np.int64), np.zeros(nm, np.int64), np.ones(nm, np.int64)
+        if on:
+            for i, name in enumerate(self._modalities):
+                f = codec[name]
+                if not (f.kind == "int4" and f.scale == "group" and f.topk is None):
+                    return None
+                o_vals[i], length[i], group[i] = f.scale_bytes, f.length, f.group_size
+        params = (on, float(chk.threshold), bool(chk.cross_modal), o_vals, length, group)
+        self._fused_cache = (key, params)
+        return params
+
+    def _find_fused(self, queries, ti, backend, codes, revision, params, now, out):
+        on, thr, cross, o_vals, length, group = params
+        nq = len(queries)
+        t = self.table
+        mods = self._modalities
+        mi = backend._mi
+        masks, use = mi.plan(self.observe_radius, len(backend))
+        if nq == 1:
+            q0 = queries[0]
+            qmod = np.array([mods.index(q0.modality) if q0.modality in mods else len(mods)], np.int64)
+            has_z = np.array([q0.z is not None])
+            qz = q0.z[None] if q0.z is not None else _NO_Z
+        else:
+            qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in queries], np.int64)
+            has_z = np.array([q.z is not None for q in queries], bool)
+            qz = _NO_Z
+            if has_z.any():
+                dim = next(q.z for q in queries if q.z is not None).shape[0]
+                qz = np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in queries])
+        check = on and qz is not _NO_Z
+        revs = self._revisions
+        rev_ok = np.array([r == revision for r in revs], bool)
+        chosen, cdist, ccos, counts, nearest, n_rev, n_exp, n_bad = _find_fused(
+            mi.words(codes), mi.codes, mi.p2s, mi.n, mi.nbase, mi.offs if use else _NO_OFFS, mi.ids if use else _NO_IDS,
+            mi.tc if use else _NO_TC, masks, mi.nchunks, int(min(self.observe_radius, self.bits)), use, self.radius,
+            self.config.max_candidates, t.revision, rev_ok, t.expires, t.modality, t.plen, t.payload, qmod, has_z,
+            qz, float(now), cross, check, thr, o_vals, length, group)
+        m = self.metrics
+        if n_rev:
+            m.rejections.labels(reason="revision").inc(n_rev)
+        if n_exp:
+            m.rejections.labels(reason="expired").inc(n_exp)
+        if n_bad:
+            m.rejections.labels(reason="payload").inc(n_bad)
+        counts_l = counts.tolist()
+        if self.bloom is not None and 0 in counts_l:   # as in the general path: only for empty searches
+            skip = Found(skip_next=self.config.bloom_guard_l2)
+            n_skip = 0
+            for i, c in enumerate(counts_l):
+                if c == 0 and not self.bloom.may_contain(ti, queries[i].code):
+                    out[i] = skip
+                    n_skip += 1
+            if n_skip:
+                m.bloom_skips.inc(n_skip)
+        chosen_l = chosen.tolist()
+        hits = [i for i, c in enumerate(chosen_l) if c >= 0]
+        if hits:
+            self.policy.access_many([chosen_l[i] for i in hits])
+        entries = t.read_many([chosen_l[i] for i in hits], list(mods), revs) if hits else []
+        nearest_l, cdist_l, ccos_l = nearest.tolist(), cdist.tolist(), ccos.tolist()
+        for i, c in enumerate(counts_l):
+            if c and chosen_l[i] < 0:
+                out[i] = Found(nearest=nearest_l[i])
+        for i, e in zip(hits, entries):
+            cs = ccos_l[i]
+            out[i] = Found(e, cdist_l[i], None if cs != cs else cs, f"l1:{chosen_l[i]}", nearest_l[i])
         return out
 
     def put(self, tenant: str, e: Entry) -> bool:

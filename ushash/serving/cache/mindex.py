@@ -313,14 +313,19 @@ class MultiIndex:
             m = self._masks[flips] = flip_masks(CHUNK_BITS, flips)
         return m
 
-    def search(self, qwords: np.ndarray, radius: int, live: int):
-        """(lims, slots, dists) for queries uint64 [B, nwords] (see _search)."""
+    def plan(self, radius: int, live: int) -> tuple[np.ndarray, bool]:
+        """(probe masks, use the tables) for a search of `radius` among `live` codes."""
         use = self.offs is not None
         masks = self.masks(radius // self.nchunks) if use else self.masks(0)
         if use:
             # probes cost ~ chunks x probes x (run length + 1); a scan ~ every code: take the cheaper
             probes = self.nchunks * len(masks) * (self.nbase / NVALUES + 1.0)
             use = probes < 0.5 * live
+        return masks, use
+
+    def search(self, qwords: np.ndarray, radius: int, live: int):
+        """(lims, slots, dists) for queries uint64 [B, nwords] (see _search)."""
+        masks, use = self.plan(radius, live)
         args = (qwords, self.codes, self.p2s, self.n, self.nbase, self.offs if use else _NO_OFFS,
                 self.ids if use else _NO_IDS, self.tc if use else _NO_TC, masks, self.nchunks, int(radius), use)
         lims = np.zeros(len(qwords) + 1, np.int64)

@@ -160,9 +160,13 @@ class BloomGuard:
     def may_contain(self, tenant: int, code: bytes) -> bool:
         """False only if no stored code of `tenant` can be within `radius` of `code`."""
         bloom = self._bloom
-        for j, (v, masks) in enumerate(zip(chunk_values(int.from_bytes(code, "little"), self.bounds), self._masks)):
+        x = int.from_bytes(code, "little")
+        small = tenant < 0x10000
+        for j, ((s, w), masks) in enumerate(zip(self.bounds, self._masks)):   # `_key`, inlined: every miss asks
+            v = (x >> s) & ((1 << w) - 1)
             for m in masks:
-                if self._key(tenant, j, v ^ m) in bloom:
+                c = v ^ m
+                if ((c << 24) | (j << 16) | (tenant & 0xFFFF) if small else hash((tenant, j, c))) in bloom:
                     return True
         return False
 

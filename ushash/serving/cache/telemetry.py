@@ -82,6 +82,10 @@ class CacheMetrics:
     def record_lookup(self, hit: bool, tier: str, nearest: float, seconds: float) -> None:
         self._hot.record(hit, tier, nearest, seconds)
 
+    def record_lookups(self, outcomes, seconds: float) -> None:
+        """`record_lookup(hit, tier, nearest, seconds)` of each (hit, tier, nearest), under one lock."""
+        self._hot.record_many(outcomes, seconds)
+
     def text(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -118,6 +122,21 @@ class _LookupStats:
             self.dist_sum[res] += nearest
             if self.slo is not None:
                 self.slo.record_request(hit, seconds, read=not hit)
+
+    def record_many(self, outcomes, seconds: float) -> None:
+        li = bisect.bisect_left(self.lat_bounds, seconds)
+        with self._lock:
+            for hit, tier, nearest in outcomes:
+                res = "hit" if hit else "miss"
+                self.gets[res] += 1
+                if hit:
+                    self.hits[tier] += 1
+                self.lat[tier][li] += 1
+                self.lat_sum[tier] += seconds
+                self.dist[res][bisect.bisect_left(self.dist_bounds, nearest)] += 1
+                self.dist_sum[res] += nearest
+                if self.slo is not None:
+                    self.slo.record_request(hit, seconds, read=not hit)
 
     @staticmethod
     def _cumulative(bounds, counts):

@@ -84,17 +84,23 @@ def _int4_group_cosines(r, o_scale, o_vals, length, group, q, per_row):
     n = r.shape[0]
     out = np.empty(n, np.float32)
     for k in range(n):
-        qi = k if per_row else 0
-        dot = 0.0
-        nn = 0.0
-        for g in range((length + group - 1) // group):
-            sc32 = _half(r[k, o_scale + 2 * g], r[k, o_scale + 2 * g + 1])
-            for i in range(g * group, min(length, (g + 1) * group)):
-                v = _int4_group_value(r, k, i, sc32, o_vals)
-                dot += v * q[qi, i]
-                nn += v * v
-        out[k] = dot / max(np.sqrt(nn), 1e-15)
+        out[k] = int4_group_cosine(r, k, o_scale, o_vals, length, group, q, k if per_row else 0)
     return out
+
+
+@njit(cache=True, nogil=True)
+def int4_group_cosine(r, k, o_scale, o_vals, length, group, q, qi):
+    """The cosine of record k of r with row qi of q (unit norm): `_int4_group_cosines`'s arithmetic for one
+    record, also called by compiled callers (the L1's fused hit check), so that both give the same bits."""
+    dot = 0.0
+    nn = 0.0
+    for g in range((length + group - 1) // group):
+        sc32 = _half(r[k, o_scale + 2 * g], r[k, o_scale + 2 * g + 1])
+        for i in range(g * group, min(length, (g + 1) * group)):
+            v = _int4_group_value(r, k, i, sc32, o_vals)
+            dot += v * q[qi, i]
+            nn += v * v
+    return np.float32(dot / max(np.sqrt(nn), 1e-15))
 
 
 def _group_scales(x: np.ndarray, group: int) -> np.ndarray:

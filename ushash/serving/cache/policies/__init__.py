@@ -6,6 +6,7 @@ Every policy tracks integer keys (the cache's entry slots) and their sizes in by
                                            # `key` itself when the policy refuses to admit it (W-TinyLFU);
                                            # ident: the request's identity across slots (optional)
     policy.access(key)                      # a hit
+    policy.access_many(keys)                # hits of a batch, in order (W-TinyLFU: one compiled call)
     policy.remove(key)                      # the cache dropped it (expiry, revision change, replacement)
 
 After `insert` returns, the bytes of the keys still held never exceed `capacity_bytes`.
@@ -53,6 +54,11 @@ class Policy:
 
     def access(self, key: int) -> None:
         raise NotImplementedError
+
+    def access_many(self, keys) -> None:
+        """`access` of each key in turn (a batch's hits, in query order)."""
+        for k in keys:
+            self.access(int(k))
 
     def remove(self, key: int) -> None:
         raise NotImplementedError

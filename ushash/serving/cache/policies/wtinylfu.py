@@ -22,11 +22,84 @@ Entries of any size up to the capacity are stored.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from ushash.serving.cache.policies import POLICIES, Policy
 
 _NONE, _WINDOW, _PROBATION, _PROTECTED = 0, 1, 2, 3
 _MASK = (1 << 64) - 1
+_M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0x632BE59BD9B4E019), np.uint64(0xBF58476D1CE4E5B9)
+
+
+# A hit (`access`) is the hot path of every lookup: compiled, on the same arrays and with the same
+# arithmetic as the Python methods below (uint64 wraps as the masked Python ints do).
+@njit(cache=True, nogil=True)
+def _nb_increment(table, ident, additions):
+    width = np.uint64(len(table))
+    h = ident * _M1 + _M2
+    h ^= h >> np.uint64(29)
+    h = h * _M3
+    h ^= h >> np.uint64(32)
+    step = (h >> np.uint64(17)) | np.uint64(1)
+    w = width - np.uint64(1)
+    for i in range(4):
+        j = (h + np.uint64(i) * step) & w
+        if table[j] < 15:
+            table[j] += 1
+    additions += 1
+    if additions >= 10 * len(table):
+        for j in range(len(table)):
+            table[j] >>= 1
+        additions //= 2
+    return additions
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nb_link(prev, nxt, segs, size, head, tail, nbytes, seg, k):
+    t = tail[seg]
+    prev[k], nxt[k], segs[k] = t, -1, seg
+    if t >= 0:
+        nxt[t] = k
+    else:
+        head[seg] = k
+    tail[seg] = k
+    nbytes[seg] += size[k]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nb_unlink(prev, nxt, segs, size, head, tail, nbytes, k):
+    seg = segs[k]
+    p, n = prev[k], nxt[k]
+    if p >= 0:
+        nxt[p] = n
+    else:
+        head[seg] = n
+    if n >= 0:
+        prev[n] = p
+    else:
+        tail[seg] = p
+    segs[k] = _NONE
+    nbytes[seg] -= size[k]
+    return seg
+
+
+@njit(cache=True, nogil=True)
+def _nb_access(keys, prev, nxt, segs, size, ident, head, tail, nbytes, protected_bytes, table, additions):
+    """`WTinyLFU.access` of each key in turn; returns the sketch's additions count."""
+    for key in keys:
+        if key < 0 or key >= len(segs) or segs[key] == _NONE:
+            continue
+        additions = _nb_increment(table, ident[key], additions)
+        seg = _nb_unlink(prev, nxt, segs, size, head, tail, nbytes, key)
+        if seg == _WINDOW:
+            _nb_link(prev, nxt, segs, size, head, tail, nbytes, _WINDOW, key)
+            continue
+        _nb_link(prev, nxt, segs, size, head, tail, nbytes, _PROTECTED, key)
+        while nbytes[_PROTECTED] > protected_bytes and head[_PROTECTED] != key:
+            d = head[_PROTECTED]
+            _nb_unlink(prev, nxt, segs, size, head, tail, nbytes, d)
+            _nb_link(prev, nxt, segs, size, head, tail, nbytes, _PROBATION, d)
+    return additions
 
 
 class _Sketch:
@@ -88,9 +161,9 @@ class WTinyLFU(Policy):
         self._seg = np.zeros(cap, np.int8)
         self._size = np.zeros(cap, np.int64)
         self._ident = np.zeros(cap, np.uint64)
-        self._head = [-1, -1, -1, -1]   # per segment: LRU end
-        self._tail = [-1, -1, -1, -1]   # per segment: MRU end
-        self._bytes = [0, 0, 0, 0]
+        self._head = np.full(4, -1, np.int64)   # per segment: LRU end
+        self._tail = np.full(4, -1, np.int64)   # per segment: MRU end
+        self._bytes = np.zeros(4, np.int64)
         self._n = 0
 
     # ------------------------------------------------------------------ lists
@@ -107,7 +180,7 @@ class WTinyLFU(Policy):
 
     def _link(self, seg: int, k: int) -> None:
         """Append k at seg's MRU end."""
-        t = self._tail[seg]
+        t = int(self._tail[seg])
         self._prev[k], self._next[k], self._seg[k] = t, -1, seg
         if t >= 0:
             self._next[t] = k
@@ -151,7 +224,7 @@ class WTinyLFU(Policy):
         # window overflow: its LRU entries move to probation as candidates for the main space
         cands = []
         while self._bytes[_WINDOW] > self.window_bytes and self._head[_WINDOW] >= 0:
-            c = self._head[_WINDOW]
+            c = int(self._head[_WINDOW])
             self._unlink(c)
             self._link(_PROBATION, c)
             cands.append(c)
@@ -161,7 +234,7 @@ class WTinyLFU(Policy):
         evicted = []
         ci = 0
         while self.used_bytes > self.capacity_bytes:
-            victim = next((self._head[s] for s in (_PROBATION, _PROTECTED, _WINDOW) if self._head[s] >= 0), -1)
+            victim = next((int(self._head[s]) for s in (_PROBATION, _PROTECTED, _WINDOW) if self._head[s] >= 0), -1)
             while ci < len(cands) and self._seg[cands[ci]] != _PROBATION:
                 ci += 1
             cand = cands[ci] if ci < len(cands) else -1
@@ -177,6 +250,17 @@ class WTinyLFU(Policy):
         return evicted
 
     def access(self, key: int) -> None:
+        self.access_many(np.array([int(key)], np.int64))
+
+    def access_many(self, keys) -> None:
+        """`access` of each key in turn (one compiled call)."""
+        sk = self.sketch
+        sk.additions = int(_nb_access(np.asarray(keys, np.int64), self._prev, self._next, self._seg, self._size,
+                                      self._ident, self._head, self._tail, self._bytes, self.protected_bytes,
+                                      sk.table, sk.additions))
+
+    def _access_py(self, key: int) -> None:
+        """The Python twin of the compiled access (tests check they agree)."""
         key = int(key)
         if key not in self:
             return
@@ -187,7 +271,7 @@ class WTinyLFU(Policy):
             return
         self._link(_PROTECTED, key)
         while self._bytes[_PROTECTED] > self.protected_bytes and self._head[_PROTECTED] != key:
-            d = self._head[_PROTECTED]
+            d = int(self._head[_PROTECTED])
             self._unlink(d)
             self._link(_PROBATION, d)
 
@@ -200,7 +284,7 @@ class WTinyLFU(Policy):
 
     @property
     def used_bytes(self) -> int:
-        return self._bytes[_WINDOW] + self._bytes[_PROBATION] + self._bytes[_PROTECTED]
+        return int(self._bytes[_WINDOW] + self._bytes[_PROBATION] + self._bytes[_PROTECTED])
 
     def __len__(self) -> int:
         return self._n
