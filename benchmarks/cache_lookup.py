@@ -7,8 +7,9 @@ the same run, interleaved in rounds so machine noise hits both alike:
 
   reference: faiss IndexBinaryMultiHash(64, 4, 16).range_search(q, radius + 1), nflip 0, one OpenMP
              thread: the bare search the cache's "mih" backend makes (and IndexBinaryFlat k=1, for scale)
-  cache:     SemanticCache.lookup(query) with radius 3: Bloom filter, search, tombstone filter, expiry and
-             revision checks, policy update, metrics; without and with the payload cosine check
+  index:     the bare search of the cache's own backend (`--backend`, default auto = mindex), same codes
+  cache:     SemanticCache.lookup(query) with radius 3: search, tombstone filter, expiry and revision
+             checks, Bloom filter (misses), policy update, metrics; without and with the payload cosine check
 
   batches:   SemanticCache.lookup_many on batches of `--batch` queries (with the payload check), as
              lookups/s on one core, against the bare faiss MIH range search of the same batch in one call
@@ -18,6 +19,7 @@ Prints p50 / p99 per lookup, the ratio cache / bare faiss, the bytes per entry t
 process memory per entry of a default-capacity (256 MiB) cache holding `--small` entries.
 
     python benchmarks/cache_lookup.py [--sizes 100000 1000000] [--queries 20000] [--codes uniform] [--batch 1000]
+                                      [--backend auto]
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def percentiles(lat: list[float]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: int = 5, batch: int = 1000) -> dict:
+def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: int = 5, batch: int = 1000,
+          backend: str = "auto") -> dict:
     from ushash.serving.cache import SemanticCache
     from ushash.serving.cache.lsh import LSHHead
     from ushash.serving.payload import PayloadCodec
@@ -79,7 +82,7 @@ def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: i
     rss0 = rss_bytes()
     t0 = time.perf_counter()
     # capacity: room for every entry (no eviction during the measurement), sized like a real deployment
-    cache = SemanticCache(head, {"capacity_bytes": n * 160, "radius": RADIUS, "backend": "mih", "ttl_s": 0,
+    cache = SemanticCache(head, {"capacity_bytes": n * 160, "radius": RADIUS, "backend": backend, "ttl_s": 0,
                                  "policy": policy, "payload_threshold": -1.0})
     cache.store_codes("bench", "image", codes, [int(i) for i in range(n)], payloads=payloads)
     fill_s = time.perf_counter() - t0
@@ -103,7 +106,9 @@ def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: i
     flat.add(codes)
     faiss.omp_set_num_threads(1)
 
-    lat = {k: [] for k in ("faiss_mih", "faiss_flat_k1", "cache", "cache_payload")}
+    index = cache.l1._backends[cache.l1._tenant_ids["bench"]]   # the cache's own index, searched bare
+    index.search(qcodes[0], RADIUS)
+    lat = {k: [] for k in ("faiss_mih", "faiss_flat_k1", "index", "cache", "cache_payload")}
     hits = 0
     chunk = max(1, n_queries // rounds)
     for r in range(rounds):
@@ -112,6 +117,10 @@ def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: i
             s = time.perf_counter()
             mh.range_search(q[None], RADIUS + 1)
             lat["faiss_mih"].append(time.perf_counter() - s)
+        for q in qcodes[sl]:
+            s = time.perf_counter()
+            index.search(q, RADIUS)
+            lat["index"].append(time.perf_counter() - s)
         for q in qcodes[sl][: max(1, chunk // 20)]:  # the flat scan is slow at 1M: a sample
             s = time.perf_counter()
             flat.search(q[None], 1)
@@ -126,7 +135,7 @@ def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: i
             cache.lookup(q, "bench")
             lat["cache_payload"].append(time.perf_counter() - s)
     # batches: lookup_many (payload check on) vs one faiss range_search call for the same batch
-    bt = {"faiss_mih_batch": [], "cache_batch": []}
+    bt = {"faiss_mih_batch": [], "index_batch": [], "cache_batch": []}
     nb = max(1, n_queries // batch)
     for r in range(nb):
         sl = slice(r * batch, (r + 1) * batch)
@@ -134,11 +143,15 @@ def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: i
         mh.range_search(np.ascontiguousarray(qcodes[sl]), RADIUS + 1)
         bt["faiss_mih_batch"].append(time.perf_counter() - s)
         s = time.perf_counter()
+        index.search_many(np.ascontiguousarray(qcodes[sl]), RADIUS)
+        bt["index_batch"].append(time.perf_counter() - s)
+        s = time.perf_counter()
         cache.lookup_many(q_payload[sl], "bench")
         bt["cache_batch"].append(time.perf_counter() - s)
     res = {"n": n, "codes": kind, "fill_s": fill_s, "hit_frac": hits / (chunk * rounds),
            "batch": batch, **{k + "_per_s": batch / float(np.median(v)) for k, v in bt.items()},
-           "accounted_bytes_per_entry": cache.policy.used_bytes / n, "rss_bytes_per_entry": rss / n}
+           "accounted_bytes_per_entry": cache.policy.used_bytes / n, "rss_bytes_per_entry": rss / n,
+           "index_bytes_per_entry": getattr(index, "index_bytes", float("nan")) / n, "backend": backend}
     for k, v in lat.items():
         res[k] = percentiles(v)
     return res
@@ -173,6 +186,7 @@ def main():
     ap.add_argument("--codes", choices=["uniform", "clustered"], nargs="+", default=["uniform", "clustered"])
     ap.add_argument("--policy", default="wtinylfu", choices=["lru", "lfu", "wtinylfu", "lruk"])
     ap.add_argument("--batch", type=int, default=1000)
+    ap.add_argument("--backend", default="auto", help="the cache's L1 backend (auto = mindex, mih, flat, faiss)")
     ap.add_argument("--small", type=int, default=2500)
     ap.add_argument("--one", nargs=2, metavar=("CODES", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -180,28 +194,35 @@ def main():
         if args.one[0] == "small":
             print(json.dumps(small(int(args.one[1]), args.policy)))
         else:
-            print(json.dumps(bench(int(args.one[1]), args.queries, args.one[0], args.policy, batch=args.batch)))
+            print(json.dumps(bench(int(args.one[1]), args.queries, args.one[0], args.policy, batch=args.batch,
+                                   backend=args.backend)))
         return
     print(f"# cache_lookup  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, faiss {faiss.__version__}")
     print(f"# {BITS}-bit codes, radius {RADIUS}, int4 payload of {DIM}-d z (72 B), 8-byte values; "
           f"latency per single-query lookup in µs; policy {args.policy}")
-    print("| entries | codes | bare faiss MIH p50 / p99 | cache p50 / p99 | ratio p50 / p99 | "
+    print(f"# cache backend {args.backend}; ratios against bare faiss MIH measured in the same run, interleaved")
+    print("| entries | codes | bare faiss MIH p50 / p99 | bare index p50 / p99 | cache p50 / p99 | ratio p50 / p99 | "
           "cache + payload check p50 / p99 | ratio p50 / p99 | faiss flat k=1 p50 | hits | bytes/entry accounted | "
-          "RSS bytes/entry | fill s | lookup_many /s (batch) | bare faiss MIH batch /s | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "RSS bytes/entry | index bytes/entry | fill s | lookup_many /s (batch) | bare faiss MIH batch /s | "
+          "bare index batch /s | ratio lookup_many / faiss |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kind in args.codes:
         for n in args.sizes:
             out = subprocess.run([sys.executable, __file__, "--one", kind, str(n), "--queries", str(args.queries),
-                                  "--policy", args.policy], capture_output=True, text=True, check=True)
+                                  "--policy", args.policy, "--backend", args.backend, "--batch", str(args.batch)],
+                                 capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             f50, f99 = r["faiss_mih"]
             c50, c99 = r["cache"]
             p50, p99 = r["cache_payload"]
-            print(f"| {n:,} | {kind} | {f50:.1f} / {f99:.1f} | {c50:.1f} / {c99:.1f} | {c50 / f50:.2f} / {c99 / f99:.2f} | "
+            i50, i99 = r["index"]
+            print(f"| {n:,} | {kind} | {f50:.1f} / {f99:.1f} | {i50:.1f} / {i99:.1f} | {c50:.1f} / {c99:.1f} | "
+                  f"{c50 / f50:.2f} / {c99 / f99:.2f} | "
                   f"{p50:.1f} / {p99:.1f} | {p50 / f50:.2f} / {p99 / f99:.2f} | {r['faiss_flat_k1'][0]:.0f} | "
                   f"{r['hit_frac']:.2f} | {r['accounted_bytes_per_entry']:.0f} | {r['rss_bytes_per_entry']:.0f} | "
-                  f"{r['fill_s']:.0f} | {r['cache_batch_per_s']:,.0f} ({r['batch']}) | {r['faiss_mih_batch_per_s']:,.0f} | "
+                  f"{r['index_bytes_per_entry']:.0f} | {r['fill_s']:.0f} | {r['cache_batch_per_s']:,.0f} ({r['batch']}) | "
+                  f"{r['faiss_mih_batch_per_s']:,.0f} | {r['index_batch_per_s']:,.0f} | "
                   f"{r['cache_batch_per_s'] / r['faiss_mih_batch_per_s']:.2f} |", flush=True)
     out = subprocess.run([sys.executable, __file__, "--one", "small", str(args.small), "--policy", args.policy],
                          capture_output=True, text=True, check=True)

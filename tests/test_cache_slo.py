@@ -161,3 +161,31 @@ def test_tracing_spans_and_attributes_with_the_in_memory_exporter():
     exporter.clear()
     cache.get("text", features=f)
     assert exporter.get_finished_spans() == ()
+
+
+def test_batched_request_records_equal_one_at_a_time():
+    """record_requests (a lookup_many's answers, one latency) leaves the buckets and the latency reservoir
+    exactly as record_request of each answer in turn, past the reservoir's size too."""
+    import random
+
+    one, many = (SLOWindow(clock=lambda: 5.0) for _ in range(2))
+    rng = np.random.default_rng(2)
+    batches = [[bool(x) for x in rng.random(int(rng.integers(1, 400))) < 0.6] for _ in range(6)]
+    random.seed(9)
+    for i, hits in enumerate(batches):
+        for h in hits:
+            one.record_request(h, 0.001 * (i + 1), read=not h)
+    random.seed(9)
+    for i, hits in enumerate(batches):
+        many.record_requests(hits, 0.001 * (i + 1))
+    assert sum(map(len, batches)) > SLOWindow.SAMPLE
+    assert one._sec == many._sec
+
+
+def test_stored_json_values_decode_as_json_does():
+    from ushash.serving.cache.entries import decode_value, encode_value
+
+    for v in ({"id": 3, "x": [1.5, None, "é"]}, 2 ** 70, -(2 ** 64), 10 ** 18, -(2 ** 63), 0.1, [1e308, -0.0, 5e-324],
+              {"a": [2 ** 64 + 1]}, "s", 1.2345678901234567e-300):
+        kind, data = encode_value(v)
+        assert decode_value(kind, data) == v and type(decode_value(kind, data)) is type(v)

@@ -66,6 +66,16 @@ class PairBudget:
         """The radius the tiers must search for these points (None: the cache's own `radius`)."""
         return self.calibration.search_radius if self.calibration is not None else None
 
+    def count_hits(self, pairs) -> None:
+        """`count_hit` of each (request modality, entry modality), under one lock."""
+        counts: dict[tuple, int] = {}
+        for p in pairs:
+            counts[p] = counts.get(p, 0) + 1
+        with self._lock:
+            for (a, b), n in counts.items():
+                k = pair_name(a, b)
+                self.hits[k] = self.hits.get(k, 0) + n
+
     def count_hit(self, request_modality: str, entry_modality: str) -> None:
         k = pair_name(request_modality, entry_modality)
         with self._lock:

@@ -264,10 +264,15 @@ class SemanticCache(CheckStore):
             qs = [queries[i] for i in live]
             found = l1.find_many(qs, tenant, rev, self.hit_check, now) if self.tracer is None else \
                 self._traced_find_many(l1, qs, tenant, rev, now)
+            fresh = self.freshness
+            l1_pairs = []
             for i, f in zip(live, found):
                 nearest[i] = f.nearest
-                if f.entry is not None:
-                    hits[i] = self._hit(f, "l1", now, queries[i])
+                e = f.entry
+                if e is not None:
+                    l1_pairs.append((queries[i].modality, e.modality))
+                    hits[i] = Hit.of(e, f.distance, f.cosine, "l1", fresh.should_refresh(now, e.expires, e.compute_s),
+                                     f.ref)
                 elif l2 is not None and not f.skip_next:
                     tiers[i] = l2.name
                     now = self.clock()
@@ -278,6 +283,8 @@ class SemanticCache(CheckStore):
                     if f2.entry is not None and self._serving[0] is l1:
                         l1.put(tenant, f2.entry)  # promote into L1 (same expiry and revision; not written back)
                         hits[i] = self._hit(f2, l2.name, now, queries[i])
+            if l1_pairs:
+                self.budget.count_hits(l1_pairs)
             if self._serving[0] is not l1:  # reloaded meanwhile: these are of an older revision now
                 dropped = sum(h is not None for h in hits)
                 if dropped:

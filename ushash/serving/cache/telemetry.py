@@ -135,8 +135,8 @@ class _LookupStats:
                 self.lat_sum[tier] += seconds
                 self.dist[res][bisect.bisect_left(self.dist_bounds, nearest)] += 1
                 self.dist_sum[res] += nearest
-                if self.slo is not None:
-                    self.slo.record_request(hit, seconds, read=not hit)
+            if self.slo is not None:   # serialised by this lock, as record_request is
+                self.slo.record_requests([o[0] for o in outcomes], seconds)
 
     @staticmethod
     def _cumulative(bounds, counts):
@@ -233,6 +233,29 @@ class SLOWindow:
             j = int(random.random() * b[0])
             if j < self.SAMPLE:
                 lat[j] = latency_s
+
+    def record_requests(self, hits: list, latency_s: float, now: float | None = None) -> None:
+        """`record_request(hit, latency_s, read=not hit)` of each of a batch's answers (one latency for
+        all): the same counts and the same reservoir sampling, the bucket looked up once."""
+        t = self.clock() if now is None else now
+        sec = int(t) if t >= 0 else int(math.floor(t))
+        if sec != self._cur_s:
+            with self._lock:
+                self._cur_b, self._cur_s = self._bucket(sec), sec
+        b = self._cur_b
+        n, h = len(hits), sum(1 for x in hits if x)
+        lat = b[5]
+        room = min(n, max(0, self.SAMPLE - len(lat)))
+        lat.extend([latency_s] * room)
+        seen = b[0] + room
+        for _ in range(n - room):  # reservoir sampling, as record_request does one at a time
+            seen += 1
+            j = int(random.random() * seen)
+            if j < self.SAMPLE:
+                lat[j] = latency_s
+        b[0] += n
+        b[1] += h
+        b[3] += n - h
 
     def record_read(self, n: int = 1, now: float | None = None) -> None:
         """`n` reads reached the service (misses, refreshes)."""
