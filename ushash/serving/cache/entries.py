@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -165,17 +166,19 @@ class EntryTable:
     """L1 entries as columns indexed by slot: `code` uint8 [capacity, code_bytes], `payload` uint8
     [capacity, payload_bytes] (fixed-width rows; `plen` says how many bytes a row holds, 0: none), one
     numpy column per fixed-size field of `Entry` (modality, revision and kind as small interned ids) and
-    per bookkeeping field, the values in one byte arena (`voff`, `vlen`), and a list for the L2 ids.
+    per bookkeeping field, the values in one byte arena (`voff`, `vlen`), and the L2 ids in a dict (only
+    entries shared with an L2 have one). Columns are as narrow as their values allow.
 
     The arena is append-only; a removed value's bytes are garbage until the arena is compacted, which
     happens when garbage outweighs the live bytes (amortised O(1) per removal)."""
 
-    NUMERIC = {"tenant": np.int32, "modality": np.int8, "revision": np.int32, "kind": np.int8,
-               "created": np.float64, "expires": np.float64, "compute_s": np.float32, "nbytes": np.int64,
-               "gen": np.int64, "alive": np.bool_, "plen": np.int16, "voff": np.int64, "vlen": np.int64}
-    OBJECTS = ("l2id",)
-    # every Entry field has a column of the same name (id: l2id; value: the arena)
-    assert set(ENTRY_FIELDS) - {"id"} <= {"code", "payload", "value", *NUMERIC, *OBJECTS}
+    # gen wraps at 2^32 (an expiry record is matched by (slot, gen): 2^32 reuses of one slot while one of
+    # its records waits would be needed to confuse them); a value is < 4 GiB (checked in write)
+    NUMERIC = {"tenant": np.int32, "modality": np.int8, "revision": np.int16, "kind": np.int8,
+               "created": np.float64, "expires": np.float64, "compute_s": np.float32,
+               "gen": np.uint32, "alive": np.bool_, "plen": np.int16, "voff": np.int64, "vlen": np.uint32}
+    # every Entry field has a column of the same name (id: l2id, a dict; value: the arena)
+    assert set(ENTRY_FIELDS) - {"id"} <= {"code", "payload", "value", *NUMERIC}
 
     def __init__(self, code_bytes: int, payload_bytes: int = 0, capacity: int = 16):
         self.code_bytes, self.payload_bytes = int(code_bytes), int(payload_bytes)
@@ -184,8 +187,7 @@ class EntryTable:
         self.payload = np.zeros((self._cap, self.payload_bytes), np.uint8)
         for name, dt in self.NUMERIC.items():
             setattr(self, name, np.zeros(self._cap, dt))
-        for name in self.OBJECTS:
-            setattr(self, name, [None] * self._cap)
+        self.l2id: dict[int, str] = {}
         self.arena = np.zeros(256, np.uint8)
         self._top = 0            # arena bytes used (live + garbage)
         self._live_bytes = 0     # arena bytes of live values
@@ -200,8 +202,6 @@ class EntryTable:
             a = np.zeros((cap,) + old.shape[1:], old.dtype)
             a[: self._cap] = old
             setattr(self, name, a)
-        for name in self.OBJECTS:
-            getattr(self, name).extend([None] * (cap - self._cap))
         self._cap = cap
 
     def alloc(self) -> int:
@@ -219,6 +219,8 @@ class EntryTable:
 
     def _arena_put(self, slot: int, data: bytes) -> None:
         n = len(data)
+        if n >= 1 << 32:
+            raise ValueError(f"a cached value must be under 4 GiB; got {n} bytes")
         if self._top + n > len(self.arena):
             if self._top - self._live_bytes > self._live_bytes:
                 self._compact()
@@ -256,8 +258,8 @@ class EntryTable:
         self.tenant[slot], self.modality[slot], self.revision[slot] = tenant, modality, revision
         self.kind[slot] = VALUE_KINDS.index(e.kind)
         self.created[slot], self.expires[slot], self.compute_s[slot] = e.created, e.expires, e.compute_s
-        self.nbytes[slot] = e.nbytes
-        self.l2id[slot] = e.id
+        if e.id is not None:
+            self.l2id[slot] = e.id
         self._arena_put(slot, e.value)
 
     def payload_of(self, slot: int) -> bytes:
@@ -276,7 +278,7 @@ class EntryTable:
         return Entry(code=self.code[slot].tobytes(), payload=self.payload_of(slot), modality=modalities[self.modality[slot]],
                      value=self.value_of(slot), kind=VALUE_KINDS[self.kind[slot]], revision=revisions[self.revision[slot]],
                      created=float(self.created[slot]), expires=float(self.expires[slot]),
-                     compute_s=float(self.compute_s[slot]), id=self.l2id[slot])
+                     compute_s=float(self.compute_s[slot]), id=self.l2id.get(slot))
 
     def read_many(self, slots: list[int], modalities: list[str], revisions: list[str]) -> list[Entry]:
         """`read` of each slot, the columns gathered once for all (the same Entries, field for field)."""
@@ -292,14 +294,13 @@ class EntryTable:
         return [Entry(code=codes[i * cb:(i + 1) * cb], payload=pays[i * pw:i * pw + plen[i]],
                       modality=modalities[mod[i]], value=arena[voff[i]:voff[i] + vlen[i]].tobytes(),
                       kind=VALUE_KINDS[kind[i]], revision=revisions[rev[i]], created=created[i], expires=expires[i],
-                      compute_s=cs[i], id=l2id[s]) for i, s in enumerate(slots)]
+                      compute_s=cs[i], id=l2id.get(s)) for i, s in enumerate(slots)]
 
     def release(self, slot: int) -> None:
         if not self.alive[slot]:
             return
         self.alive[slot] = False
-        for name in self.OBJECTS:
-            getattr(self, name)[slot] = None
+        self.l2id.pop(slot, None)
         self._live_bytes -= int(self.vlen[slot])
         self.vlen[slot] = 0
         self._free.append(slot)
@@ -312,4 +313,4 @@ class EntryTable:
     def nbytes_held(self) -> int:
         """Bytes of every column and the arena (what the table costs, beside the index and the policy)."""
         return int(sum(getattr(self, n).nbytes for n in ("code", "payload", *self.NUMERIC)) + self.arena.nbytes
-                   + 8 * self._cap)
+                   + sys.getsizeof(self.l2id))

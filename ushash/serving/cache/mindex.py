@@ -10,8 +10,9 @@ per 64-bit code, against faiss IndexBinaryMultiHash's ~200 B of hash tables. A c
 the later ones (its earlier chunk is within f bits too), so each result is reported once.
 
 The tables are built for the codes at positions [0, nbase); codes added since (the tail, at most
-`tail_max` of them) are scanned; when the tail is full it is merged into the tables in one sequential
-pass per chunk (a memory copy: ~10 ms at 1M codes, every `tail_max` adds). Removals are tombstones
+`tail_max` of them) are scanned; when the tail is full it is merged into the tables in place, one
+backward pass per chunk moving each entry at most once (the tables grow by doubling, so the heap is not
+left fragmented by a fresh copy per merge). Removals are tombstones
 (position -> slot -1, checked for the codes within the radius only), and the positions are renumbered
 and the tables rebuilt once tombstones outnumber live codes: amortised O(1) per add and per removal. Below `min_entries` codes, and whenever the probes would cost more than a scan (wide
 radii), a query is a popcount scan of every code instead.
@@ -147,16 +148,18 @@ def _search(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, radius, use_
 
 
 @njit(cache=True, nogil=True)
-def _build(codes, p2s, n, nchunks):
-    """Tables for the live codes at positions [0, n): offs int32 [nchunks, 2^16 + 1], ids int32 [nchunks, live]
-    (positions sorted by the chunk's value) and tc uint64 [nchunks, live] (their codes' first words)."""
+def _build(codes, p2s, n, nchunks, cap):
+    """Tables for the live codes at positions [0, n): offs int32 [nchunks, 2^16 + 1], ids int32 [nchunks, cap]
+    (positions sorted by the chunk's value, the first `live` of each row used) and tc uint64 [nchunks, cap]
+    (their codes' first words). Returns (offs, ids, tc, live)."""
     live = 0
     for pos in range(n):
         if p2s[pos] >= 0:
             live += 1
+    cap = max(cap, live)
     offs = np.zeros((nchunks, NVALUES + 1), np.int32)
-    ids = np.empty((nchunks, live), np.int32)
-    tc = np.empty((nchunks, live), np.uint64)
+    ids = np.zeros((nchunks, cap), np.int32)    # zeros: pages not yet written cost no memory
+    tc = np.zeros((nchunks, cap), np.uint64)
     fill = np.empty(NVALUES, np.int32)
     for j in range(nchunks):
         for pos in range(n):
@@ -171,25 +174,24 @@ def _build(codes, p2s, n, nchunks):
                 ids[j, fill[v]] = pos
                 tc[j, fill[v]] = codes[pos, 0]
                 fill[v] += 1
-    return offs, ids, tc
+    return offs, ids, tc, live
 
 
 @njit(cache=True, nogil=True)
-def _merge(codes, p2s, nbase, n, offs, ids, tc, nchunks):
-    """The tables of [0, nbase) plus the live codes of the tail [nbase, n): one sequential pass per chunk
-    (each value's run: its old run as it is, then the tail's codes of that value in position order).
-    Tombstones already in the tables stay until the next rebuild (`compact`): copying runs verbatim is
-    what keeps a merge a memory copy."""
+def _merge(codes, p2s, nbase, n, offs, ids, tc, ntab, nchunks):
+    """Merge the live codes of the tail [nbase, n) into the tables in place (ids / tc have room for them):
+    per chunk one backward pass that moves each old entry at most once, so that each value's run is its
+    old run, then the tail's codes of that value in position order. Tombstones already in the tables stay
+    until the next rebuild (`compact`). Returns the tables' new length."""
     tail = 0
     for pos in range(nbase, n):
         if p2s[pos] >= 0:
             tail += 1
-    total = ids.shape[1] + tail
-    noffs = np.empty((nchunks, NVALUES + 1), np.int32)
-    nids = np.empty((nchunks, total), np.int32)
-    ntc = np.empty((nchunks, total), np.uint64)
+    if tail == 0:
+        return ntab
     tcount = np.zeros(NVALUES + 1, np.int32)
-    tpos = np.empty(max(1, tail), np.int32)
+    tpos = np.empty(tail, np.int32)
+    tval = np.empty(tail, np.int64)
     fill = np.empty(NVALUES, np.int32)
     for j in range(nchunks):
         tcount[:] = 0
@@ -199,31 +201,27 @@ def _merge(codes, p2s, nbase, n, offs, ids, tc, nchunks):
         for v in range(NVALUES):
             tcount[v + 1] += tcount[v]
             fill[v] = tcount[v]
-        for pos in range(nbase, n):
+        for pos in range(nbase, n):   # the tail by value, in position order within a value
             if p2s[pos] >= 0:
                 v = _chunk(pos, codes, j)
                 tpos[fill[v]] = pos
+                tval[fill[v]] = v
                 fill[v] += 1
+        src = ntab - 1
+        dst = ntab + tail - 1
+        for t in range(tail - 1, -1, -1):
+            lim = offs[j, tval[t] + 1]   # old entries from here on have larger values
+            while src >= lim:
+                ids[j, dst] = ids[j, src]
+                tc[j, dst] = tc[j, src]
+                src -= 1
+                dst -= 1
+            ids[j, dst] = tpos[t]
+            tc[j, dst] = codes[tpos[t], 0]
+            dst -= 1
         for v in range(NVALUES + 1):
-            noffs[j, v] = offs[j, v] + tcount[v]
-        # the old table in bulk, each tail code inserted at the end of its value's old run (a loop per
-        # value instead would cost ~100 ns per value: 65,536 short loops)
-        src = dst = 0
-        for t in range(tail):
-            end = offs[j, _chunk(tpos[t], codes, j) + 1]
-            for k in range(src, end):
-                nids[j, dst] = ids[j, k]
-                ntc[j, dst] = tc[j, k]
-                dst += 1
-            src = end
-            nids[j, dst] = tpos[t]
-            ntc[j, dst] = codes[tpos[t], 0]
-            dst += 1
-        for k in range(src, ids.shape[1]):
-            nids[j, dst] = ids[j, k]
-            ntc[j, dst] = tc[j, k]
-            dst += 1
-    return noffs, nids, ntc
+            offs[j, v] += tcount[v]
+    return ntab + tail
 
 
 def flip_masks(width: int, flips: int) -> np.ndarray:
@@ -245,10 +243,11 @@ class MultiIndex:
         self.min_entries = int(min_entries)
         self.tail_max = int(tail_max)
         self.codes = np.zeros((16, self.nwords), np.uint64)
-        self.p2s = np.full(16, -1, np.int64)
+        self.p2s = np.full(16, -1, np.int32)   # slots < 2^31 (checked by the backend)
         self.n = 0          # positions used (live + tombstones)
         self.nbase = 0      # positions covered by the tables
         self.offs = self.ids = self.tc = None
+        self.ntab = 0       # table entries used (ids / tc have room for more)
         self._masks: dict[int, np.ndarray] = {}
 
     def words(self, packed: np.ndarray) -> np.ndarray:
@@ -268,7 +267,7 @@ class MultiIndex:
             cap *= 2
         codes = np.zeros((cap, self.nwords), np.uint64)   # zeros: pages not yet written cost no memory
         codes[: self.n] = self.codes[: self.n]
-        p2s = np.zeros(cap, np.int64)
+        p2s = np.zeros(cap, np.int32)
         p2s[: self.n] = self.p2s[: self.n]
         p2s[self.n:] = -1
         self.codes, self.p2s = codes, p2s
@@ -287,10 +286,18 @@ class MultiIndex:
 
     def merge(self) -> None:
         if self.offs is None:
-            self.offs, self.ids, self.tc = _build(self.codes, self.p2s, self.n, self.nchunks)
+            self.offs, self.ids, self.tc, self.ntab = _build(self.codes, self.p2s, self.n, self.nchunks,
+                                                             2 * self.n)
         else:
-            self.offs, self.ids, self.tc = _merge(self.codes, self.p2s, self.nbase, self.n, self.offs, self.ids,
-                                                  self.tc, self.nchunks)
+            need = self.ntab + (self.n - self.nbase)
+            if need > self.ids.shape[1]:   # room by doubling: few reallocations, so little heap fragmentation
+                cap = max(2 * self.ids.shape[1], need)
+                ids, tc = np.zeros((self.nchunks, cap), np.int32), np.zeros((self.nchunks, cap), np.uint64)
+                ids[:, : self.ntab] = self.ids[:, : self.ntab]
+                tc[:, : self.ntab] = self.tc[:, : self.ntab]
+                self.ids, self.tc = ids, tc
+            self.ntab = _merge(self.codes, self.p2s, self.nbase, self.n, self.offs, self.ids, self.tc, self.ntab,
+                               self.nchunks)
         self.nbase = self.n
 
     def compact(self) -> np.ndarray:
@@ -302,7 +309,7 @@ class MultiIndex:
         self.p2s[len(live) : self.n] = -1
         self.n = len(live)
         self.offs = self.ids = self.tc = None
-        self.nbase = 0
+        self.nbase = self.ntab = 0
         if self.n >= self.min_entries:
             self.merge()
         return slots

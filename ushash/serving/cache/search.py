@@ -123,12 +123,12 @@ class _SlotMap:
             self._d.update(zip(slots.tolist(), pos.tolist()))
             self._n = len(self._d)
             if self._n >= 1024 and top <= 8 * self._n:  # dense: an array of `top` slots is the smaller
-                self._a = np.full(max(top, 1024), -1, np.int64)
+                self._a = np.full(max(top, 1024), -1, np.int32)   # positions < 2^31
                 self._a[np.fromiter(self._d.keys(), np.int64, self._n)] = np.fromiter(self._d.values(), np.int64, self._n)
                 self._d = None
             return
         if top > len(self._a):
-            a = np.full(max(top, 2 * len(self._a)), -1, np.int64)
+            a = np.full(max(top, 2 * len(self._a)), -1, np.int32)
             a[: len(self._a)] = self._a
             self._a = a
         self._n += int((self._a[slots] < 0).sum())
@@ -306,8 +306,8 @@ class MIndexBackend(HammingBackend):
         return self._mi.offs is not None
 
     def _append(self, slots: np.ndarray, codes: np.ndarray) -> None:
-        if int(slots.min()) < 0 or int(slots.max()) >= (1 << 40):
-            raise ValueError("slots must be in [0, 2^40)")
+        if int(slots.min()) < 0 or int(slots.max()) >= (1 << 31):
+            raise ValueError("slots must be in [0, 2^31)")
         pos = self._mi.append(slots, self._mi.words(codes))
         self._slot2pos.set_many(slots, pos)
 
