@@ -4,7 +4,7 @@ The parent process writes a small export (random-init 64-bit head over the seede
 no training and no downloads), starts `python -m ushash.serve` on 127.0.0.1 at a free port, stores
 `--entries` entries through POST /v1/store, then runs the load generator as a second process
 (this script with --client): `--concurrency` connections, at most `--requests` requests and
-`--seconds` seconds per phase. Phases, in the same run:
+`--seconds` seconds per phase, the phases interleaved in `--rounds` rounds. Phases, in the same run:
 
   reference: GET /healthz (the bare FastAPI + uvicorn stack, no cache work)
   lookup:    POST /v1/lookup with precomputed features (half of them stored ones: hits)
@@ -13,7 +13,7 @@ no training and no downloads), starts `python -m ushash.serve` on 127.0.0.1 at a
 
 Prints requests/s, latency p50 / p99 per phase and the ratio to the reference.
 
-    python benchmarks/serve_load.py [--requests 3000] [--concurrency 8] [--seconds 30] [--entries 2000]
+    python benchmarks/serve_load.py [--requests 3000] [--concurrency 8] [--seconds 30] [--entries 2000] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -68,21 +68,31 @@ async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, 
         t0 = time.perf_counter()
         await asyncio.gather(*[worker(client) for _ in range(concurrency)])
         wall = time.perf_counter() - t0
+    return {"phase": kind, "lat": lat, "errors": errors, "seconds": wall, "rows": batch if kind == "batch" else 1}
+
+
+def _summary(runs: list[dict]) -> dict:
+    """One phase's rounds together: requests / wall seconds over all rounds, latency percentiles of all."""
+    lat = [x for r in runs for x in r["lat"]]
+    wall = sum(r["seconds"] for r in runs)
     a = np.asarray(lat) * 1e3
-    rows = batch if kind == "batch" else 1
-    return {"phase": kind, "requests": len(lat), "errors": errors, "seconds": wall, "rps": len(lat) / wall,
-            "lookups_per_s": rows * len(lat) / wall, "rows": rows,
-            "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+    rows = runs[0]["rows"]
+    return {"phase": runs[0]["phase"], "requests": len(lat), "errors": sum(r["errors"] for r in runs), "seconds": wall,
+            "rps": len(lat) / wall, "lookups_per_s": rows * len(lat) / wall, "rows": rows,
+            "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "rounds": len(runs)}
 
 
 def client_main(args) -> None:
     feats = json.loads(Path(args.features).read_text())
-    out = []
-    for kind in ("healthz", "lookup", "text", "batch"):
-        n = max(1, args.requests // 20) if kind == "batch" else args.requests
-        conc = min(args.concurrency, 2) if kind == "batch" else args.concurrency
-        out.append(asyncio.run(_phase(args.url, kind, n, conc, args.seconds, feats, args.batch)))
-    print(json.dumps(out))
+    kinds = ("healthz", "lookup", "text", "batch")
+    runs: dict[str, list] = {k: [] for k in kinds}
+    for _ in range(args.rounds):   # the phases interleaved in rounds: machine noise hits them alike
+        for kind in kinds:
+            n = max(1, args.requests // 20) if kind == "batch" else args.requests
+            conc = min(args.concurrency, 2) if kind == "batch" else args.concurrency
+            runs[kind].append(asyncio.run(_phase(args.url, kind, max(1, n // args.rounds), conc,
+                                                 args.seconds / args.rounds, feats, args.batch)))
+    print(json.dumps([_summary(runs[k]) for k in kinds]))
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -115,6 +125,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--entries", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=4, help="phases interleaved in this many rounds")
     ap.add_argument("--server-threads", type=int, default=1,
                     help="OMP_NUM_THREADS of the server: torch's intra-op threads for the head's forward pass")
     args = ap.parse_args()
@@ -154,7 +165,7 @@ def main() -> None:
             fpath.write_text(json.dumps(feats))
             r = subprocess.run([sys.executable, __file__, "--client", "--url", url, "--features", str(fpath),
                                 "--requests", str(args.requests), "--concurrency", str(args.concurrency),
-                                "--seconds", str(args.seconds), "--batch", str(args.batch)],
+                                "--seconds", str(args.seconds), "--batch", str(args.batch), "--rounds", str(args.rounds)],
                                capture_output=True, text=True, check=True)
             phases = json.loads(r.stdout.strip().splitlines()[-1])
             metrics = httpx.get(f"{url}/metrics").text
@@ -164,7 +175,8 @@ def main() -> None:
     hits = next((ln for ln in metrics.splitlines() if ln.startswith('cache_gets_total{result="hit"}')), "")
     print(f"# serve_load  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; server and load generator on the same machine, loopback, "
-          f"{args.concurrency} connections (batch: 2), <= {args.requests} requests / {args.seconds:.0f} s per phase; "
+          f"{args.concurrency} connections (batch: 2), <= {args.requests} requests / {args.seconds:.0f} s per phase in "
+          f"{args.rounds} interleaved rounds; "
           f"server OMP_NUM_THREADS={args.server_threads}; {hits}")
     ref = phases[0]["rps"]
     print("| phase | rows per request | requests | errors | requests/s | ratio to /healthz | lookups/s | p50 ms | p99 ms |")

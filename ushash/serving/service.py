@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from fastapi import Depends, FastAPI
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -194,6 +195,9 @@ class StoreBody(LookupBody):
     ttl_s: Optional[float] = Field(None, gt=0, le=10 * 365 * 86400)
 
 
+_MISS = b'{"hit":false}'
+
+
 class AuthError(Exception):
     pass
 
@@ -252,8 +256,9 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     keys += [(t.encode(), ts) for t, ts in scoped.items()]
     bearer = HTTPBearer(auto_error=False)  # parses "Authorization: Bearer <token>"; None when absent or another scheme
 
-    def auth(creds: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> Optional[frozenset]:
-        """The tenants this caller may use (None: every tenant)."""
+    async def auth(creds: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> Optional[frozenset]:
+        """The tenants this caller may use (None: every tenant). A coroutine: a few compares are not worth
+        a trip through the thread pool (FastAPI runs plain-function dependencies there)."""
         if not keys:
             return None
         given = creds.credentials.encode("utf-8", "surrogateescape") if creds is not None else b""
@@ -339,16 +344,31 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(cache.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/lookup")
-    def lookup(body: LookupBody, allowed: Optional[frozenset] = Depends(auth)):
+    def _json(out: dict):
+        import orjson
+
+        try:  # orjson straight to bytes, skipping FastAPI's generic encoding of the returned dict
+            return Response(orjson.dumps(out), media_type="application/json")
+        except TypeError:  # a value orjson does not take (an integer beyond 64 bits): the generic path
+            return out
+
+    def _lookup(body: LookupBody, allowed: Optional[frozenset]):
         tenant = tenant_of(body, allowed)
         hit = cache.lookup(_query(body), tenant)
-        return {"hit": False} if hit is None else _hit_json(hit)
+        return Response(_MISS, media_type="application/json") if hit is None else _json(_hit_json(hit))
+
+    @app.post("/v1/lookup")
+    async def lookup(body: LookupBody, allowed: Optional[frozenset] = Depends(auth)):
+        # features: the head's forward pass and the cache, tens of microseconds, run on the event loop
+        # (a thread-pool round trip costs more than the work); raw media and text go through an encoder
+        # and run in the thread pool, so that they never hold up other requests
+        if body.features is not None and body.text is None and body.data_b64 is None:
+            return _lookup(body, allowed)
+        return await run_in_threadpool(_lookup, body, allowed)
 
     @app.post("/v1/lookup_batch")
     def lookup_batch(body: LookupBatchBody, allowed: Optional[frozenset] = Depends(auth)):
         import numpy as np
-        import orjson
 
         tenant = tenant_of(body, allowed)
         try:
@@ -359,11 +379,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         if not len(feats):
             return {"results": []}
         hits = cache.lookup_many(cache.encoder.from_feature_rows(body.modality, feats), tenant)
-        out = {"results": [_hit_json(h) if h is not None else {"hit": False} for h in hits]}
-        try:  # orjson straight to bytes: the generic encoder walks every one of the batch's objects
-            return Response(orjson.dumps(out), media_type="application/json")
-        except TypeError:  # a value orjson does not take (an integer beyond 64 bits): the generic path
-            return out
+        return _json({"results": [_hit_json(h) if h is not None else {"hit": False} for h in hits]})
 
     @app.post("/v1/store")
     def store(body: StoreBody, allowed: Optional[frozenset] = Depends(auth)):
