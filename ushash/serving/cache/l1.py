@@ -18,6 +18,7 @@ the one read.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -81,7 +82,8 @@ def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_
     hit check's triage, cosines and pick (hitcheck._triage / _pick, the same decisions in the same order;
     the cosine is format.int4_group_cosine, the same arithmetic as the codec's). Per query: the slot
     chosen (-1: none), its distance and cosine (NaN: not checked), the number of results and the nearest
-    distance (-1: none); and the revision, expired and payload refusal counts."""
+    distance (-1: none), as one int64 [4, B] array (chosen, distance, results, nearest: one array to hand
+    back rather than four), the cosines float32 [B]; and the revision, expired and payload refusal counts."""
     nq = q.shape[0]
     lims = np.zeros(nq + 1, np.int64)
     cap = max(64, 16 * nq)
@@ -93,11 +95,9 @@ def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_
         if m <= cap:
             break
         cap = m
-    chosen = np.full(nq, -1, np.int64)
-    cdist = np.full(nq, -1, np.int64)
+    res = np.full((4, nq), -1, np.int64)
+    chosen, cdist, counts, nearest = res[0], res[1], res[2], res[3]
     ccos = np.full(nq, np.nan, np.float32)
-    counts = np.empty(nq, np.int64)
-    nearest = np.empty(nq, np.int64)
     n_rev = n_exp = n_bad = 0
     for qi in range(nq):
         a, e = lims[qi], lims[qi + 1]
@@ -138,10 +138,12 @@ def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_
             cdist[qi] = bd
             if bst == _CHECK:
                 ccos[qi] = bc
-    return chosen, cdist, ccos, counts, nearest, n_rev, n_exp, n_bad
+    return res, ccos, n_rev, n_exp, n_bad
 
 
 _NO_Z = np.zeros((1, 1), np.float32)
+_TRUE1, _FALSE1 = np.ones(1, bool), np.zeros(1, bool)
+_LITTLE = sys.byteorder == "little"
 _NO_OFFS, _NO_IDS, _NO_TC = np.zeros((1, 2), np.int32), np.zeros((1, 0), np.int32), np.zeros((1, 0), np.uint64)
 
 
@@ -177,6 +179,7 @@ class L1Tier:
                                     fp_rate=c.bloom_fp_rate, chunks=c.bloom_chunks)
         self.lock = threading.RLock()
         self._fused_cache = None
+        self._rev_ok: dict[str, np.ndarray] = {}   # revision -> served? per interned revision (they never change)
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
     @property
@@ -377,7 +380,7 @@ class L1Tier:
         if nq == 1:
             q0 = queries[0]
             qmod = np.array([mods.index(q0.modality) if q0.modality in mods else len(mods)], np.int64)
-            has_z = np.array([q0.z is not None])
+            has_z = _TRUE1 if q0.z is not None else _FALSE1
             qz = q0.z[None] if q0.z is not None else _NO_Z
         else:
             qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in queries], np.int64)
@@ -388,12 +391,18 @@ class L1Tier:
                 qz = np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in queries])
         check = on and qz is not _NO_Z
         revs = self._revisions
-        rev_ok = np.array([r == revision for r in revs], bool)
-        chosen, cdist, ccos, counts, nearest, n_rev, n_exp, n_bad = _find_fused(
-            mi.words(codes), mi.codes, mi.p2s, mi.n, mi.nbase, mi.offs if use else _NO_OFFS, mi.ids if use else _NO_IDS,
+        rev_ok = self._rev_ok.get(revision)
+        if rev_ok is None:
+            rev_ok = self._rev_ok[revision] = np.array([r == revision for r in revs], bool)
+        # the query words straight from the code bytes where they are whole 64-bit words
+        qw = np.frombuffer(queries[0].code if nq == 1 else codes.tobytes(), "<u8").reshape(nq, mi.nwords) \
+            if self.bits % 64 == 0 and _LITTLE else mi.words(codes)
+        res, ccos, n_rev, n_exp, n_bad = _find_fused(
+            qw, mi.codes, mi.p2s, mi.n, mi.nbase, mi.offs if use else _NO_OFFS, mi.ids if use else _NO_IDS,
             mi.tc if use else _NO_TC, masks, mi.nchunks, int(min(self.observe_radius, self.bits)), use, self.radius,
             self.config.max_candidates, t.revision, rev_ok, t.expires, t.modality, t.plen, t.payload, qmod, has_z,
             qz, float(now), cross, check, thr, o_vals, length, group)
+        chosen_l, cdist_l, counts_l, nearest_l = res.tolist()
         m = self.metrics
         if n_rev:
             m.rejections.labels(reason="revision").inc(n_rev)
@@ -401,7 +410,6 @@ class L1Tier:
             m.rejections.labels(reason="expired").inc(n_exp)
         if n_bad:
             m.rejections.labels(reason="payload").inc(n_bad)
-        counts_l = counts.tolist()
         if self.bloom is not None and 0 in counts_l:   # as in the general path: only for empty searches
             skip = Found(skip_next=self.config.bloom_guard_l2)
             n_skip = 0
@@ -411,12 +419,11 @@ class L1Tier:
                     n_skip += 1
             if n_skip:
                 m.bloom_skips.inc(n_skip)
-        chosen_l = chosen.tolist()
         hits = [i for i, c in enumerate(chosen_l) if c >= 0]
         if hits:
             self.policy.access_many([chosen_l[i] for i in hits])
         entries = t.read_many([chosen_l[i] for i in hits], list(mods), revs) if hits else []
-        nearest_l, cdist_l, ccos_l = nearest.tolist(), cdist.tolist(), ccos.tolist()
+        ccos_l = ccos.tolist()
         for i, c in enumerate(counts_l):
             if c and chosen_l[i] < 0:
                 out[i] = Found(nearest=nearest_l[i])

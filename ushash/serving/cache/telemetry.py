@@ -124,6 +124,8 @@ class _LookupStats:
                 self.slo.record_request(hit, seconds, read=not hit)
 
     def record_many(self, outcomes, seconds: float) -> None:
+        if len(outcomes) == 1:
+            return self.record(*outcomes[0], seconds)
         li = bisect.bisect_left(self.lat_bounds, seconds)
         with self._lock:
             for hit, tier, nearest in outcomes:
