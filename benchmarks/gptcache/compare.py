@@ -1,23 +1,38 @@
-"""Real GPTCache (pinned) on the stream and embeddings the false-hit budget benchmark measures ushash on.
+"""Real GPTCache (pinned) on the streams the false-hit budget benchmark measures ushash on, at its best threshold.
 
-    python benchmarks/gptcache/compare.py --export exports/tuxpaint-64b [--features-dir data/features] \
-        [--test-requests 20000] [--thresholds 0.995 0.99 ...]
+    python benchmarks/gptcache/compare.py --export exports/budget-tuxpaint-offline [--export ...] \
+        [--embeddings z features] [--budgets 0.01] [--calibrations experiments/budget] [--out experiments/gptcache]
 
 GPTCache runs in its own virtual environment (benchmarks/gptcache/.venv, made here on the first run with
-gptcache==0.1.44, faiss-cpu and numpy from PyPI; ignored by git). The test pool and stream are the same as
-benchmarks/false_hit_budget.py's (same seeds); every request's embedding is the export's unit z, handed to
-GPTCache as a precomputed embedding (its sqlite + faiss data manager, SearchDistanceEvaluation). GPTCache's
-similarity_threshold t accepts a faiss L2 distance d^2 <= 4 (1 - t), i.e. cosine >= 2t - 1 for unit z.
-Reported per threshold: hit rate, false hits per hit, lookup p50; and the best hit rate at each budget.
+gptcache==0.1.44, faiss-cpu and numpy from PyPI; ignored by git). The val and test pools and streams are
+benchmarks/false_hit_budget.py's (same splits, seeds and lengths). Each request's embedding is handed to
+GPTCache as a precomputed embedding (its sqlite + faiss data manager, SearchDistanceEvaluation, top_k 1):
+
+- `z`: the export's unit z (the shared space: one GPTCache for every modality, so cross-modal hits exist);
+- `features`: the raw encoder features, L2-normalised, one GPTCache per modality (an encoder's image and
+  text features have different sizes and spaces; this is GPTCache in front of the encoder itself).
+
+GPTCache's similarity_threshold t accepts a faiss L2 distance d^2 <= 4 (1 - t), i.e. cosine >= 2t - 1 for unit
+vectors. Its threshold is chosen on val as ushash's points are: over a grid of cosines (1.0 down to 0.5 in
+steps of 0.005), the highest val hit rate whose one-sided 95 % Clopper-Pearson upper bound on false hits per
+hit is within the budget (no fixed-sequence restriction: the most generous selection on val). The sweep is
+GPTCache's decision rule replayed in numpy (`emulate`: the nearest stored embedding of the request's cache,
+a hit when its cosine >= the threshold, a miss stores the request; ties to the earliest stored, as faiss's
+flat index); real GPTCache then replays the test stream at the chosen threshold (and, with --real-val, the
+val stream), and the emulation must give the same hits and false hits (checked, reported). Also reported:
+the best test hit rate of the sweep whose test false hits per hit are within the budget (chosen on test: an
+upper bound on what GPTCache could reach, not a deployable setting).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
 import venv
 from pathlib import Path
 
@@ -29,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PINS = ["gptcache==0.1.44", "faiss-cpu==1.15.1", "numpy<3", "sqlalchemy>=2,<2.1"]  # gptcache pip-installs sqlalchemy itself at run time otherwise
+COSINES = np.round(np.arange(1.0, 0.5 - 1e-9, -0.005), 4)
 
 
 def gptcache_python() -> Path:
@@ -40,56 +56,199 @@ def gptcache_python() -> Path:
     return py
 
 
-def main(argv=None):
-    from false_hit_budget import store_of
-    from ushash.serving.artifact import load_export
-    from ushash.sim.calibrate import encode_pool
-    from ushash.sim.pool import pool_from_split
-    from ushash.sim.stream import make_stream
+def embeddings(kind: str, enc, pool) -> tuple[dict[int, np.ndarray], np.ndarray]:
+    """({cache group: unit embeddings [N, d]}, the group of every member) for `z` or `features`."""
+    n = len(pool)
+    if kind == "z":
+        return {0: np.asarray(enc.z, np.float32)}, np.zeros(n, np.int64)
+    if kind != "features":
+        raise ValueError(f"embedding {kind!r}: z or features")
+    mods = sorted(set(pool.modality))
+    group = np.array([mods.index(m) for m in pool.modality], np.int64)
+    xs = {}
+    for g, m in enumerate(mods):
+        idx = np.flatnonzero(group == g)
+        d = len(pool.features[idx[0]])
+        x = np.zeros((n, d), np.float32)
+        f = np.stack([pool.features[i] for i in idx]).astype(np.float32)
+        x[idx] = f / np.maximum(np.linalg.norm(f, axis=1, keepdims=True), 1e-30)
+        xs[g] = x
+    return xs, group
 
+
+def emulate(xs: dict[int, np.ndarray], group: np.ndarray, cls: np.ndarray, stream: np.ndarray,
+            cosines) -> list[dict]:
+    """GPTCache's decision (top_k 1, SearchDistanceEvaluation) replayed per cosine threshold: the nearest
+    stored member of the request's group is served when its cosine >= the threshold; a miss stores the
+    request. Returns one row per threshold: hits, false hits."""
+    n = len(group)
+    sims = np.full((n, n), -np.inf, np.float32)
+    for g, x in xs.items():
+        idx = np.flatnonzero(group == g)
+        sims[np.ix_(idx, idx)] = x[idx] @ x[idx].T
+    cls = np.asarray(cls)
+    rows = []
+    for c in cosines:
+        best = np.full(n, -np.inf, np.float32)     # each member's highest cosine with a stored entry
+        arg = np.full(n, -1, np.int64)              # ... and which entry (the earliest stored on ties)
+        hits = false = 0
+        for q in stream.tolist():
+            if arg[q] >= 0 and best[q] >= c:
+                hits += 1
+                false += int(cls[arg[q]] != cls[q])
+                continue
+            col = sims[:, q]
+            better = col > best
+            best[better] = col[better]
+            arg[better] = q
+        rows.append({"cosine": float(c), "threshold": round((1 + float(c)) / 2, 6), "hits": hits,
+                     "false_hits": false, "hit_rate": hits / len(stream), "false_per_hit": false / hits if hits else 0.0})
+    return rows
+
+
+def with_bounds(rows: list[dict], delta: float = 0.05) -> list[dict]:
+    from ushash.serving.calibration import clopper_pearson_upper
+
+    return [{**r, "upper": clopper_pearson_upper(r["false_hits"], r["hits"], delta)} for r in rows]
+
+
+def select_on_val(val_rows: list[dict], budget: float) -> dict | None:
+    """The grid point with the highest val hit rate whose upper bound is within the budget."""
+    ok = [r for r in val_rows if r["upper"] <= budget]
+    return max(ok, key=lambda r: (r["hit_rate"], r["cosine"])) if ok else None
+
+
+def real_gptcache(py: Path, xs, group, cls, stream, thresholds) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "stream.npz"
+        np.savez(f, cls=np.asarray(cls), stream=np.asarray(stream), group=group, **{f"x{g}": x for g, x in xs.items()})
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}   # one faiss query at a time: no thread team to wake
+        out = subprocess.run([str(py), str(HERE / "inner.py"), str(f), *map(str, thresholds)], check=True,
+                             capture_output=True, text=True, env=env).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int, calibrations, real_val: bool,
+        py: Path | None) -> dict:
+    from false_hit_budget import pools_and_streams
+    from ushash.serving.artifact import load_export
+    from ushash.serving.calibration import Calibration, clopper_pearson_upper
+    from ushash.sim.calibrate import encode_pool, headroom, measure
+
+    head = load_export(export)
+    ds, val, test, sv, st = pools_and_streams(head, features_dir, n_val, n_test)
+    ev, et = encode_pool(head, val), encode_pool(head, test)
+    out = {"dataset": ds, "revision": head.revision, "val_requests": n_val, "test_requests": n_test,
+           "embeddings": {}, "ushash": {}}
+    ref = None
+    for b in budgets:
+        f = Path(calibrations) / f"{ds}-{b}.calibration.json" if calibrations else None
+        if f and f.exists():
+            r = measure(head, test, st, calibration=Calibration.load(f), enc=et)
+            r.pop("pairs")
+            out["ushash"][str(b)] = r
+            ref = ref or r
+    for kind in kinds:
+        t0 = time.perf_counter()
+        xv, gv = embeddings(kind, ev, val)
+        xt, gt = embeddings(kind, et, test)
+        vrows = with_bounds(emulate(xv, gv, val.cls, sv, COSINES))
+        trows = with_bounds(emulate(xt, gt, test.cls, st, COSINES))
+        res = {"groups": len(xv), "sweep": [{"cosine": a["cosine"], "val_hit_rate": a["hit_rate"],
+                                             "val_false_per_hit": a["false_per_hit"], "val_upper": a["upper"],
+                                             "test_hit_rate": c["hit_rate"], "test_false_per_hit": c["false_per_hit"]}
+                                            for a, c in zip(vrows, trows)], "budgets": {}}
+        for b in budgets:
+            sel = select_on_val(vrows, b)
+            entry = {"val": sel}
+            if sel is not None:
+                emu = next(r for r in trows if r["cosine"] == sel["cosine"])
+                entry["test_emulated"] = emu
+                if py is not None:
+                    real = real_gptcache(py, xt, gt, test.cls, st, [sel["threshold"]])[0]
+                    real["upper"] = clopper_pearson_upper(real["false_hits"], real["hits"])
+                    entry["test"] = real
+                    entry["emulation_matches_test"] = (real["hits"], real["false_hits"]) == (emu["hits"], emu["false_hits"])
+                    if real_val:
+                        rv = real_gptcache(py, xv, gv, val.cls, sv, [sel["threshold"]])[0]
+                        entry["val_real"] = rv
+                        entry["emulation_matches_val"] = (rv["hits"], rv["false_hits"]) == (sel["hits"], sel["false_hits"])
+                else:
+                    entry["test"] = emu
+                if ref is not None:
+                    entry["headroom"] = headroom(entry["test"]["hit_rate"], ref["exact_hit_rate"], ref["oracle_hit_rate"])
+            on_test = [r for r in trows if r["false_per_hit"] <= b]
+            entry["test_chosen_on_test"] = max(on_test, key=lambda r: r["hit_rate"]) if on_test else None
+            res["budgets"][str(b)] = entry
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        out["embeddings"][kind] = res
+        print(ds, kind, json.dumps({b: {k: (v.get("hit_rate"), v.get("false_per_hit"), v.get("cosine"))
+                                        if isinstance(v, dict) else v for k, v in e.items()}
+                                    for b, e in res["budgets"].items()}), flush=True)
+    return out
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"Run {meta['date']} on {meta['machine']}: `{meta['command']}`", "",
+             "| data | budget | cache | threshold (chosen on val) | val hit rate, false / hit (95 % upper) | "
+             "test hit rate | test false / hit (95 % upper) | headroom captured | real = emulated | "
+             "best test hit rate at test false/hit <= budget (chosen on test) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for b in sorted({b for e in r["embeddings"].values() for b in e["budgets"]} | set(r["ushash"])):
+            u = r["ushash"].get(b)
+            if u:
+                lines.append(f"| {r['dataset']} | {b} | ushash (calibrated on val) | per pair | - | {u['hit_rate']:.4f} | "
+                             f"{u['false_per_hit']:.4f} ({u['false_per_hit_upper']:.4f}) | {u['headroom_captured']:.3f} | - | - |")
+            for kind, e in r["embeddings"].items():
+                x = e["budgets"].get(b)
+                if x is None:
+                    continue
+                name = f"GPTCache, {'export z' if kind == 'z' else 'raw encoder features'}"
+                if x["val"] is None:
+                    lines.append(f"| {r['dataset']} | {b} | {name} | none passes on val | - | 0 | - | 0 | - | - |")
+                    continue
+                v, t, o = x["val"], x["test"], x["test_chosen_on_test"]
+                match = x.get("emulation_matches_test")
+                hd = x.get("headroom")
+                best = f"{o['hit_rate']:.4f} at cos >= {o['cosine']:.3f}" if o else "-"
+                lines.append(f"| {r['dataset']} | {b} | {name} | cos >= {v['cosine']:.3f} (t = {v['threshold']:.4f}) | "
+                             f"{v['hit_rate']:.4f}, {v['false_per_hit']:.4f} ({v['upper']:.4f}) | {t['hit_rate']:.4f} | "
+                             f"{t['false_per_hit']:.4f} ({t.get('upper', float('nan')):.4f}) | "
+                             f"{'-' if hd is None else f'{hd:.3f}'} | {'-' if match is None else ('yes' if match else 'NO')} | "
+                             f"{best} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export", action="append", required=True)
     ap.add_argument("--features-dir", default=str(ROOT / "data" / "features"))
-    ap.add_argument("--test-requests", type=int, default=5000)
-    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.995, 0.99, 0.985, 0.98, 0.97])
+    ap.add_argument("--embeddings", nargs="+", default=["z", "features"], choices=["z", "features"])
+    ap.add_argument("--requests", type=int, default=40000, help="val stream (as false_hit_budget.py)")
+    ap.add_argument("--test-requests", type=int, default=20000)
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.01])
-    ap.add_argument("--calibrations", default=None,
+    ap.add_argument("--calibrations", default=str(ROOT / "experiments" / "budget"),
                     help="folder of <dataset>-<budget>.calibration.json (false_hit_budget.py --out): ushash measured "
                          "on this same stream with them")
+    ap.add_argument("--real", type=int, default=1, help="0: the emulation only (no GPTCache environment)")
+    ap.add_argument("--real-val", type=int, default=0, help="1: also replay the val stream through real GPTCache")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "gptcache"))
     a = ap.parse_args(argv)
-    py = gptcache_python()
-    results = {}
-    for export in a.export:
-        head = load_export(export)
-        ds = (head.manifest.get("source") or {}).get("dataset")
-        test = pool_from_split(store_of(Path(a.features_dir), ds, "test", head.encoder.fingerprint, head.encoder.name), seed=1)
-        stream = make_stream(test, a.test_requests, 1.0, 1)
-        enc = encode_pool(head, test)
-        with tempfile.TemporaryDirectory() as d:
-            f = Path(d) / "stream.npz"
-            np.savez(f, z=enc.z, cls=enc.cls, stream=stream)
-            out = subprocess.run([str(py), str(HERE / "inner.py"), str(f), *map(str, a.thresholds)], check=True,
-                                 capture_output=True, text=True).stdout
-        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        best = {str(b): max((r for r in rows if r["false_per_hit"] <= b), key=lambda r: r["hit_rate"], default=None)
-                for b in a.budgets}
-        results[ds] = {"rows": rows, "best": best, "ushash": {}}
-        if a.calibrations:
-            from ushash.serving.calibration import Calibration
-            from ushash.sim.calibrate import headroom, measure
-            for b in a.budgets:
-                f = Path(a.calibrations) / f"{ds}-{b}.calibration.json"
-                if f.exists():
-                    r = measure(head, test, stream, calibration=Calibration.load(f), enc=enc)
-                    r.pop("pairs")
-                    g = best[str(b)]
-                    r["gptcache_headroom"] = headroom(g["hit_rate"], r["exact_hit_rate"], r["oracle_hit_rate"]) if g else None
-                    results[ds]["ushash"][str(b)] = r
-        print(ds, json.dumps({"gptcache": best, "ushash": results[ds]["ushash"]}), flush=True)
+    py = gptcache_python() if a.real else None
+    results = [run(e, Path(a.features_dir), a.embeddings, a.budgets, a.requests, a.test_requests, a.calibrations,
+                   bool(a.real_val), py) for e in a.export]
+    import platform
+    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "command": "python benchmarks/gptcache/compare.py " + " ".join(
+                f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
+                for k, v in vars(a).items() if k not in ("features_dir", "out", "export", "calibrations")) +
+            "".join(f" --export {Path(e).name}" for e in a.export)}
     o = Path(a.out)
     o.mkdir(parents=True, exist_ok=True)
-    (o / "results.json").write_text(json.dumps(results, indent=1))
+    (o / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (o / "results.md").write_text(markdown(results, meta))
+    print(markdown(results, meta))
 
 
 if __name__ == "__main__":

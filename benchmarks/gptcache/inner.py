@@ -1,5 +1,12 @@
 """Runs inside the pinned GPTCache environment (see compare.py): replays one stream through real GPTCache
-with precomputed embeddings, once per similarity threshold. Prints one JSON line per threshold."""
+with precomputed embeddings, once per similarity threshold. Prints one JSON line per threshold.
+
+    inner.py STREAM.npz THRESHOLD [THRESHOLD ...]
+
+STREAM.npz holds `cls` [N] (each pool member's class), `stream` [n] (member indices), `group` [N] (which
+cache a member is looked up in and stored to: one GPTCache per group, e.g. per modality when the embeddings
+are per-modality encoder features of different sizes) and `x<g>` [N, d_g] (the embedding of every member
+of group g; the rows of other groups are unused)."""
 
 import json
 import sys
@@ -24,18 +31,24 @@ class Precomputed:
         return self.z[int(data)]
 
 
-def replay(z, cls, stream, threshold):
+def make_cache(d, x, threshold, name):
+    emb = Precomputed(x)
+    dm = get_data_manager(CacheBase("sqlite", sql_url="sqlite://"),
+                          VectorBase("faiss", dimension=emb.dimension, index_path=f"{d}/{name}.index"),
+                          max_size=10 ** 7)
+    cache = Cache()
+    init_similar_cache(data_dir=f"{d}/{name}", cache_obj=cache, embedding=emb, data_manager=dm,
+                       evaluation=SearchDistanceEvaluation(), config=Config(similarity_threshold=threshold))
+    return cache
+
+
+def replay(xs, group, cls, stream, threshold):
     with tempfile.TemporaryDirectory() as d:
-        emb = Precomputed(z)
-        dm = get_data_manager(CacheBase("sqlite", sql_url=f"sqlite:///{d}/c.db"),
-                              VectorBase("faiss", dimension=emb.dimension, index_path=f"{d}/f.index"),
-                              max_size=10 ** 7)
-        cache = Cache()
-        init_similar_cache(data_dir=d, cache_obj=cache, embedding=emb, data_manager=dm,
-                           evaluation=SearchDistanceEvaluation(), config=Config(similarity_threshold=threshold))
+        caches = {g: make_cache(d, x, threshold, f"g{g}") for g, x in xs.items()}
         hits = false = 0
         lat = []
-        for i in stream:
+        for i in stream.tolist():
+            cache = caches[int(group[i])]
             t0 = time.perf_counter()
             ans = get(str(i), cache_obj=cache)
             lat.append(time.perf_counter() - t0)
@@ -45,16 +58,17 @@ def replay(z, cls, stream, threshold):
                 hits += 1
                 false += int(ans) != int(cls[i])
         n = len(stream)
-        return {"threshold": threshold, "hit_rate": hits / n, "hits": hits, "false_hits": false,
-                "false_per_hit": false / hits if hits else 0.0,
+        return {"threshold": threshold, "cosine": round(2 * threshold - 1, 6), "hit_rate": hits / n, "hits": hits,
+                "false_hits": false, "false_per_hit": false / hits if hits else 0.0,
                 "get_p50_us": float(np.percentile(lat, 50) * 1e6)}
 
 
 def main():
     data = np.load(sys.argv[1])
-    z, cls, stream = data["z"].astype("float32"), data["cls"], data["stream"]
+    cls, stream, group = data["cls"], data["stream"], data["group"]
+    xs = {int(k[1:]): data[k].astype("float32") for k in data.files if k.startswith("x")}
     for th in map(float, sys.argv[2:]):
-        print(json.dumps(replay(z, cls, stream, th)), flush=True)
+        print(json.dumps(replay(xs, group, cls, stream, th)), flush=True)
 
 
 if __name__ == "__main__":

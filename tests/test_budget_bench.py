@@ -1,0 +1,104 @@
+"""The budget benchmarks' own logic: GPTCache's decision rule replayed in numpy (checked against a direct
+transcription of GPTCache's get/put), its threshold chosen on val, and the heads' run names, which follow
+the resolved training config (a changed default trains a new head instead of resuming the old one)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def compare():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    return _load("gptcache_compare", "benchmarks/gptcache/compare.py")
+
+
+def gptcache_reference(xs, group, cls, stream, threshold):
+    """GPTCache 0.1.44's get / put as written: faiss IndexFlatL2 over the stored embeddings of the request's
+    cache, top_k 1, SearchDistanceEvaluation (rank = 4 - d^2, a hit when rank >= 4 t); a miss puts."""
+    stored = {g: [] for g in xs}
+    hits = false = 0
+    for q in stream:
+        g = int(group[q])
+        x = xs[g][q]
+        if stored[g]:
+            d2 = [float(np.sum((xs[g][e] - x) ** 2)) for e in stored[g]]
+            j = int(np.argmin(d2))          # the first of equal distances, as faiss's flat index
+            if 4.0 - d2[j] >= 4.0 * threshold:
+                hits += 1
+                false += int(cls[stored[g][j]] != cls[q])
+                continue
+        stored[g].append(q)
+    return hits, false
+
+
+def test_emulation_matches_gptcaches_rule(compare):
+    rng = np.random.default_rng(0)
+    n, k = 120, 15
+    centres = rng.normal(size=(k, 16))
+    cls = rng.integers(0, k, size=n)
+    x = centres[cls] + 0.6 * rng.normal(size=(n, 16))
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    group = (np.arange(n) % 2).astype(np.int64)            # two caches (e.g. per modality)
+    xs = {g: np.where((group == g)[:, None], x, 0).astype(np.float32) for g in (0, 1)}
+    p = 1.0 / np.arange(1, n + 1)
+    stream = rng.choice(n, size=600, p=p / p.sum())
+    cosines = [0.99, 0.9, 0.8, 0.6, 0.3]
+    rows = compare.emulate(xs, group, cls, stream, cosines)
+    for r, c in zip(rows, cosines):
+        # away from the grid value a cosine >= c is d^2 <= 2 (1 - c) = 4 (1 - t)
+        assert (r["hits"], r["false_hits"]) == gptcache_reference(xs, group, cls, stream, (1 + c) / 2), c
+    assert rows[0]["hits"] < rows[-1]["hits"]               # looser thresholds serve more
+    assert rows[-1]["false_hits"] > 0
+
+
+def test_threshold_is_chosen_on_val_within_the_bound(compare):
+    rows = compare.with_bounds([
+        {"cosine": 0.99, "hits": 400, "false_hits": 0, "hit_rate": 0.40},
+        {"cosine": 0.95, "hits": 600, "false_hits": 1, "hit_rate": 0.60},     # upper 0.0079: passes
+        {"cosine": 0.90, "hits": 700, "false_hits": 9, "hit_rate": 0.70},     # upper > 0.01
+        {"cosine": 0.80, "hits": 800, "false_hits": 40, "hit_rate": 0.80}])
+    assert compare.select_on_val(rows, 0.01)["cosine"] == 0.95
+    assert compare.select_on_val(rows, 0.001) is None
+
+
+def test_embeddings_are_shared_z_or_per_modality_features(compare):
+    from ushash.sim.pool import Pool
+
+    pool = Pool()
+    pool.add("image", np.ones(6), 0, "original", b"a")
+    pool.add("text", np.ones(4) * 2, 0, "original", b"b")
+    pool.add("image", np.arange(6.0), 1, "original", b"c")
+
+    class Enc:
+        z = np.eye(3, 5, dtype=np.float32)
+
+    xs, group = compare.embeddings("z", Enc, pool)
+    assert list(group) == [0, 0, 0] and xs[0].shape == (3, 5)
+    xs, group = compare.embeddings("features", Enc, pool)
+    assert list(group) == [0, 1, 0] and xs[0].shape == (3, 6) and xs[1].shape == (3, 4)
+    assert np.allclose(np.linalg.norm(xs[0][[0, 2]], axis=1), 1) and np.allclose(xs[1][1], 0.5)
+
+
+def test_head_runs_are_named_after_the_resolved_recipe():
+    heads = _load("budget_heads", "scripts/budget_heads.py")
+    a, recipe = heads.config_key(["data=tuxpaint", "encoder=offline"])
+    assert heads.config_key(["data=tuxpaint", "encoder=offline"])[0] == a
+    assert recipe["bits"] == 64 and recipe["seed"] == 0          # the shipped defaults the bars are about
+    assert heads.config_key(["data=tuxpaint", "encoder=offline", "model.lr=0.002"])[0] != a   # a new default
+    assert heads.config_key(["data=emoji", "encoder=offline"])[0] != a
+    # where things go and whether to resume do not change the head
+    assert heads.config_key(["data=tuxpaint", "encoder=offline", "resume=false", "run_name=x"])[0] == a
