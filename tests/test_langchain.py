@@ -38,13 +38,18 @@ def lc_cache():
 
 
 def test_fake_chat_model_hits_on_a_repeat_and_a_paraphrase(lc_cache):
-    llm = FakeListChatModel(responses=["frogs are amphibians", "second answer", "third"], cache=lc_cache)
+    llm = FakeListChatModel(responses=["frogs are amphibians", "second answer", "third", "fourth"], cache=lc_cache)
     assert llm.invoke("what is a frog").content == "frogs are amphibians"
     assert llm.invoke("what is a frog").content == "frogs are amphibians"       # served from the cache
     assert llm.invoke("What is a frog?").content == "frogs are amphibians"      # near: same words
+    # a paraphrase with other words: other features, within the radius and the payload threshold
+    assert llm.invoke("tell me what a frog is").content == "frogs are amphibians"
+    hit = lc_cache.cache.check(None, "text", features=featurize("text", "tell me what a frog is"))[0]
+    assert 0 < hit["hamming_distance"] <= 10 and 0.85 <= hit["cosine"] < 0.99
     assert llm.i == 1                                                          # the model ran once
-    assert llm.invoke("explain quantum chromodynamics please").content == "second answer"
-    assert llm.i == 2
+    assert llm.invoke("what is a toad").content == "second answer"             # near in words, not served
+    assert llm.invoke("explain quantum chromodynamics please").content == "third"
+    assert llm.i == 3
     # another model (another llm_string) never gets this model's answer
     assert GenericFakeChatModel(messages=iter([AIMessage("generic")]), cache=lc_cache).invoke(
         "what is a frog").content == "generic"
