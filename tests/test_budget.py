@@ -148,3 +148,40 @@ def test_calibrate_keeps_the_budget_on_a_held_out_stream(head):
     # an impossible budget turns every pair off
     none = calibrate(head, val, make_stream(val, 500, 0.5, 0), 0.001, settings)
     assert not any(p.on for p in none.pairs.values())
+
+
+def test_one_input_under_two_classes_is_not_a_false_hit(head):
+    """A caption two items share is one input: serving one item's answer to it is no false hit (any cache,
+    the exact-key one included, serves it); a near input of another class and source still is."""
+    rng = np.random.default_rng(3)
+    shared = rng.normal(size=24).astype(np.float32)
+    other = shared + 0.01 * rng.normal(size=24).astype(np.float32)
+    pool = Pool()
+    pool.add("text", shared, 0, "original", feature_key("text", shared))
+    pool.add("text", shared, 1, "original", feature_key("text", shared))       # the same caption, item 1
+    pool.add("text", other, 2, "original", feature_key("text", other))         # near, another input
+    assert list(pool.source_ids()) == [0, 0, 1]
+    stream = np.array([0, 1, 1, 2, 0, 2])
+    cal = _cal(head, {"text>text": PairPoint(True, 64, 0.0)})
+    res = measure(head, pool, stream, calibration=cal)
+    assert res["hits"] == 5 and res["false_hits"] == 2          # request 2 served item 0's entry, twice
+    from ushash.sim.calibrate import encode_pool, offline_counts, payload_cosines
+    enc = encode_pool(head, pool)
+    n, bad = offline_counts(enc, payload_cosines(head, enc), stream, np.array([0.0]), np.array([64]))["text>text"]
+    # offline every earlier distinct request is an entry: the second request 2 finds itself
+    assert (int(n[0, 0]), int(bad[0, 0])) == (5, 1)
+
+
+def test_variants_share_their_originals_source():
+    from ushash.sim.pool import pool_from_split
+
+    class T:
+        def __init__(self, x, groups):
+            self.x, self.groups = x, groups
+
+    class S:
+        tables = {"text": T(np.eye(3, 8, dtype=np.float32), ["a", "b", "c"])}
+
+    pool = pool_from_split(S(), perturb=2, seed=0)
+    assert list(pool.source_ids()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert len(set(pool.key)) == 9

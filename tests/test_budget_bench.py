@@ -26,7 +26,7 @@ def compare():
     return _load("gptcache_compare", "benchmarks/gptcache/compare.py")
 
 
-def gptcache_reference(xs, group, cls, stream, threshold):
+def gptcache_reference(xs, group, cls, src, stream, threshold):
     """GPTCache 0.1.44's get / put as written: faiss IndexFlatL2 over the stored embeddings of the request's
     cache, top_k 1, SearchDistanceEvaluation (rank = 4 - d^2, a hit when rank >= 4 t); a miss puts."""
     stored = {g: [] for g in xs}
@@ -39,7 +39,8 @@ def gptcache_reference(xs, group, cls, stream, threshold):
             j = int(np.argmin(d2))          # the first of equal distances, as faiss's flat index
             if 4.0 - d2[j] >= 4.0 * threshold:
                 hits += 1
-                false += int(cls[stored[g][j]] != cls[q])
+                e = stored[g][j]
+                false += int(cls[e] != cls[q] and src[e] != src[q])
                 continue
         stored[g].append(q)
     return hits, false
@@ -57,10 +58,11 @@ def test_emulation_matches_gptcaches_rule(compare):
     p = 1.0 / np.arange(1, n + 1)
     stream = rng.choice(n, size=600, p=p / p.sum())
     cosines = [0.99, 0.9, 0.8, 0.6, 0.3]
-    rows = compare.emulate(xs, group, cls, stream, cosines)
+    src = np.where(np.arange(n) % 4 < 2, np.arange(n), np.arange(n) - 2)   # members 4k+2, 4k+3 share 4k, 4k+1 inputs
+    rows = compare.emulate(xs, group, cls, stream, cosines, src)
     for r, c in zip(rows, cosines):
         # away from the grid value a cosine >= c is d^2 <= 2 (1 - c) = 4 (1 - t)
-        assert (r["hits"], r["false_hits"]) == gptcache_reference(xs, group, cls, stream, (1 + c) / 2), c
+        assert (r["hits"], r["false_hits"]) == gptcache_reference(xs, group, cls, src, stream, (1 + c) / 2), c
     assert rows[0]["hits"] < rows[-1]["hits"]               # looser thresholds serve more
     assert rows[-1]["false_hits"] > 0
 

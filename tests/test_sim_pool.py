@@ -46,11 +46,11 @@ def test_audio_variant_is_attenuated_and_noised_at_the_snr():
 
 def test_media_members_of_each_modality():
     rng = np.random.default_rng(0)
-    kinds = lambda m, raw: [k for _, _, _, k, _ in media_members(m, raw, 5, 2, rng, 40, 0.8, 20.0)]  # noqa: E731
+    kinds = lambda m, raw: [k for _, _, _, k, _, _ in media_members(m, raw, 5, 2, rng, 40, 0.8, 20.0)]  # noqa: E731
     assert kinds("text", "A caption.") == ["original", "recased", "recased"]
     assert kinds("image", Image.new("RGB", (16, 16))) == ["original", "jpeg+crop", "jpeg+crop"]
     assert kinds("audio", np.ones(100, np.float32)) == ["original", "noised", "noised"]
-    assert {c for _, _, c, _, _ in media_members("text", "x", 5, 1, rng, 40, 0.8, 20.0)} == {5}
+    assert {c for _, _, c, _, _, _ in media_members("text", "x", 5, 1, rng, 40, 0.8, 20.0)} == {5}
 
 
 def test_pool_counts_and_a_seeded_stream():

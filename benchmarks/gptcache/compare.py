@@ -77,16 +77,18 @@ def embeddings(kind: str, enc, pool) -> tuple[dict[int, np.ndarray], np.ndarray]
 
 
 def emulate(xs: dict[int, np.ndarray], group: np.ndarray, cls: np.ndarray, stream: np.ndarray,
-            cosines) -> list[dict]:
+            cosines, src: np.ndarray | None = None) -> list[dict]:
     """GPTCache's decision (top_k 1, SearchDistanceEvaluation) replayed per cosine threshold: the nearest
     stored member of the request's group is served when its cosine >= the threshold; a miss stores the
-    request. Returns one row per threshold: hits, false hits."""
+    request. A hit is false when the entry is of another class and another source input (`src`, as
+    ushash.sim.calibrate counts). Returns one row per threshold: hits, false hits."""
     n = len(group)
     sims = np.full((n, n), -np.inf, np.float32)
     for g, x in xs.items():
         idx = np.flatnonzero(group == g)
         sims[np.ix_(idx, idx)] = x[idx] @ x[idx].T
     cls = np.asarray(cls)
+    src = np.arange(n) if src is None else np.asarray(src)
     rows = []
     for c in cosines:
         best = np.full(n, -np.inf, np.float32)     # each member's highest cosine with a stored entry
@@ -95,7 +97,7 @@ def emulate(xs: dict[int, np.ndarray], group: np.ndarray, cls: np.ndarray, strea
         for q in stream.tolist():
             if arg[q] >= 0 and best[q] >= c:
                 hits += 1
-                false += int(cls[arg[q]] != cls[q])
+                false += int(cls[arg[q]] != cls[q] and src[arg[q]] != src[q])
                 continue
             col = sims[:, q]
             better = col > best
@@ -118,10 +120,11 @@ def select_on_val(val_rows: list[dict], budget: float) -> dict | None:
     return max(ok, key=lambda r: (r["hit_rate"], r["cosine"])) if ok else None
 
 
-def real_gptcache(py: Path, xs, group, cls, stream, thresholds) -> list[dict]:
+def real_gptcache(py: Path, xs, group, cls, src, stream, thresholds) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "stream.npz"
-        np.savez(f, cls=np.asarray(cls), stream=np.asarray(stream), group=group, **{f"x{g}": x for g, x in xs.items()})
+        np.savez(f, cls=np.asarray(cls), src=np.asarray(src), stream=np.asarray(stream), group=group,
+                 **{f"x{g}": x for g, x in xs.items()})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}   # one faiss query at a time: no thread team to wake
         out = subprocess.run([str(py), str(HERE / "inner.py"), str(f), *map(str, thresholds)], check=True,
                              capture_output=True, text=True, env=env).stdout
@@ -152,8 +155,8 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
         t0 = time.perf_counter()
         xv, gv = embeddings(kind, ev, val)
         xt, gt = embeddings(kind, et, test)
-        vrows = with_bounds(emulate(xv, gv, val.cls, sv, COSINES))
-        trows = with_bounds(emulate(xt, gt, test.cls, st, COSINES))
+        vrows = with_bounds(emulate(xv, gv, val.cls, sv, COSINES, ev.src))
+        trows = with_bounds(emulate(xt, gt, test.cls, st, COSINES, et.src))
         res = {"groups": len(xv), "sweep": [{"cosine": a["cosine"], "val_hit_rate": a["hit_rate"],
                                              "val_false_per_hit": a["false_per_hit"], "val_upper": a["upper"],
                                              "test_hit_rate": c["hit_rate"], "test_false_per_hit": c["false_per_hit"]}
@@ -165,12 +168,12 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
                 emu = next(r for r in trows if r["cosine"] == sel["cosine"])
                 entry["test_emulated"] = emu
                 if py is not None:
-                    real = real_gptcache(py, xt, gt, test.cls, st, [sel["threshold"]])[0]
+                    real = real_gptcache(py, xt, gt, test.cls, et.src, st, [sel["threshold"]])[0]
                     real["upper"] = clopper_pearson_upper(real["false_hits"], real["hits"])
                     entry["test"] = real
                     entry["emulation_matches_test"] = (real["hits"], real["false_hits"]) == (emu["hits"], emu["false_hits"])
                     if real_val:
-                        rv = real_gptcache(py, xv, gv, val.cls, sv, [sel["threshold"]])[0]
+                        rv = real_gptcache(py, xv, gv, val.cls, ev.src, sv, [sel["threshold"]])[0]
                         entry["val_real"] = rv
                         entry["emulation_matches_val"] = (rv["hits"], rv["false_hits"]) == (sel["hits"], sel["false_hits"])
                 else:

@@ -3,7 +3,8 @@ with precomputed embeddings, once per similarity threshold. Prints one JSON line
 
     inner.py STREAM.npz THRESHOLD [THRESHOLD ...]
 
-STREAM.npz holds `cls` [N] (each pool member's class), `stream` [n] (member indices), `group` [N] (which
+STREAM.npz holds `cls` [N] (each pool member's class), `src` [N] (its source input: a hit is false when
+the entry's class and source both differ from the request's), `stream` [n] (member indices), `group` [N] (which
 cache a member is looked up in and stored to: one GPTCache per group, e.g. per modality when the embeddings
 are per-modality encoder features of different sizes) and `x<g>` [N, d_g] (the embedding of every member
 of group g; the rows of other groups are unused)."""
@@ -42,7 +43,7 @@ def make_cache(d, x, threshold, name):
     return cache
 
 
-def replay(xs, group, cls, stream, threshold):
+def replay(xs, group, cls, src, stream, threshold):
     with tempfile.TemporaryDirectory() as d:
         caches = {g: make_cache(d, x, threshold, f"g{g}") for g, x in xs.items()}
         hits = false = 0
@@ -53,10 +54,11 @@ def replay(xs, group, cls, stream, threshold):
             ans = get(str(i), cache_obj=cache)
             lat.append(time.perf_counter() - t0)
             if ans is None:
-                put(str(i), str(int(cls[i])), cache_obj=cache)
+                put(str(i), str(i), cache_obj=cache)     # the answer names the entry's member
             else:
                 hits += 1
-                false += int(ans) != int(cls[i])
+                e = int(ans)
+                false += int(cls[e] != cls[i] and src[e] != src[i])
         n = len(stream)
         return {"threshold": threshold, "cosine": round(2 * threshold - 1, 6), "hit_rate": hits / n, "hits": hits,
                 "false_hits": false, "false_per_hit": false / hits if hits else 0.0,
@@ -65,10 +67,10 @@ def replay(xs, group, cls, stream, threshold):
 
 def main():
     data = np.load(sys.argv[1])
-    cls, stream, group = data["cls"], data["stream"], data["group"]
+    cls, src, stream, group = data["cls"], data["src"], data["stream"], data["group"]
     xs = {int(k[1:]): data[k].astype("float32") for k in data.files if k.startswith("x")}
     for th in map(float, sys.argv[2:]):
-        print(json.dumps(replay(xs, group, cls, stream, th)), flush=True)
+        print(json.dumps(replay(xs, group, cls, src, stream, th)), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
    modality) pair and each grid point (radius 0..`max_radius`, payload threshold `threshold_max` down to
    `threshold_min`) the entry the hit rule would serve (the nearest within the radius, ties by higher
    cosine, with payload cosine >= the threshold; the cosine read through the export's payload codec, as
-   the cache reads it) is a hit, and a false hit when its class differs. A pair's path is the grid points
+   the cache reads it) is a hit, and a false hit when its class and its source input differ (a caption two
+   items share is one input: any deterministic model answers it alike). A pair's path is the grid points
    with enough hits for the bound to meet the budget (`min_trials`), for same-modality pairs with a
    threshold no higher than the lowest cosine an exact repeat reaches through the codec, ordered by their
    hit counts (at most `path_points` of them): all from hit counts, never from the labels. The path ends
@@ -53,6 +54,16 @@ class Encoded:
     records: dict            # modality -> (member indices, payload records uint8 [n, nbytes])
     cls: np.ndarray          # int [N]
     key: list
+    src: np.ndarray = None   # int [N]: the source input (Pool.source_ids); same class or same source = equivalent
+
+    def __post_init__(self):
+        if self.src is None:
+            self.src = np.arange(len(self.cls), dtype=np.int64)
+
+    def wrong(self, entry, request) -> np.ndarray | bool:
+        """Whether serving `entry` (member indices) to `request` is a false hit: another class and another
+        source input (Pool.source_ids)."""
+        return (self.cls[entry] != self.cls[request]) & (self.src[entry] != self.src[request])
 
 
 def encode_pool(head, pool) -> Encoded:
@@ -68,7 +79,8 @@ def encode_pool(head, pool) -> Encoded:
         codes[idx], z[idx] = c, zz
         if getattr(head, "payload", None) is not None:
             records[m] = (idx, head.payload.encode(m, zz.astype(np.float32)))
-    return Encoded(mods, codes, z, records, np.asarray(pool.cls), list(pool.key))
+    src = pool.source_ids() if len(getattr(pool, "source", [])) == n else None
+    return Encoded(mods, codes, z, records, np.asarray(pool.cls), list(pool.key), src)
 
 
 def payload_cosines(head, enc: Encoded) -> np.ndarray:
@@ -126,7 +138,7 @@ def offline_counts(enc: Encoded, cos: np.ndarray, stream: np.ndarray, thresholds
                 ok = jj < len(runmax)
                 jj = np.minimum(jj, len(runmax) - 1)
                 okr = ok[None, :] & (ds[jj][None, :] <= radii[:, None])
-                wrong = (enc.cls[sel[jj]] != enc.cls[q])[None, :]
+                wrong = enc.wrong(sel[jj], q)[None, :]
                 acc = out[pair_name(enc.modality[q], b)]
                 acc[0] += okr
                 acc[1] += okr & wrong
@@ -240,7 +252,8 @@ def calibrate(head, pool, stream: np.ndarray, target: float, settings: Calibrati
 
 def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] = None, cache_cfg: dict | None = None,
             enc: Encoded | None = None, confidence: float = 0.95) -> dict:
-    """Replay `stream` through a `SemanticCache` (store the class on a miss, no expiry) and count."""
+    """Replay `stream` through a `SemanticCache` (store on a miss, no expiry) and count; a hit is false
+    when the entry is of another class and another source input (`Encoded.wrong`)."""
     from ushash.serving.cache import Query, SemanticCache
 
     enc = enc or encode_pool(head, pool)
@@ -258,10 +271,10 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
         classes.add(c)
         h = cache.lookup(queries[q], TENANT)
         if h is None:
-            cache.store(queries[q], c, TENANT)
+            cache.store(queries[q], int(q), TENANT)   # the entry's member: its class and source input
             continue
         hits += 1
-        wrong = int(h.value) != c
+        wrong = bool(enc.wrong(int(h.value), q))
         false += wrong
         acc = pairs.setdefault(pair_name(queries[q].modality, h.modality), [0, 0, 0, set(), set()])
         acc[0] += 1

@@ -26,14 +26,27 @@ class Pool:
     cls: list[int] = field(default_factory=list)
     kind: list[str] = field(default_factory=list)     # "original", "perturbed", "jpeg+crop", "noised", "recased"
     key: list[bytes] = field(default_factory=list)    # exact-key cache key (sha256 of the normalised input)
+    source: list[bytes] = field(default_factory=list)  # exact key of the input a member is a variant of (its own for an original)
     variant_note: str = ""
 
-    def add(self, modality, feats, cls, kind, key):
+    def add(self, modality, feats, cls, kind, key, source=None):
         self.modality.append(modality)
         self.features.append(np.asarray(feats, np.float32))
         self.cls.append(int(cls))
         self.kind.append(kind)
         self.key.append(key)
+        self.source.append(key if source is None else source)
+
+    def source_ids(self) -> np.ndarray:
+        """An int per member naming its source input: members of one source are variants of one input.
+
+        A served entry is equivalent to the request (a correct hit) when their classes are equal *or* their
+        sources are: the same input under two items (e.g. one caption shared by two stamps) gets the same
+        answer from any deterministic model, so serving one item's answer to the other's identical input
+        (or a variant of it) is not a false hit. Without this every cache, an exact-key cache included, is
+        charged for the data set's duplicate inputs."""
+        ids: dict[bytes, int] = {}
+        return np.array([ids.setdefault(k, len(ids)) for k in self.source], np.int64)
 
     def __len__(self):
         return len(self.cls)
@@ -74,17 +87,24 @@ def pool_from_split(split, perturb: int = 2, noise: float = 0.1, seed: int = 0) 
         x = np.asarray(t.x, np.float32)
         for i in range(len(x)):
             c = gid[t.groups[i]]
-            pool.add(m, x[i], c, "original", feature_key(m, x[i]))
+            src = feature_key(m, x[i])
+            pool.add(m, x[i], c, "original", src)
             for _ in range(perturb):
                 xp = perturb_features(x[i], rng, noise)
-                pool.add(m, xp, c, "perturbed", feature_key(m, xp))
+                pool.add(m, xp, c, "perturbed", feature_key(m, xp), src)
     return pool
 
 
 def media_members(modality: str, raw, cls: int, n_variants: int, rng: np.random.Generator, jpeg_quality: int,
-                  crop_frac: float, snr_db: float, captions=("recased",)) -> list[tuple[str, object, int, str, bytes]]:
-    """A decoded medium and its `n_variants` transformations: (modality, medium, class, kind, exact key).
-    A caption gets `n_variants` of each kind in `captions` (ushash.sim.augment.CAPTION_VARIANTS)."""
+                  crop_frac: float, snr_db: float, captions=("recased",)) -> list[tuple[str, object, int, str, bytes, bytes]]:
+    """A decoded medium and its `n_variants` transformations: (modality, medium, class, kind, exact key,
+    the original's exact key). A caption gets `n_variants` of each kind in `captions`
+    (ushash.sim.augment.CAPTION_VARIANTS)."""
+    out = _media_members(modality, raw, cls, n_variants, rng, jpeg_quality, crop_frac, snr_db, captions)
+    return [(*m, out[0][4]) for m in out]
+
+
+def _media_members(modality, raw, cls, n_variants, rng, jpeg_quality, crop_frac, snr_db, captions):
     if modality == "text":
         return [("text", raw, cls, "original", text_key(raw))] + [
             ("text", v, cls, kind, text_key(v)) for kind in captions
@@ -134,7 +154,7 @@ def pool_from_media(rows, encoder, n_variants: int = 1, jpeg_quality: int = 40, 
             xb = encoder.collate(m, [encoder.preprocess(m, it[1]) for it in chunk])
             f = encoder.encode(m, xb).float().cpu().numpy()
             for it, fx in zip(chunk, f):
-                pool.add(m, fx, it[2], it[3], it[4])
+                pool.add(m, fx, it[2], it[3], it[4], it[5])
     return pool
 
 
