@@ -141,3 +141,13 @@ def test_binding_needs_a_token_beyond_loopback():
     with pytest.raises(SystemExit, match="16 characters"):
         check_binding("0.0.0.0", "short", None)
     check_binding("0.0.0.0", None, {"t" * 16: "acme"})
+
+
+def test_a_near_request_is_served_the_stored_answer_and_a_different_one_is_not(setup):
+    client, up, _ = setup
+    assert client.post("/v1/chat/completions", json=chat("what is a big green tree frog"), headers=H()).json() == {"answer": 1}
+    r = client.post("/v1/chat/completions", json=chat("what is a big green tree frog please"), headers=H())
+    assert r.headers["x-cache"] == "hit" and r.json() == {"answer": 1}
+    assert 0 < int(r.headers["x-cache-distance"]) <= 4          # other features, within the radius
+    r = client.post("/v1/chat/completions", json=chat("what is a big green tree toad"), headers=H())
+    assert r.headers["x-cache"] == "miss" and r.json() == {"answer": 2} and len(up.calls) == 2
