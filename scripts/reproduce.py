@@ -48,12 +48,18 @@ STEPS = {
                         "--export exports/budget-emoji-offline --calibrations experiments/budget --out experiments/gptcache",
     "proxy_overhead": "python benchmarks/proxy_overhead.py --export exports/budget-tuxpaint-offline "
                       "--images data/tuxpaint/stamps --out experiments/proxy",
+    # US-HASH codes as a cache key (docs/baselines.md): the same heads, codes only at radius 2, beside LSH codes of z
+    **{f"cachekey_{d}": f"python -m ushash.cachesim export=exports/budget-{d}-offline cache.radius=2 "
+                        f"methods=[exact,lsh_codes_only,ushash,ushash_codes_only] out=experiments/cachesim/cachekey-{d}64"
+       for d in ("tuxpaint", "emoji")},
 }
 # steps run first (once per reproduce) when a step is asked for: they resume, so a finished one costs seconds
 NEEDS = {
     "false_hit_budget": ["budget_heads"],
     "gptcache_compare": ["budget_heads", "false_hit_budget"],
     "proxy_overhead": ["budget_heads"],
+    "cachekey_tuxpaint": ["budget_heads"],
+    "cachekey_emoji": ["budget_heads"],
 }
 # the recipe's ablation (docs/baselines.md "Ablation"): each option of the US-HASH recipe changed alone, on both
 # real sets at 64 bits; label -> the overrides (the shipped defaults first). A step per (set, row), each a
@@ -93,6 +99,8 @@ RESULT_BLOCKS = {
     "false_hit_budget": ("docs/cache.md", "false-hit-budget", "experiments/budget"),
     "gptcache_compare": ("docs/cache.md", "gptcache", "experiments/gptcache"),
     "proxy_overhead": ("docs/cache.md", "proxy", "experiments/proxy"),
+    "cachekey_tuxpaint": ("docs/baselines.md", "cachekey-tuxpaint", "experiments/cachesim/cachekey-tuxpaint64"),
+    "cachekey_emoji": ("docs/baselines.md", "cachekey-emoji", "experiments/cachesim/cachekey-emoji64"),
 }
 # a step whose printed markdown is published as is: step -> (file, block)
 PRINTED_BLOCKS = {
