@@ -250,6 +250,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be a positive integer (bytes); got {max_body_bytes!r}")
     scoped = check_tokens(tokens, cache.config.tenants)
+    cache.warm_up()   # the compiled kernels loaded before the first request, not during it
     if token is not None and token in scoped:
         raise ValueError("tokens: the all-tenants token is also listed as a scoped one")
     keys = [(token.encode(), None)] if token is not None else []

@@ -158,6 +158,24 @@ class SemanticCache(CheckStore):
         self._serving = (self.l1, self.tiers, str(head.revision))
         self.l1.update_gauges()
 
+    def warm_up(self) -> None:
+        """Load the compiled (numba) kernels of lookups and stores now, on a throwaway L1-only cache of the
+        same head and settings: loading them costs ~1 s and tens of MB of code once per process, which the
+        first requests would otherwise pay for (the service calls this before it starts serving)."""
+        cfg = dataclasses.replace(self.config, l2=None, calibration=None, mih_min_entries=8, ttl_s=0,
+                                  tenants=None, capacity_bytes=1 << 24)
+        tmp = SemanticCache(self.head, cfg, clock=self.clock, rng=random.Random(0))
+        rng = np.random.default_rng(0)
+        codes = rng.integers(0, 256, size=(64, self.code_bytes), dtype=np.uint8)
+        for m in self.head.modalities:
+            dim = getattr(self.head, "dim", None)
+            z = rng.normal(size=(len(codes), dim)).astype(np.float32) if dim else [None] * len(codes)
+            qs = [tmp.query_from_code(m, c, zz) for c, zz in zip(codes, z)]
+            tmp.store_many(qs[:40], list(range(40)))
+            tmp.store_many(qs[40:50], list(range(10)))      # a merge into the index's tables
+            tmp.lookup(qs[0]), tmp.lookup(qs[60]), tmp.lookup_many(qs)
+            tmp.lookup(tmp.query_from_code(m, codes[1]))
+
     def reload(self, head, encoder=None, calibration: Calibration | None = None) -> None:
         """Serve a new head (a new export revision). Every L1 entry is dropped at once: none of an older
         revision is ever served again. With an L2, the new revision is announced; replicas still on the
