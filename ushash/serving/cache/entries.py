@@ -124,6 +124,17 @@ class Found:
 
 
 MISS = Found()
+_FOUND_FIELDS = ("entry", "distance", "cosine", "ref", "nearest", "skip_next", "more")
+assert tuple(f.name for f in dataclasses.fields(Found)) == _FOUND_FIELDS
+
+
+def found(entry: Entry | None, distance: int, cosine: float | None, ref: str, nearest: int | None) -> Found:
+    """Found(entry, distance, cosine, ref, nearest), made without the frozen dataclass's object.__setattr__
+    per field (~4x cheaper: one per hit of a lookup); equal to the constructor's in every field."""
+    f = object.__new__(Found)
+    f.__dict__.update(entry=entry, distance=distance, cosine=cosine, ref=ref, nearest=nearest, skip_next=False,
+                      more=())
+    return f
 
 
 class Tier(Protocol):

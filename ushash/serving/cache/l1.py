@@ -24,7 +24,7 @@ import threading
 import numpy as np
 from numba import njit
 
-from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found
+from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found, found
 from ushash.serving.cache.freshness import ExpiryHeap
 from ushash.serving.cache.hitcheck import _CHECK, _EXPIRED, _MODALITY, _NO_PAYLOAD, _REVISION, _SERVABLE, Batch, HitCheck
 from ushash.serving.cache.mindex import _search
@@ -263,7 +263,7 @@ class L1Tier:
             if ti is None or not nq:
                 return out
             cb = self.code_bytes
-            codes = np.frombuffer(queries[0].code if nq == 1 else b"".join(q.code for q in queries),
+            codes = np.frombuffer(queries[0].code if nq == 1 else b"".join([q.code for q in queries]),
                                   np.uint8).reshape(nq, cb)
             backend = self._backends[ti]
             if k == 1 and isinstance(backend, MIndexBackend):
@@ -426,10 +426,10 @@ class L1Tier:
         ccos_l = ccos.tolist()
         for i, c in enumerate(counts_l):
             if c and chosen_l[i] < 0:
-                out[i] = Found(nearest=nearest_l[i])
+                out[i] = found(None, -1, None, "", nearest_l[i])
         for i, e in zip(hits, entries):
             cs = ccos_l[i]
-            out[i] = Found(e, cdist_l[i], None if cs != cs else cs, f"l1:{chosen_l[i]}", nearest_l[i])
+            out[i] = found(e, cdist_l[i], None if cs != cs else cs, f"l1:{chosen_l[i]}", nearest_l[i])
         return out
 
     def put(self, tenant: str, e: Entry) -> bool:
