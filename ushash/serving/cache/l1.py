@@ -147,6 +147,21 @@ _LITTLE = sys.byteorder == "little"
 _NO_OFFS, _NO_IDS, _NO_TC = np.zeros((1, 2), np.int32), np.zeros((1, 0), np.int32), np.zeros((1, 0), np.uint64)
 
 
+def _query_columns(queries: list, mods: list[str], no_z):
+    """(modality id int64 [B] (len(mods): one the tier holds none of), has z bool [B], z float32 [B, dim]
+    with zero rows where there is none, or `no_z` when no query has one)."""
+    if len(queries) == 1:
+        q0 = queries[0]
+        qmod = np.array([mods.index(q0.modality) if q0.modality in mods else len(mods)], np.int64)
+        return qmod, (_TRUE1 if q0.z is not None else _FALSE1), (q0.z[None] if q0.z is not None else no_z)
+    qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in queries], np.int64)
+    has_z = np.array([q.z is not None for q in queries], bool)
+    if not has_z.any():
+        return qmod, has_z, no_z
+    dim = next(q.z for q in queries if q.z is not None).shape[0]
+    return qmod, has_z, np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in queries])
+
+
 class L1Tier:
     name = "l1"
 
@@ -296,18 +311,7 @@ class L1Tier:
                     out[i] = Found(nearest=int(nearest_d[i]))
                 return out
             mods = self._modalities
-            if nq == 1:
-                q0 = queries[0]
-                qmod = np.array([mods.index(q0.modality) if q0.modality in mods else len(mods)], np.int64)
-                has_z = np.array([q0.z is not None])
-                qz = None if q0.z is None else q0.z[None]
-            else:
-                qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in queries], np.int64)
-                has_z = np.array([q.z is not None for q in queries], bool)
-                qz = None
-                if has_z.any():
-                    dim = next(q.z for q in queries if q.z is not None).shape[0]
-                    qz = np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in queries])
+            qmod, has_z, qz = _query_columns(queries, mods, None)
             codec = self.payload_codec
             payload = t.payload
 
@@ -377,18 +381,7 @@ class L1Tier:
         mods = self._modalities
         mi = backend._mi
         masks, use = mi.plan(self.observe_radius, len(backend))
-        if nq == 1:
-            q0 = queries[0]
-            qmod = np.array([mods.index(q0.modality) if q0.modality in mods else len(mods)], np.int64)
-            has_z = _TRUE1 if q0.z is not None else _FALSE1
-            qz = q0.z[None] if q0.z is not None else _NO_Z
-        else:
-            qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in queries], np.int64)
-            has_z = np.array([q.z is not None for q in queries], bool)
-            qz = _NO_Z
-            if has_z.any():
-                dim = next(q.z for q in queries if q.z is not None).shape[0]
-                qz = np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in queries])
+        qmod, has_z, qz = _query_columns(queries, mods, _NO_Z)
         check = on and qz is not _NO_Z
         revs = self._revisions
         rev_ok = self._rev_ok.get(revision)

@@ -58,6 +58,18 @@ def _chunk(row, arr, j):
     return np.int64((arr[row, j >> 2] >> np.uint64(16 * (j & 3))) & np.uint64(0xFFFF))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _emit(out_s, out_d, m, slot, d):
+    """Result m (slot, d) unless the slot is a tombstone (-1); written only while the buffers have room
+    (the count goes on: the caller calls again with buffers that long). Returns the new count."""
+    if slot < 0:
+        return m
+    if m < len(out_s):
+        out_s[m] = slot
+        out_d[m] = d
+    return m + 1
+
+
 @njit(cache=True, nogil=True)
 def _sort_run(out_s, out_d, a, b):
     """Sort out_[a:b] by (distance, slot): insertion sort for short runs, else argsort of one int64 key."""
@@ -126,21 +138,11 @@ def _search(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, radius, use_
                             d = _dist(codes, pos, q, qi, nwords)
                             if d > radius:
                                 continue
-                        slot = p2s[pos]
-                        if slot >= 0:
-                            if m < cap:
-                                out_s[m] = slot
-                                out_d[m] = d
-                            m += 1
+                        m = _emit(out_s, out_d, m, p2s[pos], d)
         for pos in range(scan_from, n):
             d = _dist(codes, pos, q, qi, nwords)
             if d <= radius:
-                slot = p2s[pos]
-                if slot >= 0:
-                    if m < cap:
-                        out_s[m] = slot
-                        out_d[m] = d
-                    m += 1
+                m = _emit(out_s, out_d, m, p2s[pos], d)
         if m <= cap:
             _sort_run(out_s, out_d, start, m)
         lims[qi + 1] = m
@@ -285,9 +287,9 @@ class MultiIndex:
         return pos
 
     def merge(self) -> None:
-        if self.offs is None:
+        if self.offs is None:   # room for a tail beyond the codes there are; more by doubling when needed
             self.offs, self.ids, self.tc, self.ntab = _build(self.codes, self.p2s, self.n, self.nchunks,
-                                                             2 * self.n)
+                                                             self.n + self.tail_max)
         else:
             need = self.ntab + (self.n - self.nbase)
             if need > self.ids.shape[1]:   # room by doubling: few reallocations, so little heap fragmentation

@@ -210,17 +210,21 @@ class SLOWindow:
                 del self._sec[old]
         return b
 
-    def record_request(self, hit: bool, latency_s: float, stale: bool = False, read: bool = False,
-                       now: float | None = None) -> None:
-        """One answer; `read`: it went to the service (a miss). Each second keeps a uniform sample of at
-        most `SAMPLE` latencies for its p99. The caller serialises calls (CacheMetrics does, under its
-        lookup lock); the current second's bucket is kept at hand, so this is a few increments."""
+    def _current(self, now):
+        """The bucket of the second `now` falls in (the current one kept at hand)."""
         t = self.clock() if now is None else now
         sec = int(t) if t >= 0 else int(math.floor(t))
         if sec != self._cur_s:
             with self._lock:
                 self._cur_b, self._cur_s = self._bucket(sec), sec
-        b = self._cur_b
+        return self._cur_b
+
+    def record_request(self, hit: bool, latency_s: float, stale: bool = False, read: bool = False,
+                       now: float | None = None) -> None:
+        """One answer; `read`: it went to the service (a miss). Each second keeps a uniform sample of at
+        most `SAMPLE` latencies for its p99. The caller serialises calls (CacheMetrics does, under its
+        lookup lock); the current second's bucket is kept at hand, so this is a few increments."""
+        b = self._current(now)
         b[0] += 1
         if hit:
             b[1] += 1
@@ -239,12 +243,7 @@ class SLOWindow:
     def record_requests(self, hits: list, latency_s: float, now: float | None = None) -> None:
         """`record_request(hit, latency_s, read=not hit)` of each of a batch's answers (one latency for
         all): the same counts and the same reservoir sampling, the bucket looked up once."""
-        t = self.clock() if now is None else now
-        sec = int(t) if t >= 0 else int(math.floor(t))
-        if sec != self._cur_s:
-            with self._lock:
-                self._cur_b, self._cur_s = self._bucket(sec), sec
-        b = self._cur_b
+        b = self._current(now)
         n, h = len(hits), sum(1 for x in hits if x)
         lat = b[5]
         room = min(n, max(0, self.SAMPLE - len(lat)))
