@@ -35,11 +35,12 @@ class GroupBatches(Dataset):
                 members[g].append(row)
             self.members[m] = members
         self.rng = np.random.default_rng(seed)
+        self._labels: torch.Tensor | None = None  # label_matrix, made on first use
 
     def label_matrix(self, split: FeatureSplit) -> torch.Tensor:
-        """[n groups, n labels] bool: the class labels of each training group (the union over its rows of
-        every modality); a group whose rows carry no label has an all-false row. Made once."""
-        if getattr(self, "_labels", None) is None:
+        """[n groups, n labels] float 0/1: the class labels of each training group (the union over its rows of
+        every modality); a group whose rows carry no label has an all-zero row. Made once."""
+        if self._labels is None:
             per_group: list[set] = [set() for _ in self.groups]
             for m in self.modalities:
                 labels = split.tables[m].labels
@@ -47,10 +48,10 @@ class GroupBatches(Dataset):
                     for r in rows:
                         per_group[g].update(labels[r])
             vocab = {lab: i for i, lab in enumerate(sorted(set().union(*per_group)))}
-            mat = torch.zeros(len(self.groups), max(len(vocab), 1), dtype=torch.bool)
+            mat = torch.zeros(len(self.groups), max(len(vocab), 1))
             for g, labs in enumerate(per_group):
                 for lab in labs:
-                    mat[g, vocab[lab]] = True
+                    mat[g, vocab[lab]] = 1.0
             self._labels = mat
         return self._labels
 

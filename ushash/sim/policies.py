@@ -212,9 +212,17 @@ def _save(fig, path) -> None:
     atomic_write(path, buf.getvalue())
 
 
-def plot_adaptive(res: dict, path, title: str) -> None:
+def _finish(fig, axes, title: str, path) -> None:
+    """The figures' common end: the legend right of the top axes, the title wrapped, saved."""
     import textwrap
 
+    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_adaptive(res: dict, path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,15 +250,10 @@ def plot_adaptive(res: dict, path, title: str) -> None:
     axes[1].set_yscale("log")
     axes[2].set_ylabel("hit rate (10 s mean)")
     axes[2].set_xlabel("simulated seconds (orange: memory pressure; purple: slow service)")
-    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
-    fig.tight_layout()
-    _save(fig, path)
+    _finish(fig, axes, title, path)
 
 
 def plot_qos(res: dict, path, title: str) -> None:
-    import textwrap
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,10 +270,7 @@ def plot_qos(res: dict, path, title: str) -> None:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[1].set_xlabel("simulated seconds (orange: the batch tenant's report export)")
-    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
-    fig.tight_layout()
-    _save(fig, path)
+    _finish(fig, axes, title, path)
 
 
 def run_policy(name: str, out, run_name: str) -> dict:

@@ -34,7 +34,7 @@ def label_positives(module, ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
     dm = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
     if dm is None or getattr(dm, "train_set", None) is None:
         raise ValueError(f"method {module.hparams.method} needs the FeatureDataModule (the training split's labels)")
-    lab = dm.train_set.label_matrix(dm.train_split).to(ga.device).float()
+    lab = dm.train_set.label_matrix(dm.train_split).to(ga.device)
     return (ga[:, None] == gb[None, :]) | ((lab[ga] @ lab[gb].T) > 0)
 
 
@@ -63,9 +63,11 @@ def objective(module, h, z, g, present, args, teacher=None, positives=None):
         # every pair of rows of the batch, within a modality too: a cache compares a request with entries of
         # its own modality first, so their distances are trained, not left to follow from the cross-modal ones
         ts = stacked(teacher, present)
-        l_distill = losses.similarity_distillation(hs, hs, ts, ts, hp.distill_kernel) * n_pairs
+        l_distill = losses.similarity_distillation(hs, hs, ts, ts, hp.distill_kernel)
+    else:
+        l_distill = l_distill / n_pairs
     parts = {
-        "contrastive": l_con / n_pairs, "float": l_float / n_pairs, "distill": l_distill / n_pairs,
+        "contrastive": l_con / n_pairs, "float": l_float / n_pairs, "distill": l_distill,
         "quant": losses.quantization(hs), "balance": losses.balance(hs), "decor": losses.decorrelation(hs),
         "proto": losses.prototype(module.model.prototypes),
     }

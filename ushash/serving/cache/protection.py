@@ -20,6 +20,7 @@ from the live entries once as many codes were added as it was sized for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import threading
@@ -41,6 +42,7 @@ class Flight:
 
 class SingleFlight:
     """Per-key leader election for threads: `lead(key)` -> (is_leader, Flight)."""
+    _event = threading.Event
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -51,7 +53,7 @@ class SingleFlight:
             fl = self._calls.get(key)
             if fl is not None:
                 return False, fl
-            fl = self._calls[key] = Flight(threading.Event())
+            fl = self._calls[key] = Flight(self._event())
             return True, fl
 
     def done(self, key, fl: Flight, error: BaseException | None = None) -> None:
@@ -65,27 +67,13 @@ class SingleFlight:
         return len(self._calls)
 
 
-class AsyncSingleFlight:
-    """The same for coroutines of one event loop."""
+class AsyncSingleFlight(SingleFlight):
+    """The same for coroutines of one event loop (one thread: no lock needed)."""
+    _event = asyncio.Event
 
     def __init__(self):
-        self._calls: dict = {}
-
-    def lead(self, key) -> tuple[bool, Flight]:
-        fl = self._calls.get(key)
-        if fl is not None:
-            return False, fl
-        fl = self._calls[key] = Flight(asyncio.Event())
-        return True, fl
-
-    def done(self, key, fl: Flight, error: BaseException | None = None) -> None:
-        if self._calls.get(key) is fl:
-            del self._calls[key]
-        fl.error = error
-        fl.event.set()
-
-    def __len__(self) -> int:
-        return len(self._calls)
+        super().__init__()
+        self._lock = contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------- pigeonhole chunks
