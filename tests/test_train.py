@@ -1,6 +1,8 @@
 """US-HASH training on synthetic clustered features: it must beat random-hyperplane codes clearly."""
 
 import numpy as np
+from pathlib import Path
+
 import pytest
 
 from ushash.core import codes
@@ -95,3 +97,19 @@ def test_resume_refuses_other_settings(tmp_path):
         run_train(_cfg(tmp_path, "trainer.max_epochs=2", "model.temperature=0.3"), splits=splits)
     out = run_train(_cfg(tmp_path, "trainer.max_epochs=1", "model.temperature=0.3", "resume=false"), splits=splits)
     assert out["val_map@10"] is not None
+
+
+def test_resume_takes_a_setting_the_checkpoint_predates_as_its_default(tmp_path):
+    """A checkpoint written before an option existed (no such hyper-parameter in it) resumes under that
+    option's default, and is refused under another value."""
+    import torch
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 120, "val": 40, "test": 40},
+                                       n_classes=4, dims={"image": 8, "text": 8})
+    out = run_train(_cfg(tmp_path, "trainer.max_epochs=1"), splits=splits)
+    last = Path(out["last"])
+    ck = torch.load(last, map_location="cpu", weights_only=True)
+    del ck["hyper_parameters"]["distill_kernel"]
+    torch.save(ck, last)
+    assert run_train(_cfg(tmp_path, "trainer.max_epochs=2"), splits=splits)["val_map@10"] is not None
+    with pytest.raises(ValueError, match="other settings.*distill_kernel"):
+        run_train(_cfg(tmp_path, "trainer.max_epochs=3", "model.distill_kernel=angular"), splits=splits)

@@ -107,8 +107,13 @@ def _check_resumable(last: Path, hparams: dict) -> None:
     if theirs != methods.get(hparams.get("method", "ushash")).name:
         raise ValueError(f"{last} was trained with method {theirs!r}, not {hparams.get('method')!r}; set "
                          f"run_name=... (or resume=false) so the runs do not share a folder")
+    # a setting the checkpoint does not record predates it: the run used what is now that setting's default
+    import inspect
+    from ushash.hashing.module import USHashModule
+    default = {k: p.default for k, p in inspect.signature(USHashModule.__init__).parameters.items()
+               if p.default is not inspect.Parameter.empty}
     differ = sorted(k for k in set(hp) | set(hparams)
-                    if k != "max_epochs" and _plain(hp.get(k)) != _plain(hparams.get(k)))
+                    if k != "max_epochs" and _plain(hp.get(k, default.get(k))) != _plain(hparams.get(k, default.get(k))))
     if differ:
         raise ValueError(f"{last} was trained with other settings ({', '.join(differ)}); resuming it would mix "
                          f"them. Set run_name=... for a new run, or resume=false to start this one over")
