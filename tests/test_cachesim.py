@@ -10,7 +10,7 @@ from PIL import Image
 
 from ushash.data import synthetic
 from ushash.serving.artifact import load_export
-from ushash.sim.adapters import ExactKeyCache
+from ushash.sim.adapters import ExactKeyCache, Outcome
 from ushash.sim.pool import Pool, pool_from_split
 from ushash.sim.replay import replay, run_cachesim
 from ushash.sim.stream import SimClock, make_stream
@@ -51,20 +51,47 @@ def test_pool_and_zipf_stream(store):
     assert flat.max() < 3 * flat.mean()
 
 
+class _ServesTheLastAnswer:
+    """A cache under test that serves the last stored answer to any request (once something is stored)."""
+    name, nbytes = "last", 0
+
+    def reset(self, **settings):
+        self.last = None
+
+    def new_revision(self):
+        pass
+
+    def lookup(self, i):
+        return Outcome(self.last is not None, self.last)
+
+    def store(self, i, value):
+        self.last = value
+
+    def nearest_value(self, i):
+        return self.last
+
+
 def test_replay_accounting_on_a_hand_made_stream():
     pool = Pool()
-    for cls, key in [(0, b"a"), (0, b"b"), (1, b"c"), (1, b"a")]:  # key b"a" in two classes: a false hit
+    for cls, key in [(0, b"a"), (0, b"b"), (1, b"c"), (1, b"a")]:  # key b"a" in two classes: one input, two items
         pool.add("text", np.zeros(2), cls, "original", key)
     clock = SimClock()
     m = ExactKeyCache(pool, clock, ttl_s=None)
     m.reset()
     res = replay(m, np.array([0, 1, 0, 3, 2, 2]), pool, clock)
-    # 0 miss (store a->0), 1 miss (b->0), 0 hit ok, 3 hit a->0 but class 1: false, 2 miss, 2 hit ok
-    assert res["hit_rate"] == 3 / 6 and res["false_hit_rate"] == 1 / 6 and res["false_per_hit"] == 1 / 3
-    assert res["oracle_hit_rate"] == 4 / 6 and res["stale_hits"] == 0
+    # 0 miss (store a), 1 miss (b), 0 hit, 3 hit a: another class but the same input, so correct; 2 miss, 2 hit
+    assert res["hit_rate"] == 3 / 6 and res["false_hit_rate"] == 0 and res["correct_hit_rate"] == 3 / 6
+    # the oracle hits what has an equivalent earlier request: 1 (class 0), 0, 3 (input a), 2 (class 1), 2
+    assert res["oracle_hit_rate"] == 5 / 6 and res["stale_hits"] == 0
     m.reset()
     res = replay(m, np.array([0, 0, 0, 0]), pool, clock, revision_change_at=0.5)
     assert res["stale_hits"] == 2  # an exact-key cache keeps serving answers of the old model
+    last = _ServesTheLastAnswer()
+    last.reset()
+    res = replay(last, np.array([0, 1, 2, 3, 0]), pool, clock)
+    # 0 miss; 1 served 0's answer (class 0): correct; 2 served it: false; 3 served it: input a, correct; 0 correct
+    assert res["hit_rate"] == 4 / 5 and res["false_hit_rate"] == 1 / 5 and res["false_per_hit"] == 1 / 4
+    assert res["misses_nn_correct"] == 0 and res["correct_hit_rate"] == 3 / 5
 
 
 def test_run_cachesim_writes_a_report_and_hash_caches_are_never_stale(store, tmp_path):

@@ -1,7 +1,8 @@
 """The caches under test: one `CacheUnderTest` protocol, four implementations.
 
 A request is a pool index (each cache precomputes what it looks up by: an exact key, a float z, a code);
-an answer is the request's class id. The replay (ushash/sim/replay.py) drives every cache the same way:
+an answer is the pool index of the request that stored it (the replay judges it by that member's class
+and source input). The replay (ushash/sim/replay.py) drives every cache the same way:
 `reset(**settings)` to start empty with the settings of one sweep point, then per request `lookup`, and
 on a miss `nearest_value` (for the report) and `store`; `new_revision()` when a new model is deployed
 mid-stream, `nbytes` for the memory used.

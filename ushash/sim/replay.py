@@ -31,15 +31,18 @@ EXACT = "exact key (sha256 of normalised input)"
 def replay(cache: CacheUnderTest, stream: np.ndarray, pool: Pool, clock: SimClock, seconds_per_request: float = 1.0,
            revision_change_at: float = 0.0, progress: bool = False, desc: str | None = None) -> dict:
     """Replay `stream` (pool indices) through `cache` as it is (reset it first for an empty one): a miss
-    stores the request's class. The clock advances `seconds_per_request` per request and is put back at
+    stores the request's pool index as its answer, and a hit is correct when the served answer's member is
+    equivalent to the request (same class or same source input: `Pool.source_ids`, the rule of calibration
+    and of every other false-hit count). The clock advances `seconds_per_request` per request and is put back at
     the end; a new revision is deployed at `revision_change_at` of the stream (0: never)."""
-    cls = pool.cls
+    cls = np.asarray(pool.cls)
+    src = pool.source_ids()
     n = len(stream)
     change = revision_change_index(n, revision_change_at)
     t0 = clock.t
     hits = correct = false = stale = valid = miss_nn_right = misses_with_entries = 0
     oracle = 0
-    seen: set[int] = set()
+    seen: set[tuple[str, int]] = set()
     lat = np.zeros(n)
     peak = 0
     requests = tqdm(stream.tolist(), desc=desc, unit="req", leave=False, disable=not progress)
@@ -49,24 +52,25 @@ def replay(cache: CacheUnderTest, stream: np.ndarray, pool: Pool, clock: SimCloc
             if t == change:
                 cache.new_revision()
                 seen = set()  # after a model change nothing valid is cached: the oracle starts over
-            c = cls[i]
-            oracle += c in seen
-            seen.add(c)
+            mine = {("cls", int(cls[i])), ("src", int(src[i]))}
+            oracle += not seen.isdisjoint(mine)
+            seen |= mine
             s = time.perf_counter()
             out = cache.lookup(i)
             lat[t] = time.perf_counter() - s
             if out.hit:
                 hits += 1
-                correct += out.value == c
-                false += out.value != c
+                right = cls[out.value] == cls[i] or src[out.value] == src[i]
+                correct += right
+                false += not right
                 stale += out.stale
-                valid += out.value == c and not out.stale
+                valid += right and not out.stale
             else:
                 nv = cache.nearest_value(i)
                 if nv is not None:
                     misses_with_entries += 1
-                    miss_nn_right += nv == c
-                cache.store(i, c)
+                    miss_nn_right += cls[nv] == cls[i] or src[nv] == src[i]
+                cache.store(i, i)
             if t % 256 == 0:
                 peak = max(peak, cache.nbytes)
     finally:
