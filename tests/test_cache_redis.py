@@ -2,6 +2,7 @@
 replicas share entries, tenants stay apart, revisions are watermarked, and a dead or slow Redis
 degrades the cache to L1 without an error reaching the caller."""
 
+import os
 import shutil
 import socket
 import subprocess
@@ -22,6 +23,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _free_cluster_port(start: int) -> int:
+    """The first port from `start` that is free and whose cluster bus port (port + 10000, Redis Cluster's
+    rule) is valid and free too: an ephemeral port above 55535 has no bus port, and such a node exits at start."""
+    for port in range(start, 55536):
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
 class RedisServer:
@@ -176,17 +191,22 @@ def test_redis_cluster_layout(tmp_path):
         for i in range(3):
             d = tmp_path / f"n{i}"
             d.mkdir()
-            port = _free_port()
+            port = _free_cluster_port(nodes[-1][0] + 1 if nodes else 20000 + os.getpid() % 20000)
             p = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                                   "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
-                                  "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             nodes.append((port, p))
-        for port, _ in nodes:
-            for _ in range(200):
+        for port, p in nodes:
+            deadline = time.monotonic() + 10
+            while True:
+                if p.poll() is not None:
+                    pytest.fail(f"redis-server on port {port} exited: {p.stderr.read().decode(errors='replace')[-500:]}")
                 try:
-                    redis.Redis(port=port).ping()
+                    redis.Redis(port=port, socket_connect_timeout=0.2, retry_on_error=[]).ping()
                     break
                 except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"redis-server on port {port} did not answer within 10 s")
                     time.sleep(0.02)
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p, _ in nodes],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
