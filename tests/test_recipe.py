@@ -89,6 +89,32 @@ def test_closed_form_start_gives_itq_codes_and_the_space(data, tmp_path):
         assert agree >= 0.97, (m, agree)
 
 
+def test_lsh_start_gives_lsh_codes_and_val_picks_the_better_start(data):
+    """prototypes_from=lsh starts from exactly the LSH baseline's codes (same seed, same space); val keeps
+    the start whose codes score higher on val (against the two baselines scored directly); a name that is
+    not a start is refused."""
+    from ushash.hashing.methods.ushash import closed_form_start
+    from ushash.hashing.module import USHashModule
+
+    auto = {"max_rank": "auto", "reg": "auto"}
+    space, protos = closed_form_start(data["train"], data["val"], 32, 1, auto, prototypes_from="lsh")
+    mod = USHashModule(dict(DIMS), bits=32, dim=space.dim, prototypes_from="lsh")
+    mod.initialise(space, protos)
+    lsh = methods.build("lsh", 32, seed=1, **auto).fit(data["train"], data["val"])
+    for m in DIMS:
+        x = np.asarray(data["test"].tables[m].x)
+        np.testing.assert_array_equal(mod.model.encode(m, x)[0], lsh.encode(m, x)[1])
+    itq = methods.build("itq", 32, seed=1, **auto).fit(data["train"], data["val"])
+    score = {n: retrieval.selection_score(data["val"], b) for n, b in (("itq", itq), ("lsh", lsh))}
+    _, chosen = closed_form_start(data["train"], data["val"], 32, 1, auto, prototypes_from="val")
+    want = protos if score["lsh"] > score["itq"] else itq.rotation()
+    np.testing.assert_allclose(chosen, want, atol=1e-6)
+    with pytest.raises(ValueError, match="prototypes_from"):
+        closed_form_start(data["train"], data["val"], 32, 1, auto, prototypes_from="pca")
+    with pytest.raises(ValueError, match="prototypes_from"):
+        USHashModule(dict(DIMS), bits=32, prototypes_from="pca")
+
+
 def test_selection_keeps_the_initial_weights_when_no_epoch_beats_them(data, tmp_path):
     """With a learning rate of zero no epoch can beat the start: best.ckpt holds the initial weights (epoch 0)
     and they score what the closed-form start scores on val."""

@@ -61,7 +61,8 @@ class LossConfig:
 class ModelConfig:
     """US-HASH heads and their training (ushash/hashing/module.py has the recipe). Defaults chosen on the
     validation splits of Tux Paint, emoji and the synthetic set together (docs/baselines.md)."""
-    init: str = "gcca"                # gcca: linear heads start as the shared space's maps, prototypes as its ITQ rotation; random
+    init: str = "gcca"                # gcca: linear heads start as the shared space's maps, prototypes from a closed-form code; random
+    prototypes_from: str = "itq"      # init=gcca's prototypes: itq (ITQ rotation of the space), lsh (its random hyperplanes), val (the better on val)
     dim: int = 128                    # shared space dimension with init=random (gcca: the shared space's own)
     hidden: int = 512                 # hidden width of each projection head (init=random with layers > 1)
     layers: int = 1                   # linear layers per head (init=gcca needs 1)

@@ -44,7 +44,7 @@ class USHashModule(pl.LightningModule):
                  head_lr: float | None = _M.head_lr, w_contrastive: float = _L.contrastive, w_float: float = _L.float,
                  w_quant: float = _L.quant, w_balance: float = _L.balance, w_decor: float = _L.decor,
                  w_proto: float = _L.proto, w_distill: float = _L.distill, distill_kernel: str = _M.distill_kernel,
-                 distill_pairs: str = _M.distill_pairs, max_epochs: int = 30,
+                 distill_pairs: str = _M.distill_pairs, prototypes_from: str = _M.prototypes_from, max_epochs: int = 30,
                  provenance: dict | None = None, method: str = "ushash", method_args: dict | None = None,
                  n_train_groups: int = 0):
         """Defaults: ushash.config.ModelConfig / LossConfig (the same as configs/model/ushash.yaml).
@@ -53,6 +53,8 @@ class USHashModule(pl.LightningModule):
         fingerprint, feature store paths, the shared space); stored in the checkpoint so it describes itself.
 
         init: "gcca" (closed-form start, needs layers=1 and `initialise` before training) or "random".
+        prototypes_from: where init="gcca" takes the prototypes (ushash.hashing.methods.ushash.closed_form_start:
+        "itq", "lsh" or "val"); recorded here so the checkpoint says how it started.
         head_lr: the heads' learning rate; None: lr / 10 with init="gcca" (they start at the closed-form fit),
         lr with init="random". temperature: the contrastive temperature, learned from that value when
         learn_temperature (a CLIP-style logit scale) or fixed.
@@ -74,6 +76,9 @@ class USHashModule(pl.LightningModule):
         if init == "gcca" and int(layers) != 1:
             raise ValueError(f"model.init=gcca starts a linear head from the closed-form space; model.layers={layers} "
                              "asks for an MLP: set model.layers=1, or model.init=random for an MLP head")
+        from ushash.hashing.methods.ushash import PROTOTYPE_STARTS
+        if prototypes_from not in PROTOTYPE_STARTS:
+            raise ValueError(f"model.prototypes_from={prototypes_from!r}: expected one of {PROTOTYPE_STARTS}")
         if distill_kernel not in losses.DISTILL_KERNELS:
             raise ValueError(f"model.distill_kernel={distill_kernel!r}: expected one of {losses.DISTILL_KERNELS}")
         if distill_pairs not in DISTILL_PAIRS:

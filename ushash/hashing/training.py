@@ -137,7 +137,8 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     space = prototypes = None
     if cfg.model.init == "gcca":
         from ushash.hashing.methods.ushash import closed_form_start
-        space, prototypes = closed_form_start(train, val, int(cfg.bits), int(cfg.seed), space_settings(cfg))
+        space, prototypes = closed_form_start(train, val, int(cfg.bits), int(cfg.seed), space_settings(cfg),
+                                              str(cfg.model.prototypes_from))
     # what the head was trained on: the store folder relative to the project (a copied checkpoint resolves it in
     # the clone it is used in), the rows' fingerprints, and the data settings that made them (when they did)
     data_cfg = to_dict(cfg.data)
