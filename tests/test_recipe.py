@@ -89,10 +89,9 @@ def test_closed_form_start_gives_itq_codes_and_the_space(data, tmp_path):
         assert agree >= 0.97, (m, agree)
 
 
-def test_lsh_start_gives_lsh_codes_and_val_picks_the_better_start(data):
-    """prototypes_from=lsh starts from exactly the LSH baseline's codes (same seed, same space); val keeps
-    the start whose codes score higher on val (against the two baselines scored directly); a name that is
-    not a start is refused."""
+def test_lsh_start_gives_lsh_codes(data):
+    """prototypes_from=lsh starts from exactly the LSH baseline's codes (same seed, same space); a name that
+    is not a start is refused."""
     from ushash.hashing.methods.ushash import closed_form_start
     from ushash.hashing.module import USHashModule
 
@@ -104,15 +103,24 @@ def test_lsh_start_gives_lsh_codes_and_val_picks_the_better_start(data):
     for m in DIMS:
         x = np.asarray(data["test"].tables[m].x)
         np.testing.assert_array_equal(mod.model.encode(m, x)[0], lsh.encode(m, x)[1])
-    itq = methods.build("itq", 32, seed=1, **auto).fit(data["train"], data["val"])
-    score = {n: retrieval.selection_score(data["val"], b) for n, b in (("itq", itq), ("lsh", lsh))}
-    _, chosen = closed_form_start(data["train"], data["val"], 32, 1, auto, prototypes_from="val")
-    want = protos if score["lsh"] > score["itq"] else itq.rotation()
-    np.testing.assert_allclose(chosen, want, atol=1e-6)
     with pytest.raises(ValueError, match="prototypes_from"):
-        closed_form_start(data["train"], data["val"], 32, 1, auto, prototypes_from="pca")
+        closed_form_start(data["train"], data["val"], 32, 1, auto, prototypes_from="val")
     with pytest.raises(ValueError, match="prototypes_from"):
         USHashModule(dict(DIMS), bits=32, prototypes_from="pca")
+
+
+def test_val_start_trains_from_each_start_and_keeps_the_better_on_val(data, tmp_path):
+    """prototypes_from=val gives what training from each start alone gives, kept by the higher val score;
+    both runs stay on disk and the kept checkpoint records its start."""
+    each = {s: run_train(_cfg(tmp_path / s, "trainer.max_epochs=3", f"model.prototypes_from={s}"), splits=data)
+            for s in ("itq", "lsh")}
+    out = run_train(_cfg(tmp_path / "val", "trainer.max_epochs=3", "model.prototypes_from=val"), splits=data)
+    want = "lsh" if each["lsh"]["val_score"] > each["itq"]["val_score"] else "itq"
+    assert out["start"] == want and out["starts"] == {s: o["val_score"] for s, o in each.items()}
+    assert out["val_score"] == each[want]["val_score"] and out["best_epoch"] == each[want]["best_epoch"]
+    assert load_checkpoint(out["best"]).hparams.prototypes_from == want
+    for s in ("itq", "lsh"):
+        assert len(list((tmp_path / "val" / "checkpoints").glob(f"*/{s}/best.ckpt"))) == 1, s
 
 
 def test_selection_keeps_the_initial_weights_when_no_epoch_beats_them(data, tmp_path):

@@ -166,6 +166,8 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
             entries["ushash_float"] = (f"US-HASH float z ({module.hparams.dim}-d, cosine)", module.float_method())
         extra.update({"val_map@10": out["val_map@10"], "val_score": out["val_score"], "best_epoch": out["best_epoch"],
                       "checkpoint": Path(out["best"]).name})
+        if "start" in out:  # model.prototypes_from=val: which closed-form start was kept, every start's val score
+            extra.update({"start": out["start"], "starts": out["starts"]})
         if out["space"]:
             extra["space_choice"] = out["space"]
     rows, curves, outputs = [], [], {}

@@ -54,7 +54,7 @@ class USHashModule(pl.LightningModule):
 
         init: "gcca" (closed-form start, needs layers=1 and `initialise` before training) or "random".
         prototypes_from: where init="gcca" takes the prototypes (ushash.hashing.methods.ushash.closed_form_start:
-        "itq", "lsh" or "val"); recorded here so the checkpoint says how it started.
+        "itq" or "lsh"; "val" is resolved by run_train into one of them); recorded so the checkpoint says how it started.
         head_lr: the heads' learning rate; None: lr / 10 with init="gcca" (they start at the closed-form fit),
         lr with init="random". temperature: the contrastive temperature, learned from that value when
         learn_temperature (a CLIP-style logit scale) or fixed.
@@ -77,8 +77,8 @@ class USHashModule(pl.LightningModule):
             raise ValueError(f"model.init=gcca starts a linear head from the closed-form space; model.layers={layers} "
                              "asks for an MLP: set model.layers=1, or model.init=random for an MLP head")
         from ushash.hashing.methods.ushash import PROTOTYPE_STARTS
-        if prototypes_from not in PROTOTYPE_STARTS:
-            raise ValueError(f"model.prototypes_from={prototypes_from!r}: expected one of {PROTOTYPE_STARTS}")
+        if prototypes_from not in (*PROTOTYPE_STARTS, "val"):
+            raise ValueError(f"model.prototypes_from={prototypes_from!r}: expected one of {(*PROTOTYPE_STARTS, 'val')}")
         if distill_kernel not in losses.DISTILL_KERNELS:
             raise ValueError(f"model.distill_kernel={distill_kernel!r}: expected one of {losses.DISTILL_KERNELS}")
         if distill_pairs not in DISTILL_PAIRS:

@@ -16,7 +16,7 @@ import logging
 import os
 
 import pytorch_lightning as pl
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
@@ -131,6 +131,8 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     when the initial weights were never beaten."""
     check_bits(cfg.bits)  # before extraction: a wrong length must not cost an extraction first
     splits = splits or run_extract(cfg, splits=["train", "val"])
+    if cfg.model.init == "gcca" and cfg.model.prototypes_from == "val":
+        return _train_from_each_start(cfg, splits)
     train, val = splits["train"], splits["val"]
     mods = [m for m in train.modalities if m in val.modalities]
     in_dims = {m: int(train.meta["modalities"][m]["dim"]) for m in mods}
@@ -175,6 +177,24 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     return {"run_dir": str(run_dir), "best": str(best.path if best.path.exists() else last), "last": str(last),
             "val_score": best.best, "val_map@10": best.best_map, "best_epoch": best.best_epoch,
             "space": provenance["space"]}
+
+
+def _train_from_each_start(cfg: DictConfig, splits: dict) -> dict:
+    """model.prototypes_from=val: one training from each closed-form start (checkpoints/<run>/<start>/, each
+    resumable), and the one with the higher val score kept (a tie keeps the first, ITQ). The result is the
+    kept run's, plus "start" (which) and "starts" (every start's val score)."""
+    from ushash.hashing.methods.ushash import PROTOTYPE_STARTS
+    outs = {}
+    for start in PROTOTYPE_STARTS:
+        sub = cfg.copy()
+        with open_dict(sub):
+            sub.model.prototypes_from = start
+            sub.run_name = f"{cfg.run_name}/{start}"
+        outs[start] = run_train(sub, splits)
+    kept = max(PROTOTYPE_STARTS, key=lambda s: outs[s]["val_score"])
+    log.info("prototypes_from=val: kept the %s start (val score %s)", kept,
+             ", ".join(f"{s} {o['val_score']:.4f}" for s, o in outs.items()))
+    return {**outs[kept], "start": kept, "starts": {s: o["val_score"] for s, o in outs.items()}}
 
 
 def _space_record(space) -> dict | None:

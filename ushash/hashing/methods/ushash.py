@@ -76,39 +76,33 @@ def objective(module, h, z, g, present, args, teacher=None, positives=None):
     return parts, weights
 
 
-PROTOTYPE_STARTS = ("itq", "lsh", "val")
+PROTOTYPE_STARTS = ("itq", "lsh")   # closed-form starts; model.prototypes_from=val trains from each (training.run_train)
 
 
 def closed_form_start(train, val, bits: int, seed: int, space_settings: dict, prototypes_from: str = "itq"):
     """(the shared space chosen on val, prototypes [bits, space.dim]) for `USHashModule.initialise`.
 
-    prototypes_from: "itq", the ITQ rotation of the space (the codes the ITQ baseline makes); "lsh", the
-    registry LSH's seeded random hyperplanes of it (the LSH baseline's codes: unlike ITQ they read every
-    dimension of a space wider than `bits`); "val", whichever of the two scores higher on val
-    (`retrieval.selection_score`, the rule every choice on val follows; ties keep ITQ). A space narrower than
-    `bits` (tiny features) gets ITQ's rotation for its width and seeded random unit prototypes (LSH bits) for
-    the rest."""
+    prototypes_from: "itq", the ITQ rotation of the space (the codes the ITQ baseline makes: the space's top
+    `bits` principal directions, rotated); "lsh", the registry LSH's seeded random hyperplanes of it (the LSH
+    baseline's codes, which read every dimension of a space wider than `bits`). Which start trains the better
+    head depends on the data set (docs/baselines.md), so model.prototypes_from=val trains from both and keeps
+    the better on val (`ushash.hashing.training.run_train`). A space narrower than `bits` (tiny features) gets
+    ITQ's rotation for its width and seeded random unit prototypes (LSH bits) for the rest."""
     import numpy as np
 
-    from ushash.evaluation import retrieval
     from ushash.hashing import methods
     from ushash.hashing.methods.base import NotApplicable
     if prototypes_from not in PROTOTYPE_STARTS:
-        raise ValueError(f"model.prototypes_from={prototypes_from!r}: expected one of {PROTOTYPE_STARTS}")
-    names = ("itq", "lsh") if prototypes_from == "val" else (prototypes_from,)
-    fitted = {}
-    for name in names:
-        try:
-            fitted[name] = methods.build(name, bits=bits, seed=seed, **space_settings).fit(train, val)
-        except NotApplicable:
-            pass
-    if fitted:
-        best = max(fitted, key=lambda n: retrieval.selection_score(val, fitted[n])) if len(fitted) > 1 else next(iter(fitted))
-        m = fitted[best]
-        if best == "itq":
+        raise ValueError(f"closed_form_start(prototypes_from={prototypes_from!r}): expected one of {PROTOTYPE_STARTS} "
+                         "(model.prototypes_from=val is run_train's: one training per start)")
+    try:
+        m = methods.build(prototypes_from, bits=bits, seed=seed, **space_settings).fit(train, val)
+        if prototypes_from == "itq":
             return m.space, m.rotation()
         p = np.asarray(m.planes.T, np.float32)
         return m.space, p / np.linalg.norm(p, axis=1, keepdims=True)
+    except NotApplicable:
+        pass
     same = {**space_settings, "common_dim": max(int(space_settings.get("common_dim", 128)), bits)}  # ITQ's space
     space = methods.build("float", bits=bits, seed=seed, **same).fit(train, val).space
     width = space.dim - space.dim % 8
