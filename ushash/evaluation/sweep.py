@@ -319,7 +319,7 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
                           "'mean' is the mean over directions, taken per seed first",
         "methods": {n: info[n] for n in sorted(info, key=_entry_order)},
         "runs": [{**{k: r.get(k) for k in ("key", "method", "bits", "seed", "wall_s", "digest", "val_map@10", "val_score",
-                                             "best_epoch", "space", "shared_axes") if r.get(k) is not None},
+                                             "best_epoch", "space", "shared_axes", "start", "starts") if r.get(k) is not None},
                   "mean_map@10": {n: {p: round(retrieval.mean_map([x for x in r["rows"] if x["method"] == n], p), 5)
                                       for p in protocols} for n in r["entries"]}} for r in results],
         "not_applicable": not_applicable, "summary": summary, "curves": curves,
