@@ -301,9 +301,10 @@ def start_val_body() -> str | None:
         for run in sorted(agg["runs"], key=lambda r: r["seed"]):
             res = json.loads((run_path(ROOT / "experiments" / exp, run["key"], run["digest"]) / "result.json").read_text())
             kept.append(res.get("start"))
+            tie = {p: np.mean([r["tie_map@10"] for r in res["rows"] if r["method"] == "ushash" and r["protocol"] == p])
+                   for p in ("paired", "label")}
             lines.append(f"| {dataset} | {run['seed']} | " + " | ".join(f"{res['starts'][s]:.4f}" for s in ("itq", "lsh"))
-                         + f" | {res.get('start')} | {run['mean_map@10']['ushash']['paired']:.3f} | "
-                         f"{run['mean_map@10']['ushash']['label']:.3f} |")
+                         + f" | {res.get('start')} | {tie['paired']:.3f} | {tie['label']:.3f} |")
         cell = lambda summ, m, p: "{:.3f} ± {:.3f}".format(*summ[m]["64"][p]["tie_map@10"]["mean"][:2])
         val_p, val_l = cell(agg["summary"], "ushash", "paired"), cell(agg["summary"], "ushash", "label")
         itq_p, flt_p = ref["summary"]["itq"]["64"]["paired"]["tie_map@10"]["mean"][0], \
