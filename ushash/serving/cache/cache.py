@@ -34,7 +34,7 @@ from ushash.serving.calibration import Calibration
 from ushash.serving.cache.api import CheckStore
 from ushash.serving.cache.budget import PairBudget
 from ushash.serving.cache.config import CacheConfig
-from ushash.serving.cache.entries import Entry, Hit, decode_value, encode_value, valid_tenant
+from ushash.serving.cache.entries import Entry, Found, Hit, decode_value, encode_value, valid_tenant
 from ushash.serving.cache.freshness import Freshness, RevisionWatermark, revision_rank
 from ushash.serving.cache.hitcheck import HitCheck
 from ushash.serving.cache.l1 import L1Tier
@@ -267,8 +267,8 @@ class SemanticCache(CheckStore):
         tenant = self.check_tenant(tenant)
         n = len(queries)
         hits: list[Hit | None] = [None] * n
-        tiers = ["l1"] * n
-        nearest: list[int | None] = [None] * n
+        tiers: str | list[str] = "l1"   # one tier for all, or one per lookup once the L2 is asked
+        nearest = [-1] * n              # the nearest distance seen (-1: none)
         l1, tier_list, rev = self._serving
         l2 = tier_list[1] if len(tier_list) > 1 else None
         live = [i for i, q in enumerate(queries) if q.revision is None or q.revision == rev]
@@ -279,28 +279,42 @@ class SemanticCache(CheckStore):
                 self.metrics.rejections.labels(reason="stale_revision").inc(len(live))
         elif live:
             now = self.clock()
-            qs = [queries[i] for i in live]
-            found = l1.find_many(qs, tenant, rev, self.hit_check, now) if self.tracer is None else \
-                self._traced_find_many(l1, qs, tenant, rev, now)
+            qs = queries if len(live) == n else [queries[i] for i in live]
+            l1_hits, l1_nearest, skip_next, hit_idx, compute_s = \
+                l1.hits_many(qs, tenant, rev, self.hit_check, now) if self.tracer is None else \
+                self._traced_hits_many(l1, qs, tenant, rev, now)
+            if len(live) == n:
+                hits, nearest = l1_hits, l1_nearest
+            else:
+                for j, i in enumerate(live):
+                    hits[i], nearest[i] = l1_hits[j], l1_nearest[j]
             fresh = self.freshness
             l1_pairs = []
-            for i, f in zip(live, found):
-                nearest[i] = f.nearest
-                e = f.entry
-                if e is not None:
-                    l1_pairs.append((queries[i].modality, e.modality))
-                    hits[i] = Hit.of(e, f.distance, f.cosine, "l1", fresh.should_refresh(now, e.expires, e.compute_s),
-                                     f.ref)
-                elif l2 is not None and not f.skip_next:
-                    tiers[i] = l2.name
-                    now = self.clock()
-                    f2 = l2.find(queries[i], tenant, rev, self.hit_check, now) if self.tracer is None else \
-                        self._traced_find(l2, queries[i], tenant, rev, now)
-                    if f2.nearest is not None and (nearest[i] is None or f2.nearest < nearest[i]):
-                        nearest[i] = f2.nearest
-                    if f2.entry is not None and self._serving[0] is l1:
-                        l1.put(tenant, f2.entry)  # promote into L1 (same expiry and revision; not written back)
-                        hits[i] = self._hit(f2, l2.name, now, queries[i])
+            if l2 is None:
+                for j, cs in zip(hit_idx, compute_s):
+                    h = l1_hits[j]
+                    h.refresh = fresh.should_refresh(now, h.expires, cs)
+                    l1_pairs.append((qs[j].modality, h.modality))
+            else:   # query by query: the L2 trips (and the clock read before each) come in between
+                tiers = ["l1"] * n
+                skip_next = set(skip_next)
+                k = 0
+                for j, i in enumerate(live):
+                    h = l1_hits[j]
+                    if h is not None:
+                        h.refresh = fresh.should_refresh(now, h.expires, compute_s[k])
+                        k += 1
+                        l1_pairs.append((queries[i].modality, h.modality))
+                    elif j not in skip_next:
+                        tiers[i] = l2.name
+                        now = self.clock()
+                        f2 = l2.find(queries[i], tenant, rev, self.hit_check, now) if self.tracer is None else \
+                            self._traced_find(l2, queries[i], tenant, rev, now)
+                        if f2.nearest is not None and (nearest[i] < 0 or f2.nearest < nearest[i]):
+                            nearest[i] = f2.nearest
+                        if f2.entry is not None and self._serving[0] is l1:
+                            l1.put(tenant, f2.entry)  # promote into L1 (same expiry and revision; not written back)
+                            hits[i] = self._hit(f2, l2.name, now, queries[i])
             if l1_pairs:
                 self.budget.count_hits(l1_pairs)
             if self._serving[0] is not l1:  # reloaded meanwhile: these are of an older revision now
@@ -316,8 +330,8 @@ class SemanticCache(CheckStore):
             # bucket) when nothing was within observe_radius
             dt = (time.perf_counter() - t0) / max(1, n)
             miss_d = self.bits + 1
-            self.metrics.record_lookups([(True, h.tier, h.distance) if h else (False, tier, miss_d if d is None else d)
-                                         for h, tier, d in zip(hits, tiers, nearest)], dt)
+            self.metrics.record_lookups(hits, tiers, [h.distance if h is not None else (d if d >= 0 else miss_d)
+                                                      for h, d in zip(hits, nearest)], dt)
         return hits
 
     def _hit(self, f, tier: str, now: float, q: Query | None = None) -> Hit:
@@ -615,21 +629,23 @@ class SemanticCache(CheckStore):
         check = getattr(self.hit_check, "inner", self.hit_check)
         self.hit_check = check if tracer is None else TracedCheck(check, tracer)
 
-    def _traced_find_many(self, l1, queries: list[Query], tenant: str, rev: str, now: float):
+    def _traced_hits_many(self, l1, queries: list[Query], tenant: str, rev: str, now: float):
         with self.tracer.start_as_current_span("ushash.search") as span:
-            found = l1.find_many(queries, tenant, rev, self.hit_check, now)
+            res = l1.hits_many(queries, tenant, rev, self.hit_check, now)
             span.set_attribute("cache.strategy", "l1")
             span.set_attribute("cache.tenant", tenant)
             span.set_attribute("cache.batch_size", len(queries))
             if len(queries) == 1:
-                self._hit_attributes(span, queries[0], found[0], now)
+                h = res[0][0]
+                self._hit_attributes(span, queries[0], h, now)
             else:
-                span.set_attribute("cache.hits", sum(f.entry is not None for f in found))
-        return found
+                span.set_attribute("cache.hits", len(res[3]))
+        return res
 
     @staticmethod
     def _hit_attributes(span, q: Query, found, now: float) -> None:
-        e = found.entry
+        """found: a tier's Found, or a Hit, or None (a miss)."""
+        e = found.entry if isinstance(found, Found) else found
         span.set_attribute("cache.hit", e is not None)
         span.set_attribute("cache.key.hash", key_hash(q.code))
         if e is not None:

@@ -164,9 +164,21 @@ class Hit:
 
     @classmethod
     def of(cls, e: Entry, distance: int, cosine: float | None, tier: str, refresh: bool, ref: str) -> "Hit":
-        return cls(value=decode_value(e.kind, e.value), distance=int(distance), cosine=cosine, tier=tier,
-                   modality=e.modality, revision=e.revision, created=e.created, expires=e.expires,
-                   refresh=refresh, entry=ref)
+        return _hit(decode_value(e.kind, e.value), int(distance), cosine, tier, e.modality, e.revision, e.created,
+                    e.expires, refresh, ref)
+
+
+_HIT_FIELDS = ("value", "distance", "cosine", "tier", "modality", "revision", "created", "expires", "refresh", "entry")
+assert tuple(f.name for f in dataclasses.fields(Hit)) == _HIT_FIELDS
+
+
+def _hit(value, distance, cosine, tier, modality, revision, created, expires, refresh, entry) -> Hit:
+    """Hit(...) without the dataclass __init__'s call overhead (one per hit of every lookup); equal to the
+    constructor's in every field."""
+    h = object.__new__(Hit)
+    h.__dict__ = {"value": value, "distance": distance, "cosine": cosine, "tier": tier, "modality": modality,
+                  "revision": revision, "created": created, "expires": expires, "refresh": refresh, "entry": entry}
+    return h
 
 
 # ---------------------------------------------------------------------------------------------- L1 columns
@@ -306,6 +318,28 @@ class EntryTable:
                       modality=modalities[mod[i]], value=arena[voff[i]:voff[i] + vlen[i]].tobytes(),
                       kind=VALUE_KINDS[kind[i]], revision=revisions[rev[i]], created=created[i], expires=expires[i],
                       compute_s=cs[i], id=l2id.get(s)) for i, s in enumerate(slots)]
+
+    def hits(self, slots: list[int], dists: list[int], cosines: list[float], tier: str, modalities: list[str],
+             revisions: list[str]) -> tuple[list[Hit], list[float]]:
+        """The served view (`Hit`, refresh False, entry "<tier>:<slot>") of the entry in each slot, with its
+        distance and cosine (NaN: not checked), and the entries' compute seconds (for the caller's XFetch):
+        `Hit.of(read(slot), ...)` field for field, without the Entry, the columns gathered once for all."""
+        arena = self.arena
+        if len(slots) == 1:
+            s, c = slots[0], cosines[0]
+            o = int(self.voff[s])
+            return [_hit(decode_value(VALUE_KINDS[self.kind[s]], arena[o:o + int(self.vlen[s])].tobytes()), dists[0],
+                         None if c != c else c, tier, modalities[self.modality[s]], revisions[self.revision[s]],
+                         float(self.created[s]), float(self.expires[s]), False, f"{tier}:{s}")], \
+                [float(self.compute_s[s])]
+        ix = np.array(slots, np.int64)
+        voff, vlen, kind = self.voff[ix].tolist(), self.vlen[ix].tolist(), self.kind[ix].tolist()
+        mod, rev = self.modality[ix].tolist(), self.revision[ix].tolist()
+        created, expires = self.created[ix].tolist(), self.expires[ix].tolist()
+        return [_hit(decode_value(VALUE_KINDS[k], arena[o:o + n].tobytes()), d, None if c != c else c, tier,
+                     modalities[m], revisions[r], cr, ex, False, f"{tier}:{s}")
+                for s, d, c, k, o, n, m, r, cr, ex in zip(slots, dists, cosines, kind, voff, vlen, mod, rev, created,
+                                                          expires)], self.compute_s[ix].tolist()
 
     def release(self, slot: int) -> None:
         if not self.alive[slot]:

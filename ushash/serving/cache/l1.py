@@ -194,7 +194,7 @@ class L1Tier:
                                     fp_rate=c.bloom_fp_rate, chunks=c.bloom_chunks)
         self.lock = threading.RLock()
         self._fused_cache = None
-        self._rev_ok: dict[str, np.ndarray] = {}   # revision -> served? per interned revision (they never change)
+        self._rev_oks: dict[str, np.ndarray] = {}   # revision -> served? per interned revision (`_rev_ok`)
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
     @property
@@ -267,87 +267,164 @@ class L1Tier:
         return self.find_many([q], tenant, revision, check, now, k)[0]
 
     def find_many(self, queries: list, tenant: str, revision: str, check, now: float, k: int = 1) -> list[Found]:
-        """`find` for a batch of Queries: one index search and one vectorised hit check for all. With k > 1
-        (one query) the next k - 1 servable entries too (`Found.more`)."""
+        """`find` for a batch of Queries: one index search and one vectorised hit check for all (`_pick`).
+        With k > 1 (one query) the next k - 1 servable entries too (`Found.more`)."""
         nq = len(queries)
         out = [MISS] * nq
         with self.lock:
-            if len(self._expiry):
-                self.expire(now)
-            ti = self._tenant_ids.get(tenant)
-            if ti is None or not nq:
-                return out
-            cb = self.code_bytes
-            codes = np.frombuffer(queries[0].code if nq == 1 else b"".join([q.code for q in queries]),
-                                  np.uint8).reshape(nq, cb)
-            backend = self._backends[ti]
-            if k == 1 and isinstance(backend, MIndexBackend):
-                fused = self._fused_params(check)
-                if fused is not None:
-                    return self._find_fused(queries, ti, backend, codes, revision, fused, now, out)
-            lims, slots, dists = backend.search_many(codes, self.observe_radius)
-            t = self.table
-            revs = self._revisions
-            rev_ok = np.array([r == revision for r in revs], bool)
-            # each query's candidates within the radius (a prefix: distances are sorted), at most
-            # max_candidates (not `k`: that is the top-k asked for), and their columns, in one compiled pass
-            counts, nearest_d, qlims, slots, dists, cur, exp, mod, hasp = _gather(
-                lims, slots, dists, self.radius, self.config.max_candidates, t.revision, rev_ok, t.expires,
-                t.modality, t.plen)
-            if self.bloom is not None:
-                # the filter holds every live code's chunks, so it can only say "no" for a query the search
-                # found nothing for: asked for those only, it gives the same answers (and skip_next) as
-                # asking first, without costing the lookups that have candidates
-                skip = Found(skip_next=self.config.bloom_guard_l2)
-                n_skip = 0
-                for i in np.flatnonzero(counts == 0).tolist():
-                    if not self.bloom.may_contain(ti, queries[i].code):
-                        out[i] = skip
-                        n_skip += 1
-                if n_skip:
-                    self.metrics.bloom_skips.inc(n_skip)
-            if len(slots) == 0:   # nothing within the radius: the nearest seen, if any, is all there is to say
-                for i in np.flatnonzero(counts).tolist():
-                    out[i] = Found(nearest=int(nearest_d[i]))
-                return out
-            mods = self._modalities
-            qmod, has_z, qz = _query_columns(queries, mods, None)
-            codec = self.payload_codec
-            payload = t.payload
-
-            def records(idx, modality):
-                return np.ascontiguousarray(payload[slots[idx], : codec.nbytes(modality)])
-
-            batch = Batch(lims=qlims, dists=dists, modality=mod, current=cur, expires=exp, has_payload=hasp,
-                          records=records)
-            mods = list(mods)
-            todo = range(nq)
             if k > 1 and nq == 1:
-                ranked = check.select_top(qz, has_z, qmod, mods, batch, now, trusted=True, k=k)
-                n, nearest = int(counts[0]), int(nearest_d[0])
-                if n == 0:
-                    return out
-                if not ranked:
-                    out[todo[0]] = Found(nearest=nearest)
-                    return out
-                (c0, cs0), rest = ranked[0], ranked[1:]
-                slot = int(slots[c0])
-                self.policy.access(slot)
-                more = tuple((t.read(int(slots[j]), mods, revs), int(dists[j]), cs, f"l1:{int(slots[j])}")
-                             for j, cs in rest)
-                out[todo[0]] = Found(t.read(slot, mods, revs), int(dists[c0]), cs0, f"l1:{slot}", nearest, more=more)
+                return self._find_top(queries[0], tenant, revision, check, now, k)
+            p = self._pick(queries, tenant, revision, check, now)
+            if p is None:
                 return out
-            chosen, cos = check.select(qz, has_z, qmod, mods, batch, now, trusted=True)
-            policy = self.policy
-            for i, n, nearest, c, cs in zip(todo, counts.tolist(), nearest_d.tolist(), chosen.tolist(), cos.tolist()):
-                if n == 0:
-                    continue
-                if c < 0:
-                    out[i] = Found(nearest=nearest)
-                    continue
-                slot = int(slots[c])
-                policy.access(slot)
-                out[i] = Found(t.read(slot, mods, revs), int(dists[c]), None if cs != cs else cs, f"l1:{slot}", nearest)
+            chosen, dist, cos, nearest, skipped = p
+            for i, (c, d) in enumerate(zip(chosen, nearest)):
+                if c < 0 and d >= 0:
+                    out[i] = found(None, -1, None, "", d)
+            if skipped:
+                skip = Found(skip_next=self.config.bloom_guard_l2)
+                for i in skipped:
+                    out[i] = skip
+            hits = [i for i, c in enumerate(chosen) if c >= 0]
+            if hits:
+                entries = self.table.read_many([chosen[i] for i in hits], self._modalities, self._revisions)
+                for i, e in zip(hits, entries):
+                    cs = cos[i]
+                    out[i] = found(e, dist[i], None if cs != cs else cs, f"l1:{chosen[i]}", nearest[i])
+        return out
+
+    def hits_many(self, queries: list, tenant: str, revision: str, check, now: float):
+        """The served view of `find_many`'s answers, made from the columns for the whole batch (no Entry,
+        no Found): (hits: a Hit with refresh=False or None per query, nearest: the nearest distance seen
+        per query (-1: none), skip_next: the queries whose next tier is skipped (`Found.skip_next`: the
+        Bloom filter answered "no entry", with bloom_guard_l2), hit_idx: the queries with a hit, in
+        order, compute_s: their entries' compute seconds (XFetch is the caller's))."""
+        nq = len(queries)
+        with self.lock:
+            p = self._pick(queries, tenant, revision, check, now)
+            if p is None:
+                return [None] * nq, [-1] * nq, (), [], []
+            chosen, dist, cos, nearest, skipped = p
+            if nq == 1:
+                hit_idx = [0] if chosen[0] >= 0 else []
+            else:
+                hit_idx = [i for i, c in enumerate(chosen) if c >= 0]
+            if not self.config.bloom_guard_l2:
+                skipped = ()
+            hits: list = [None] * nq
+            cs_l: list = []
+            if hit_idx:
+                made, cs_l = self.table.hits([chosen[i] for i in hit_idx], [dist[i] for i in hit_idx],
+                                             [cos[i] for i in hit_idx], self.name, self._modalities, self._revisions)
+                for i, h in zip(hit_idx, made):
+                    hits[i] = h
+        return hits, nearest, skipped, hit_idx, cs_l
+
+    def _pick(self, queries, tenant: str, revision: str, check, now: float):
+        """(lock held) The L1's choice for each query, as lists: the slot to serve (-1: none; the policy
+        has been told of each hit, in query order), its distance, its cosine (NaN: not checked), the
+        nearest distance seen (-1: nothing within observe_radius), and the indices of the queries the
+        Bloom filter answered "no entry". None when the tenant has nothing here. One compiled call on the
+        own multi-index with int4 payloads (`_find_fused`), else one search and `check.select`."""
+        if len(self._expiry):
+            self.expire(now)
+        ti = self._tenant_ids.get(tenant)
+        nq = len(queries)
+        if ti is None or not nq:
+            return None
+        codes = queries[0].code if nq == 1 else b"".join([q.code for q in queries])
+        backend = self._backends[ti]
+        fused = self._fused_params(check) if isinstance(backend, MIndexBackend) else None
+        if fused is not None:
+            res = self._pick_fused(queries, backend, codes, revision, fused, now)
+        else:
+            res = self._pick_general(queries, backend, codes, revision, check, now)
+        chosen, dist, cos, counts, nearest = res
+        skipped = self._bloom_skips(ti, queries, counts) if self.bloom is not None and 0 in counts else ()
+        hits = [c for c in chosen if c >= 0]
+        if hits:
+            self.policy.access_many(hits)
+        return chosen, dist, cos, nearest, skipped
+
+    def _bloom_skips(self, ti: int, queries, counts) -> list[int]:
+        """The queries whose search found nothing that the Bloom filter says have no entry. The filter
+        holds every live code's chunks, so it can only say "no" for those: asked for them only, it gives
+        the same answers as asking first, without costing the lookups that have candidates."""
+        may = self.bloom.may_contain
+        skipped = [i for i, c in enumerate(counts) if c == 0 and not may(ti, queries[i].code)]
+        if skipped:
+            self.metrics.bloom_skips.inc(len(skipped))
+        return skipped
+
+    def _rev_ok(self, revision: str) -> np.ndarray:
+        """Per interned revision: is it the one served (the interned revisions never change)."""
+        ok = self._rev_oks.get(revision)
+        if ok is None:
+            ok = self._rev_oks[revision] = np.array([r == revision for r in self._revisions], bool)
+        return ok
+
+    def _candidates(self, queries, backend, codes: bytes, revision: str):
+        """One index search of the batch and `_gather`'s columns of its candidates."""
+        arr = np.frombuffer(codes, np.uint8).reshape(len(queries), self.code_bytes)
+        lims, slots, dists = backend.search_many(arr, self.observe_radius)
+        t = self.table
+        return _gather(lims, slots, dists, self.radius, self.config.max_candidates, t.revision, self._rev_ok(revision),
+                       t.expires, t.modality, t.plen)
+
+    def _batch(self, qlims, slots, dists, cur, exp, mod, hasp) -> Batch:
+        codec, payload = self.payload_codec, self.table.payload
+
+        def records(idx, modality):
+            return np.ascontiguousarray(payload[slots[idx], : codec.nbytes(modality)])
+
+        return Batch(lims=qlims, dists=dists, modality=mod, current=cur, expires=exp, has_payload=hasp, records=records)
+
+    def _pick_general(self, queries, backend, codes: bytes, revision: str, check, now: float):
+        """`_pick`'s (chosen, distance, cosine, results, nearest) lists by the search and `check.select`."""
+        nq = len(queries)
+        counts, nearest_d, qlims, slots, dists, cur, exp, mod, hasp = self._candidates(queries, backend, codes, revision)
+        counts_l, nearest_l = counts.tolist(), nearest_d.tolist()
+        if len(slots) == 0:   # nothing within the radius: the nearest seen, if any, is all there is to say
+            return [-1] * nq, [-1] * nq, [float("nan")] * nq, counts_l, nearest_l
+        mods = self._modalities
+        qmod, has_z, qz = _query_columns(queries, mods, None)
+        chosen, cos = check.select(qz, has_z, qmod, list(mods), self._batch(qlims, slots, dists, cur, exp, mod, hasp),
+                                   now, trusted=True)
+        sel = chosen >= 0
+        at = np.where(sel, chosen, 0)
+        return (np.where(sel, slots[at], -1).tolist(), np.where(sel, dists[at], -1).tolist(), cos.tolist(), counts_l,
+                nearest_l)
+
+    def _find_top(self, q, tenant: str, revision: str, check, now: float, k: int) -> list[Found]:
+        """(lock held) find(q, ..., k > 1): the best servable entry and the next k - 1 (`Found.more`)."""
+        out = [MISS]
+        if len(self._expiry):
+            self.expire(now)
+        ti = self._tenant_ids.get(tenant)
+        if ti is None:
+            return out
+        counts, nearest_d, qlims, slots, dists, cur, exp, mod, hasp = self._candidates([q], self._backends[ti], q.code,
+                                                                                      revision)
+        n, nearest = int(counts[0]), int(nearest_d[0])
+        if n == 0:
+            if self.bloom is not None and self._bloom_skips(ti, [q], [0]):
+                out[0] = Found(skip_next=self.config.bloom_guard_l2)
+            return out
+        if len(slots) == 0:
+            out[0] = Found(nearest=nearest)
+            return out
+        t, mods, revs = self.table, list(self._modalities), self._revisions
+        qmod, has_z, qz = _query_columns([q], mods, None)
+        ranked = check.select_top(qz, has_z, qmod, mods, self._batch(qlims, slots, dists, cur, exp, mod, hasp), now,
+                                  trusted=True, k=k)
+        if not ranked:
+            out[0] = Found(nearest=nearest)
+            return out
+        (c0, cs0), rest = ranked[0], ranked[1:]
+        slot = int(slots[c0])
+        self.policy.access(slot)
+        more = tuple((t.read(int(slots[j]), mods, revs), int(dists[j]), cs, f"l1:{int(slots[j])}") for j, cs in rest)
+        out[0] = Found(t.read(slot, mods, revs), int(dists[c0]), cs0, f"l1:{slot}", nearest, more=more)
         return out
 
     def _fused_params(self, check):
@@ -374,56 +451,32 @@ class L1Tier:
         self._fused_cache = (key, params)
         return params
 
-    def _find_fused(self, queries, ti, backend, codes, revision, params, now, out):
+    def _pick_fused(self, queries, backend, codes: bytes, revision: str, params, now: float):
+        """`_pick`'s (chosen, distance, cosine, results, nearest) lists by one `_find_fused` call."""
         on, thr, cross, o_vals, length, group = params
         nq = len(queries)
         t = self.table
-        mods = self._modalities
         mi = backend._mi
         masks, use = mi.plan(self.observe_radius, len(backend))
-        qmod, has_z, qz = _query_columns(queries, mods, _NO_Z)
-        check = on and qz is not _NO_Z
-        revs = self._revisions
-        rev_ok = self._rev_ok.get(revision)
-        if rev_ok is None:
-            rev_ok = self._rev_ok[revision] = np.array([r == revision for r in revs], bool)
+        qmod, has_z, qz = _query_columns(queries, self._modalities, _NO_Z)
         # the query words straight from the code bytes where they are whole 64-bit words
-        qw = np.frombuffer(queries[0].code if nq == 1 else codes.tobytes(), "<u8").reshape(nq, mi.nwords) \
-            if self.bits % 64 == 0 and _LITTLE else mi.words(codes)
+        qw = np.frombuffer(codes, "<u8").reshape(nq, mi.nwords) if self.bits % 64 == 0 and _LITTLE else \
+            mi.words(np.frombuffer(codes, np.uint8).reshape(nq, self.code_bytes))
         res, ccos, n_rev, n_exp, n_bad = _find_fused(
             qw, mi.codes, mi.p2s, mi.n, mi.nbase, mi.offs if use else _NO_OFFS, mi.ids if use else _NO_IDS,
             mi.tc if use else _NO_TC, masks, mi.nchunks, int(min(self.observe_radius, self.bits)), use, self.radius,
-            self.config.max_candidates, t.revision, rev_ok, t.expires, t.modality, t.plen, t.payload, qmod, has_z,
-            qz, float(now), cross, check, thr, o_vals, length, group)
-        chosen_l, cdist_l, counts_l, nearest_l = res.tolist()
-        m = self.metrics
-        if n_rev:
-            m.rejections.labels(reason="revision").inc(n_rev)
-        if n_exp:
-            m.rejections.labels(reason="expired").inc(n_exp)
-        if n_bad:
-            m.rejections.labels(reason="payload").inc(n_bad)
-        if self.bloom is not None and 0 in counts_l:   # as in the general path: only for empty searches
-            skip = Found(skip_next=self.config.bloom_guard_l2)
-            n_skip = 0
-            for i, c in enumerate(counts_l):
-                if c == 0 and not self.bloom.may_contain(ti, queries[i].code):
-                    out[i] = skip
-                    n_skip += 1
-            if n_skip:
-                m.bloom_skips.inc(n_skip)
-        hits = [i for i, c in enumerate(chosen_l) if c >= 0]
-        if hits:
-            self.policy.access_many([chosen_l[i] for i in hits])
-        entries = t.read_many([chosen_l[i] for i in hits], list(mods), revs) if hits else []
-        ccos_l = ccos.tolist()
-        for i, c in enumerate(counts_l):
-            if c and chosen_l[i] < 0:
-                out[i] = found(None, -1, None, "", nearest_l[i])
-        for i, e in zip(hits, entries):
-            cs = ccos_l[i]
-            out[i] = found(e, cdist_l[i], None if cs != cs else cs, f"l1:{chosen_l[i]}", nearest_l[i])
-        return out
+            self.config.max_candidates, t.revision, self._rev_ok(revision), t.expires, t.modality, t.plen, t.payload,
+            qmod, has_z, qz, float(now), cross, on and qz is not _NO_Z, thr, o_vals, length, group)
+        if n_rev or n_exp or n_bad:
+            m = self.metrics
+            if n_rev:
+                m.rejections.labels(reason="revision").inc(n_rev)
+            if n_exp:
+                m.rejections.labels(reason="expired").inc(n_exp)
+            if n_bad:
+                m.rejections.labels(reason="payload").inc(n_bad)
+        chosen, cdist, counts, nearest = res.tolist()
+        return chosen, cdist, ccos.tolist(), counts, nearest
 
     def put(self, tenant: str, e: Entry) -> bool:
         return self.put_many(tenant, [e])[0]

@@ -28,6 +28,7 @@ OpenTelemetry tracing (off by default): `configure_tracing` and `SemanticCache.t
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import random
 import threading
@@ -82,9 +83,10 @@ class CacheMetrics:
     def record_lookup(self, hit: bool, tier: str, nearest: float, seconds: float) -> None:
         self._hot.record(hit, tier, nearest, seconds)
 
-    def record_lookups(self, outcomes, seconds: float) -> None:
-        """`record_lookup(hit, tier, nearest, seconds)` of each (hit, tier, nearest), under one lock."""
-        self._hot.record_many(outcomes, seconds)
+    def record_lookups(self, hits: list, tiers, nearest: list, seconds: float) -> None:
+        """`record_lookup(hit is not None, tier, d, seconds)` of each lookup of a batch (hits: a Hit or None
+        each; tiers: one tier name for all, or one per lookup; nearest: the distance of each), under one lock."""
+        self._hot.record_many(hits, tiers, nearest, seconds)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -123,22 +125,37 @@ class _LookupStats:
             if self.slo is not None:
                 self.slo.record_request(hit, seconds, read=not hit)
 
-    def record_many(self, outcomes, seconds: float) -> None:
-        if len(outcomes) == 1:
-            return self.record(*outcomes[0], seconds)
+    def record_many(self, hits: list, tiers, nearest: list, seconds: float) -> None:
+        """`record` of each lookup of a batch (see CacheMetrics.record_lookups): the same counts and sums,
+        added per distinct (result, tier) and (result, distance) rather than per lookup."""
+        n = len(hits)
+        one_tier = isinstance(tiers, str)
+        if n == 1:
+            return self.record(hits[0] is not None, tiers if one_tier else tiers[0], nearest[0], seconds)
         li = bisect.bisect_left(self.lat_bounds, seconds)
+        flags = [h is not None for h in hits]
+        nh = sum(flags)
+        per_tier = {(tiers, True): nh, (tiers, False): n - nh} if one_tier else collections.Counter(zip(tiers, flags))
+        per_dist = collections.Counter(zip(flags, nearest))
+        dist_bounds = self.dist_bounds
         with self._lock:
-            for hit, tier, nearest in outcomes:
-                res = "hit" if hit else "miss"
-                self.gets[res] += 1
+            for (tier, hit), c in per_tier.items():
+                if not c:
+                    continue
+                self.gets["hit" if hit else "miss"] += c
                 if hit:
-                    self.hits[tier] += 1
-                self.lat[tier][li] += 1
-                self.lat_sum[tier] += seconds
-                self.dist[res][bisect.bisect_left(self.dist_bounds, nearest)] += 1
-                self.dist_sum[res] += nearest
+                    self.hits[tier] += c
+                self.lat[tier][li] += c
+                s = self.lat_sum[tier]
+                for _ in range(c):   # one addition per lookup, as `record` makes them (the same float sum)
+                    s += seconds
+                self.lat_sum[tier] = s
+            for (hit, d), c in per_dist.items():
+                res = "hit" if hit else "miss"
+                self.dist[res][bisect.bisect_left(dist_bounds, d)] += c
+                self.dist_sum[res] += d * c   # integer distances: exact, as c additions are
             if self.slo is not None:   # serialised by this lock, as record_request is
-                self.slo.record_requests([o[0] for o in outcomes], seconds)
+                self.slo.record_requests(flags, seconds)
 
     @staticmethod
     def _cumulative(bounds, counts):
