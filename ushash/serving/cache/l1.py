@@ -27,7 +27,7 @@ from numba import njit
 from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found, found
 from ushash.serving.cache.freshness import ExpiryHeap
 from ushash.serving.cache.hitcheck import _CHECK, _EXPIRED, _MODALITY, _NO_PAYLOAD, _REVISION, _SERVABLE, Batch, HitCheck
-from ushash.serving.cache.mindex import _search
+from ushash.serving.cache.mindex import _NO_IDS, _NO_OFFS, _NO_TC, _NO_TH, _search
 from ushash.serving.payload.format import int4_group_cosine
 from ushash.serving.cache.policies import make_policy
 from ushash.serving.cache.protection import BloomGuard
@@ -74,7 +74,7 @@ def _gather(lims, slots, dists, radius, max_candidates, revision, rev_ok, expire
 
 
 @njit(cache=True, nogil=True)
-def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_radius, use_tables, radius,
+def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, observe_radius, use_tables, radius,
                 max_candidates, revision, rev_ok, expires, modality, plen, payload, qmod, has_z, qz, now,
                 cross_modal, check, thr, o_vals, length, group):
     """One compiled call for a batch of lookups on the own multi-index with the int4 group-scaled payloads
@@ -90,7 +90,7 @@ def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_
     while True:
         out_s = np.empty(cap, np.int64)
         out_d = np.empty(cap, np.int32)
-        m = _search(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_radius, use_tables, lims,
+        m = _search(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, observe_radius, use_tables, lims,
                     out_s, out_d)
         if m <= cap:
             break
@@ -144,7 +144,6 @@ def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_
 _NO_Z = np.zeros((1, 1), np.float32)
 _TRUE1, _FALSE1 = np.ones(1, bool), np.zeros(1, bool)
 _LITTLE = sys.byteorder == "little"
-_NO_OFFS, _NO_IDS, _NO_TC = np.zeros((1, 2), np.int32), np.zeros((1, 0), np.int32), np.zeros((1, 0), np.uint64)
 
 
 def _query_columns(queries: list, mods: list[str], no_z):
@@ -464,9 +463,10 @@ class L1Tier:
             mi.words(np.frombuffer(codes, np.uint8).reshape(nq, self.code_bytes))
         res, ccos, n_rev, n_exp, n_bad = _find_fused(
             qw, mi.codes, mi.p2s, mi.n, mi.nbase, mi.offs if use else _NO_OFFS, mi.ids if use else _NO_IDS,
-            mi.tc if use else _NO_TC, masks, mi.nchunks, int(min(self.observe_radius, self.bits)), use, self.radius,
-            self.config.max_candidates, t.revision, self._rev_ok(revision), t.expires, t.modality, t.plen, t.payload,
-            qmod, has_z, qz, float(now), cross, on and qz is not _NO_Z, thr, o_vals, length, group)
+            mi.tc if use else _NO_TC, mi.th if use else _NO_TH, masks, mi.nchunks,
+            int(min(self.observe_radius, self.bits)), use, self.radius, self.config.max_candidates, t.revision,
+            self._rev_ok(revision), t.expires, t.modality, t.plen, t.payload, qmod, has_z, qz, float(now), cross,
+            on and qz is not _NO_Z, thr, o_vals, length, group)
         if n_rev or n_exp or n_bad:
             m = self.metrics
             if n_rev:

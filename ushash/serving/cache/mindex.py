@@ -3,10 +3,11 @@
 Codes are cut into m = ceil(bits / 16) chunks of (at most) 16 bits. A code within distance r of a query
 agrees with it to within f = r // m bits in at least one chunk (pigeonhole), so a search probes, in each
 chunk's table, every chunk value within f bits of the query's, and checks the full distance of the codes
-found there. A table is the positions of the indexed codes sorted by that chunk's value (int32 [n]), their
-codes' first 64 bits beside them (uint64 [n], so that a probe reads one contiguous run rather than one
-cache line per code) and the start of each value's run (int32 [2^16 + 1]): 12 B per code and chunk, 48 B
-per 64-bit code, against faiss IndexBinaryMultiHash's ~200 B of hash tables. A code found through an earlier chunk is skipped in
+found there. A table is the positions of the indexed codes sorted by that chunk's value (int32 [n]), the
+other 48 bits of their codes' first 64 beside them (the chunk itself is the run's value: uint32 [n] and
+uint16 [n], so that a probe reads contiguous runs rather than one cache line per code, and knows a 64-bit
+code's whole distance from them) and the start of each value's run (int32 [2^16 + 1]): 10 B per code and
+chunk, 40 B per 64-bit code, against faiss IndexBinaryMultiHash's ~200 B of hash tables. A code found through an earlier chunk is skipped in
 the later ones (its earlier chunk is within f bits too), so each result is reported once.
 
 The tables are built for the codes at positions [0, nbase); codes added since (the tail, at most
@@ -28,6 +29,8 @@ from itertools import combinations
 import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
+
+from ushash.serving.cache import heap
 
 CHUNK_BITS = 16
 NVALUES = 1 << CHUNK_BITS
@@ -56,6 +59,16 @@ def _dist(codes, pos, q, qi, nwords):
 def _chunk(row, arr, j):
     """Chunk j (16 bits) of the code in row `row` of uint64 array `arr`."""
     return np.int64((arr[row, j >> 2] >> np.uint64(16 * (j & 3))) & np.uint64(0xFFFF))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rest(w, c):
+    """The 48 bits of uint64 word w other than its 16-bit chunk c (0-3), in order (what a table stores
+    beside a position: the chunk is the run's value)."""
+    if c == 3:
+        return w & np.uint64(0xFFFFFFFFFFFF)
+    lo = w & ((np.uint64(1) << np.uint64(16 * c)) - np.uint64(1))
+    return lo | ((w >> np.uint64(16 * (c + 1))) << np.uint64(16 * c))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -99,14 +112,15 @@ def _sort_run(out_s, out_d, a, b):
 
 
 @njit(cache=True, nogil=True)
-def _search(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, radius, use_tables, lims, out_s, out_d):
+def _search(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, radius, use_tables, lims, out_s, out_d):
     """Every live code within `radius` of each query into (lims [B + 1], out_s, out_d), each query's sorted
     by (distance, slot); returns the number of results, which may exceed the buffers' length (then
     nothing is complete: call again with buffers that long). q, codes: uint64 [*, nwords]; positions
     [0, nbase) through the tables (when use_tables), the rest scanned; masks: the chunk-value flips to
-    probe (popcount <= radius // nchunks). A table run holds its codes' first words inline (tc), so a
-    probe reads one contiguous run, and the position's columns only for the codes that pass. (The buffers
-    are the caller's: an array reassigned inside the loop would cost reference counting per code.)"""
+    probe (popcount <= radius // nchunks). A table run holds the other 48 bits of its codes' first words
+    inline (tc: the low 32, th: the high 16; `_rest`), so a probe reads contiguous runs, and the position's
+    columns only for the codes that pass. (The buffers are the caller's: an array reassigned inside the
+    loop would cost reference counting per code.)"""
     nq, nwords = q.shape
     cap = len(out_s)
     f = radius // nchunks
@@ -117,18 +131,22 @@ def _search(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, radius, use_
         if use_tables:
             for j in range(nchunks):
                 qv = _chunk(qi, q, j)
+                c = j & 3
+                qr = _rest(q[qi, 0], c)
                 for t in range(len(masks)):
                     v = qv ^ masks[t]
+                    dm = np.int64(_ctpop(np.uint64(masks[t])))   # the distance in chunk j itself
                     for k in range(offs[j, v], offs[j, v + 1]):
-                        c0 = tc[j, k]
-                        d = np.int64(_ctpop(c0 ^ q[qi, 0]))
-                        if d > radius:   # the first word alone is too far already
+                        r = np.uint64(tc[j, k]) | (np.uint64(th[j, k]) << np.uint64(32))
+                        d = dm + np.int64(_ctpop(r ^ qr))   # word 0's distance (the whole one for nwords 1)
+                        if d > radius:
                             continue
                         pos = ids[j, k]
                         dup = False
                         for i in range(j):   # found through an earlier chunk already
-                            ci = _chunk(pos, codes, i) if i >= 4 else \
-                                np.int64((c0 >> np.uint64(16 * i)) & np.uint64(0xFFFF))
+                            # chunk i < j <= 3 sits where it does in the word; beyond word 0, read the code
+                            ci = np.int64((r >> np.uint64(16 * i)) & np.uint64(0xFFFF)) if j < 4 else \
+                                _chunk(pos, codes, i)
                             if _ctpop(ci ^ _chunk(qi, q, i)) <= f:
                                 dup = True
                                 break
@@ -152,8 +170,8 @@ def _search(q, codes, p2s, n, nbase, offs, ids, tc, masks, nchunks, radius, use_
 @njit(cache=True, nogil=True)
 def _build(codes, p2s, n, nchunks, cap):
     """Tables for the live codes at positions [0, n): offs int32 [nchunks, 2^16 + 1], ids int32 [nchunks, cap]
-    (positions sorted by the chunk's value, the first `live` of each row used) and tc uint64 [nchunks, cap]
-    (their codes' first words). Returns (offs, ids, tc, live)."""
+    (positions sorted by the chunk's value, the first `live` of each row used), tc uint32 and th uint16
+    [nchunks, cap] (the other 48 bits of their codes' first words, `_rest`). Returns (offs, ids, tc, th, live)."""
     live = 0
     for pos in range(n):
         if p2s[pos] >= 0:
@@ -161,7 +179,8 @@ def _build(codes, p2s, n, nchunks, cap):
     cap = max(cap, live)
     offs = np.zeros((nchunks, NVALUES + 1), np.int32)
     ids = np.zeros((nchunks, cap), np.int32)    # zeros: pages not yet written cost no memory
-    tc = np.zeros((nchunks, cap), np.uint64)
+    tc = np.zeros((nchunks, cap), np.uint32)
+    th = np.zeros((nchunks, cap), np.uint16)
     fill = np.empty(NVALUES, np.int32)
     for j in range(nchunks):
         for pos in range(n):
@@ -174,13 +193,15 @@ def _build(codes, p2s, n, nchunks, cap):
             if p2s[pos] >= 0:
                 v = _chunk(pos, codes, j)
                 ids[j, fill[v]] = pos
-                tc[j, fill[v]] = codes[pos, 0]
+                r = _rest(codes[pos, 0], j & 3)
+                tc[j, fill[v]] = np.uint32(r & np.uint64(0xFFFFFFFF))
+                th[j, fill[v]] = np.uint16(r >> np.uint64(32))
                 fill[v] += 1
-    return offs, ids, tc, live
+    return offs, ids, tc, th, live
 
 
 @njit(cache=True, nogil=True)
-def _merge(codes, p2s, nbase, n, offs, ids, tc, ntab, nchunks):
+def _merge(codes, p2s, nbase, n, offs, ids, tc, th, ntab, nchunks):
     """Merge the live codes of the tail [nbase, n) into the tables in place (ids / tc have room for them):
     per chunk one backward pass that moves each old entry at most once, so that each value's run is its
     old run, then the tail's codes of that value in position order. Tombstones already in the tables stay
@@ -216,10 +237,13 @@ def _merge(codes, p2s, nbase, n, offs, ids, tc, ntab, nchunks):
             while src >= lim:
                 ids[j, dst] = ids[j, src]
                 tc[j, dst] = tc[j, src]
+                th[j, dst] = th[j, src]
                 src -= 1
                 dst -= 1
             ids[j, dst] = tpos[t]
-            tc[j, dst] = codes[tpos[t], 0]
+            r = _rest(codes[tpos[t], 0], j & 3)
+            tc[j, dst] = np.uint32(r & np.uint64(0xFFFFFFFF))
+            th[j, dst] = np.uint16(r >> np.uint64(32))
             dst -= 1
         for v in range(NVALUES + 1):
             offs[j, v] += tcount[v]
@@ -248,8 +272,8 @@ class MultiIndex:
         self.p2s = np.full(16, -1, np.int32)   # slots < 2^31 (checked by the backend)
         self.n = 0          # positions used (live + tombstones)
         self.nbase = 0      # positions covered by the tables
-        self.offs = self.ids = self.tc = None
-        self.ntab = 0       # table entries used (ids / tc have room for more)
+        self.offs = self.ids = self.tc = self.th = None
+        self.ntab = 0       # table entries used (ids / tc / th have room for more)
         self._masks: dict[int, np.ndarray] = {}
 
     def words(self, packed: np.ndarray) -> np.ndarray:
@@ -272,7 +296,9 @@ class MultiIndex:
         p2s = np.zeros(cap, np.int32)
         p2s[: self.n] = self.p2s[: self.n]
         p2s[self.n:] = -1
+        freed = self.codes.nbytes + self.p2s.nbytes
         self.codes, self.p2s = codes, p2s
+        heap.replaced(freed)
 
     def append(self, slots: np.ndarray, words: np.ndarray) -> np.ndarray:
         """Store codes at fresh positions; returns the positions."""
@@ -288,18 +314,21 @@ class MultiIndex:
 
     def merge(self) -> None:
         if self.offs is None:   # room for a tail beyond the codes there are; more by doubling when needed
-            self.offs, self.ids, self.tc, self.ntab = _build(self.codes, self.p2s, self.n, self.nchunks,
-                                                             self.n + self.tail_max)
+            self.offs, self.ids, self.tc, self.th, self.ntab = _build(self.codes, self.p2s, self.n, self.nchunks,
+                                                                      self.n + self.tail_max)
         else:
             need = self.ntab + (self.n - self.nbase)
             if need > self.ids.shape[1]:   # room by doubling: few reallocations, so little heap fragmentation
                 cap = max(2 * self.ids.shape[1], need)
-                ids, tc = np.zeros((self.nchunks, cap), np.int32), np.zeros((self.nchunks, cap), np.uint64)
+                ids, tc, th = (np.zeros((self.nchunks, cap), dt) for dt in (np.int32, np.uint32, np.uint16))
                 ids[:, : self.ntab] = self.ids[:, : self.ntab]
                 tc[:, : self.ntab] = self.tc[:, : self.ntab]
-                self.ids, self.tc = ids, tc
-            self.ntab = _merge(self.codes, self.p2s, self.nbase, self.n, self.offs, self.ids, self.tc, self.ntab,
-                               self.nchunks)
+                th[:, : self.ntab] = self.th[:, : self.ntab]
+                freed = self.ids.nbytes + self.tc.nbytes + self.th.nbytes
+                self.ids, self.tc, self.th = ids, tc, th
+                heap.replaced(freed)
+            self.ntab = _merge(self.codes, self.p2s, self.nbase, self.n, self.offs, self.ids, self.tc, self.th,
+                               self.ntab, self.nchunks)
         self.nbase = self.n
 
     def compact(self) -> np.ndarray:
@@ -310,7 +339,7 @@ class MultiIndex:
         self.p2s[: len(live)] = slots
         self.p2s[len(live) : self.n] = -1
         self.n = len(live)
-        self.offs = self.ids = self.tc = None
+        self.offs = self.ids = self.tc = self.th = None
         self.nbase = self.ntab = 0
         if self.n >= self.min_entries:
             self.merge()
@@ -336,7 +365,8 @@ class MultiIndex:
         """(lims, slots, dists) for queries uint64 [B, nwords] (see _search)."""
         masks, use = self.plan(radius, live)
         args = (qwords, self.codes, self.p2s, self.n, self.nbase, self.offs if use else _NO_OFFS,
-                self.ids if use else _NO_IDS, self.tc if use else _NO_TC, masks, self.nchunks, int(radius), use)
+                self.ids if use else _NO_IDS, self.tc if use else _NO_TC, self.th if use else _NO_TH, masks,
+                self.nchunks, int(radius), use)
         lims = np.zeros(len(qwords) + 1, np.int64)
         cap = max(64, 16 * len(qwords))
         while True:
@@ -349,10 +379,11 @@ class MultiIndex:
     @property
     def nbytes(self) -> int:
         """Bytes held by the positions' columns and the tables (capacity included)."""
-        t = 0 if self.offs is None else self.offs.nbytes + self.ids.nbytes + self.tc.nbytes
+        t = 0 if self.offs is None else self.offs.nbytes + self.ids.nbytes + self.tc.nbytes + self.th.nbytes
         return self.codes.nbytes + self.p2s.nbytes + t
 
 
 _NO_OFFS = np.zeros((1, 2), np.int32)
 _NO_IDS = np.zeros((1, 0), np.int32)
-_NO_TC = np.zeros((1, 0), np.uint64)
+_NO_TC = np.zeros((1, 0), np.uint32)
+_NO_TH = np.zeros((1, 0), np.uint16)
