@@ -28,6 +28,8 @@ from typing import Any, Protocol
 import numpy as np
 from orjson import loads as _orjson_loads
 
+from ushash.serving.cache import heap
+
 #: Tenant names: 1-64 characters of [A-Za-z0-9_.-] (a Redis hash tag and a metric label, never a path).
 TENANT_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
 TENANT_RE = re.compile(TENANT_PATTERN)
@@ -196,10 +198,12 @@ class EntryTable:
     happens when garbage outweighs the live bytes (amortised O(1) per removal)."""
 
     # gen wraps at 2^32 (an expiry record is matched by (slot, gen): 2^32 reuses of one slot while one of
-    # its records waits would be needed to confuse them); a value is < 4 GiB (checked in write)
+    # its records waits would be needed to confuse them); a value is < 4 GiB (checked in write); voff is
+    # uint32 until the arena holds VOFF_LIMIT bytes, then int64 (`_arena_put` widens it)
     NUMERIC = {"tenant": np.int32, "modality": np.int8, "revision": np.int16, "kind": np.int8,
                "created": np.float64, "expires": np.float64, "compute_s": np.float32,
-               "gen": np.uint32, "alive": np.bool_, "plen": np.int16, "voff": np.int64, "vlen": np.uint32}
+               "gen": np.uint32, "alive": np.bool_, "plen": np.int16, "voff": np.uint32, "vlen": np.uint32}
+    VOFF_LIMIT = 1 << 32
     # every Entry field has a column of the same name (id: l2id, a dict; value: the arena)
     assert set(ENTRY_FIELDS) - {"id"} <= {"code", "payload", "value", *NUMERIC}
 
@@ -220,12 +224,16 @@ class EntryTable:
 
     def _grow(self) -> None:
         cap = self._cap * 2
+        freed = 0
         for name in ("code", "payload", *self.NUMERIC):
             old = getattr(self, name)
             a = np.zeros((cap,) + old.shape[1:], old.dtype)
             a[: self._cap] = old
             setattr(self, name, a)
+            freed += old.nbytes
         self._cap = cap
+        del old
+        heap.replaced(freed)
 
     def alloc(self) -> int:
         if self._free:
@@ -250,7 +258,10 @@ class EntryTable:
             if self._top + n > len(self.arena):
                 a = np.zeros(max(2 * len(self.arena), self._top + n), np.uint8)
                 a[: self._top] = self.arena[: self._top]
-                self.arena = a
+                freed, self.arena = len(self.arena), a
+                heap.replaced(freed)
+        if self._top + n > self.VOFF_LIMIT and self.voff.dtype != np.int64:
+            self.voff = self.voff.astype(np.int64)   # offsets beyond uint32
         self.arena[self._top : self._top + n] = np.frombuffer(data, np.uint8)
         self.voff[slot], self.vlen[slot] = self._top, n
         self._top += n

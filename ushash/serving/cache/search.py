@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ushash.core import codes as codes_lib
+from ushash.serving.cache import heap
 
 BACKENDS = ("auto", "mindex", "flat", "mih", "faiss", "torch")
 
@@ -130,7 +131,8 @@ class _SlotMap:
         if top > len(self._a):
             a = np.full(max(top, 2 * len(self._a)), -1, np.int32)
             a[: len(self._a)] = self._a
-            self._a = a
+            freed, self._a = self._a.nbytes, a
+            heap.replaced(freed)
         self._n += int((self._a[slots] < 0).sum())
         self._a[slots] = pos
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ushash.serving.cache import heap
 from ushash.serving.cache.policies import POLICIES, Policy
 
 _NONE, _WINDOW, _PROBATION, _PROTECTED = 0, 1, 2, 3
@@ -136,8 +137,9 @@ class _Sketch:
     def ensure(self, entries: int) -> None:
         if 2 * entries > self.width:
             self.width = 1 << max(6, (2 * entries - 1).bit_length())
-            self.table = np.zeros(self.width, np.uint8)
+            freed, self.table = len(self.table), np.zeros(self.width, np.uint8)
             self.additions = 0
+            heap.replaced(freed)
 
 
 @POLICIES.register("wtinylfu")
@@ -145,6 +147,7 @@ class WTinyLFU(Policy):
     """W-TinyLFU over byte sizes (see the module docstring)."""
 
     name = "wtinylfu"
+    SIZE_LIMIT = 1 << 32   # entry sizes below it are held as uint32
 
     def __init__(self, capacity_bytes: int, window: float = 0.01, protected: float = 0.8):
         super().__init__(capacity_bytes)
@@ -159,7 +162,7 @@ class WTinyLFU(Policy):
         self._prev = np.full(cap, -1, np.int32)
         self._next = np.full(cap, -1, np.int32)
         self._seg = np.zeros(cap, np.int8)
-        self._size = np.zeros(cap, np.int64)
+        self._size = np.zeros(cap, np.uint32)   # int64 once an entry reaches SIZE_LIMIT bytes (insert)
         self._ident = np.zeros(cap, np.uint64)
         self._head = np.full(4, -1, np.int64)   # per segment: LRU end
         self._tail = np.full(4, -1, np.int64)   # per segment: MRU end
@@ -172,11 +175,15 @@ class WTinyLFU(Policy):
         if key < cap:
             return
         new = max(2 * cap, key + 1)
+        freed = 0
         for name, fill in (("_prev", -1), ("_next", -1), ("_seg", 0), ("_size", 0), ("_ident", 0)):
             old = getattr(self, name)
             a = np.full(new, fill, old.dtype)
             a[:cap] = old
             setattr(self, name, a)
+            freed += old.nbytes
+        del old
+        heap.replaced(freed)
 
     def _link(self, seg: int, k: int) -> None:
         """Append k at seg's MRU end."""
@@ -215,6 +222,8 @@ class WTinyLFU(Policy):
         if key in self:
             self.remove(key)
         self._grow(key)
+        if nbytes >= self.SIZE_LIMIT and self._size.dtype != np.int64:
+            self._size = self._size.astype(np.int64)
         self._size[key] = nbytes
         self._ident[key] = key if ident is None else int(ident) & _MASK
         self._n += 1

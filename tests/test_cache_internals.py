@@ -1,0 +1,190 @@
+"""Cache internals that keep lookups cheap and entries small, each against a naive reference: the hits a
+batch builds from the L1 columns, the batch metrics, the narrow columns and how they widen at their limit,
+and giving freed heap pages back."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from ushash.serving.cache import SemanticCache
+from ushash.serving.cache.entries import Entry, EntryTable, Hit
+from ushash.serving.cache.lsh import LSHHead
+
+
+class FakeClock:
+    def __init__(self, t=1_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def _entries(rng, n, payload_bytes=6):
+    out = []
+    for i in range(n):
+        kind = ["b", "s", "j"][i % 3]
+        value = {"b": bytes(rng.integers(0, 256, int(rng.integers(0, 20)), dtype=np.uint8)),
+                 "s": "é" * int(rng.integers(0, 9)), "j": f'{{"i":{i},"x":[1,2.5,null]}}'.encode()}[kind]
+        if kind == "s":
+            value = value.encode()
+        out.append(Entry(code=rng.integers(0, 256, 8, dtype=np.uint8).tobytes(),
+                         payload=rng.integers(0, 256, int(rng.integers(0, payload_bytes + 1)), dtype=np.uint8).tobytes(),
+                         modality=["image", "text"][i % 2], value=value, kind=kind, revision="r1",
+                         created=float(rng.random() * 1e9), expires=math.inf if i % 4 else float(rng.random() * 2e9),
+                         compute_s=float(np.float32(rng.random())), id=None))
+    return out
+
+
+def test_table_hits_equal_hit_of_each_entry_read():
+    """`EntryTable.hits` (a batch's hits straight from the columns) is `Hit.of(read(slot), ...)` field for
+    field, for one slot and for many, NaN cosines as None, with each entry's compute seconds."""
+    rng = np.random.default_rng(0)
+    t = EntryTable(8, payload_bytes=6)
+    mods, revs = ["image", "text"], ["r1"]
+    es = _entries(rng, 40)
+    slots = []
+    for e in es:
+        s = t.alloc()
+        t.write(s, e, tenant=0, modality=mods.index(e.modality), revision=0)
+        slots.append(s)
+    for pick in ([slots[7]], slots[::3], list(reversed(slots))):
+        dists = [int(d) for d in rng.integers(0, 9, len(pick))]
+        cos = [float("nan") if k % 2 else float(np.float32(rng.random())) for k in range(len(pick))]
+        got, cs = t.hits(pick, dists, cos, "l1", mods, revs)
+        want = [Hit.of(t.read(s, mods, revs), d, None if c != c else c, "l1", False, f"l1:{s}")
+                for s, d, c in zip(pick, dists, cos)]
+        assert got == want
+        assert [type(getattr(h, f)) for h in got for f in ("distance", "created", "expires")] == \
+               [type(getattr(h, f)) for h in want for f in ("distance", "created", "expires")]
+        assert cs == [t.read(s, mods, revs).compute_s for s in pick]
+
+
+def test_value_offsets_widen_at_their_limit():
+    """Value offsets are uint32 until the arena passes VOFF_LIMIT bytes, then int64; entries read back the
+    same either side of the switch, through compaction too."""
+    rng = np.random.default_rng(1)
+    small, ref = EntryTable(8, payload_bytes=6), EntryTable(8, payload_bytes=6)
+    small.VOFF_LIMIT = 300
+    assert small.voff.dtype == np.uint32
+    live = {}
+    for step, e in enumerate(_entries(rng, 120)):
+        for t in (small, ref):
+            s = t.alloc()
+            t.write(s, e, tenant=0, modality=0, revision=0)
+        live[s] = e
+        if step % 3 == 2:   # removals make garbage, and the arena compacts
+            gone = int(rng.choice(list(live)))
+            small.release(gone), ref.release(gone)
+            del live[gone]
+    assert small.voff.dtype == np.int64 and ref.voff.dtype == np.uint32
+    for s, e in live.items():
+        assert small.value_of(s) == ref.value_of(s) == e.value
+
+
+def test_wtinylfu_sizes_widen_at_their_limit():
+    """Entry sizes are held as uint32 until one reaches SIZE_LIMIT, then as int64: the evictions are
+    those of a policy that held int64 sizes from the start."""
+    from ushash.serving.cache.policies.wtinylfu import WTinyLFU
+
+    rng = np.random.default_rng(2)
+    a, b = WTinyLFU(5000, window=0.05), WTinyLFU(5000, window=0.05)
+    a.SIZE_LIMIT = 150
+    b._size = b._size.astype(np.int64)
+    for step in range(3000):
+        k = int(rng.integers(0, 200))
+        if rng.random() < 0.4:
+            size = int(rng.integers(1, 200 if step > 500 else 100))
+            assert [int(x) for x in a.insert(k, size)] == [int(x) for x in b.insert(k, size)]
+        else:
+            a.access(k), b.access(k)
+    assert a._size.dtype == np.int64
+    np.testing.assert_array_equal(a._size, b._size)
+    assert a.used_bytes == b.used_bytes <= 5000
+
+
+def test_batch_metrics_equal_one_record_per_lookup():
+    """`record_many` (a batch's outcomes counted per distinct value) leaves the same counts and sums as
+    `record` of each lookup, with one tier for all and with a tier per lookup."""
+    from ushash.serving.cache.telemetry import _LookupStats
+
+    rng = np.random.default_rng(3)
+    for one_tier in (True, False):
+        a, b = _LookupStats(64), _LookupStats(64)
+        for _ in range(20):
+            n = int(rng.integers(2, 60))
+            hits = [object() if rng.random() < 0.5 else None for _ in range(n)]
+            tiers = "l1" if one_tier else [str(rng.choice(["l1", "l2"])) for _ in range(n)]
+            nearest = [int(d) for d in rng.integers(0, 66, n)]
+            seconds = float(rng.random() * 1e-3)
+            a.record_many(hits, tiers, nearest, seconds)
+            for i in range(n):
+                b.record(hits[i] is not None, tiers if one_tier else tiers[i], nearest[i], seconds)
+        assert (a.gets, a.hits, a.lat, a.lat_sum, a.dist, a.dist_sum) == (b.gets, b.hits, b.lat, b.lat_sum, b.dist,
+                                                                          b.dist_sum)
+
+
+@pytest.mark.parametrize("backend", ["mindex", "flat"])
+def test_hits_many_equal_find_many(backend):
+    """L1's `hits_many` (what lookups serve) and `find_many` (a tier's Found answers) come from one pick:
+    the same entry, distance, cosine and nearest distance for every query, hits and misses alike."""
+    head = LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0)
+    clock = FakeClock()
+    cfg = {"radius": 4, "observe_radius": 6, "backend": backend, "mih_min_entries": 64, "ttl_s": 30}
+    a, b = (SemanticCache(head, cfg, clock=clock, rng=random.Random(0)) for _ in range(2))
+    rng = np.random.default_rng(4)
+    centres = rng.integers(0, 256, size=(6, 8), dtype=np.uint8)
+    qs = []
+    for i in range(300):
+        code = centres[i % 6].copy()
+        for bit in rng.integers(0, 64, int(rng.integers(0, 5))):
+            code[bit // 8] ^= np.uint8(1 << (bit % 8))
+        z = rng.normal(size=32).astype(np.float32)
+        qs.append(a.query_from_code(["image", "text"][i % 2], code, None if i % 7 == 0 else z))
+    for c in (a, b):
+        c.store_many(qs[:150], [f"v{i}" for i in range(150)])
+    clock.t += 10
+    probe = qs[100:300]
+    hits, nearest, _, hit_idx, _ = a.l1.hits_many(probe, "default", a.revision, a.hit_check, clock.t)
+    found = b.l1.find_many(probe, "default", b.revision, b.hit_check, clock.t)
+    assert hit_idx == [i for i, f in enumerate(found) if f.entry is not None] and hit_idx
+    assert hits == [Hit.of(f.entry, f.distance, f.cosine, "l1", False, f.ref) if f.entry is not None else None
+                    for f in found]
+    assert nearest == [-1 if f.nearest is None else f.nearest for f in found]
+
+
+def test_mindex_tables_hold_ten_bytes_per_code_and_chunk():
+    """A table run holds a position (int32) and the other 48 bits of the code (uint32 + uint16)."""
+    from ushash.serving.cache.mindex import MultiIndex
+
+    mi = MultiIndex(64, min_entries=16, tail_max=16)
+    codes = np.random.default_rng(5).integers(0, 256, size=(1000, 8), dtype=np.uint8)
+    mi.append(np.arange(1000), mi.words(codes))
+    mi.merge()
+    assert (mi.ids.dtype, mi.tc.dtype, mi.th.dtype) == (np.int32, np.uint32, np.uint16)
+    assert mi.ids.itemsize + mi.tc.itemsize + mi.th.itemsize == 10
+
+
+def test_freed_large_arrays_give_heap_pages_back():
+    """Growing a column past TRIM_MIN_BYTES trims the heap once per growth; small columns never do."""
+    from ushash.serving.cache import heap
+
+    if heap._TRIM is None:
+        pytest.skip("no malloc_trim in this C library")
+    t = EntryTable(8, payload_bytes=0)
+    e = Entry(code=bytes(8), payload=b"", modality="image", value=b"x", kind="b", revision="r", created=0.0,
+              expires=math.inf, compute_s=0.0)
+    n0 = heap.trims
+    for _ in range(1000):
+        t.write(t.alloc(), e, 0, 0, 0)
+    assert heap.trims == n0   # columns of ~60 KB
+    old = heap.TRIM_MIN_BYTES
+    heap.TRIM_MIN_BYTES = 4096
+    try:
+        cap = t._cap
+        while t._cap == cap:
+            t.write(t.alloc(), e, 0, 0, 0)
+        assert heap.trims == n0 + 1
+    finally:
+        heap.TRIM_MIN_BYTES = old
