@@ -188,3 +188,25 @@ def test_freed_large_arrays_give_heap_pages_back():
         assert heap.trims == n0 + 1
     finally:
         heap.TRIM_MIN_BYTES = old
+
+
+def test_large_zeros_have_pages_of_their_own():
+    """heap.zeros is np.zeros: large arrays in an anonymous mapping (writable, zero, page-aligned, freed
+    with the array), small ones as numpy makes them."""
+    import mmap
+
+    from ushash.serving.cache import heap
+
+    small = heap.zeros((10, 3), np.uint16)
+    assert small.base is None and small.shape == (10, 3) and small.dtype == np.uint16 and not small.any()
+    big = heap.zeros((4, heap.MMAP_MIN_BYTES // 8), np.uint32)
+    base = big
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    assert isinstance(base, mmap.mmap) and big.ctypes.data % mmap.PAGESIZE == 0
+    assert big.shape == (4, heap.MMAP_MIN_BYTES // 8) and big.dtype == np.uint32 and big.flags.c_contiguous
+    assert big.flags.writeable and not big.any()
+    big[3, -1] = 7
+    assert int(big.sum()) == 7 and heap.zeros(heap.MMAP_MIN_BYTES, np.uint8).shape == (heap.MMAP_MIN_BYTES,)

@@ -227,12 +227,11 @@ class EntryTable:
         freed = 0
         for name in ("code", "payload", *self.NUMERIC):
             old = getattr(self, name)
-            a = np.zeros((cap,) + old.shape[1:], old.dtype)
+            a = heap.zeros((cap,) + old.shape[1:], old.dtype)   # the rows beyond the held ones cost nothing
             a[: self._cap] = old
             setattr(self, name, a)
             freed += old.nbytes
         self._cap = cap
-        del old
         heap.replaced(freed)
 
     def alloc(self) -> int:
@@ -256,7 +255,7 @@ class EntryTable:
             if self._top - self._live_bytes > self._live_bytes:
                 self._compact()
             if self._top + n > len(self.arena):
-                a = np.zeros(max(2 * len(self.arena), self._top + n), np.uint8)
+                a = heap.zeros(max(2 * len(self.arena), self._top + n), np.uint8)
                 a[: self._top] = self.arena[: self._top]
                 freed, self.arena = len(self.arena), a
                 heap.replaced(freed)

@@ -291,9 +291,9 @@ class MultiIndex:
             return
         while cap < need:
             cap *= 2
-        codes = np.zeros((cap, self.nwords), np.uint64)   # zeros: pages not yet written cost no memory
+        codes = heap.zeros((cap, self.nwords), np.uint64)   # pages not yet written cost no memory
         codes[: self.n] = self.codes[: self.n]
-        p2s = np.zeros(cap, np.int32)
+        p2s = heap.zeros(cap, np.int32)
         p2s[: self.n] = self.p2s[: self.n]
         p2s[self.n:] = -1
         freed = self.codes.nbytes + self.p2s.nbytes
@@ -320,7 +320,7 @@ class MultiIndex:
             need = self.ntab + (self.n - self.nbase)
             if need > self.ids.shape[1]:   # room by doubling: few reallocations, so little heap fragmentation
                 cap = max(2 * self.ids.shape[1], need)
-                ids, tc, th = (np.zeros((self.nchunks, cap), dt) for dt in (np.int32, np.uint32, np.uint16))
+                ids, tc, th = (heap.zeros((self.nchunks, cap), dt) for dt in (np.int32, np.uint32, np.uint16))
                 ids[:, : self.ntab] = self.ids[:, : self.ntab]
                 tc[:, : self.ntab] = self.tc[:, : self.ntab]
                 th[:, : self.ntab] = self.th[:, : self.ntab]

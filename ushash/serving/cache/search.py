@@ -129,10 +129,10 @@ class _SlotMap:
                 self._d = None
             return
         if top > len(self._a):
-            a = np.full(max(top, 2 * len(self._a)), -1, np.int32)
+            a = heap.zeros(max(top, 2 * len(self._a)), np.int32)
             a[: len(self._a)] = self._a
-            freed, self._a = self._a.nbytes, a
-            heap.replaced(freed)
+            a[len(self._a):] = -1
+            self._a = a
         self._n += int((self._a[slots] < 0).sum())
         self._a[slots] = pos
 

@@ -137,9 +137,8 @@ class _Sketch:
     def ensure(self, entries: int) -> None:
         if 2 * entries > self.width:
             self.width = 1 << max(6, (2 * entries - 1).bit_length())
-            freed, self.table = len(self.table), np.zeros(self.width, np.uint8)
+            self.table = heap.zeros(self.width, np.uint8)
             self.additions = 0
-            heap.replaced(freed)
 
 
 @POLICIES.register("wtinylfu")
@@ -178,11 +177,12 @@ class WTinyLFU(Policy):
         freed = 0
         for name, fill in (("_prev", -1), ("_next", -1), ("_seg", 0), ("_size", 0), ("_ident", 0)):
             old = getattr(self, name)
-            a = np.full(new, fill, old.dtype)
+            a = heap.zeros(new, old.dtype)
             a[:cap] = old
+            if fill:
+                a[cap:] = fill
             setattr(self, name, a)
             freed += old.nbytes
-        del old
         heap.replaced(freed)
 
     def _link(self, seg: int, k: int) -> None:
