@@ -210,3 +210,25 @@ def test_large_zeros_have_pages_of_their_own():
     assert big.flags.writeable and not big.any()
     big[3, -1] = 7
     assert int(big.sum()) == 7 and heap.zeros(heap.MMAP_MIN_BYTES, np.uint8).shape == (heap.MMAP_MIN_BYTES,)
+
+
+def test_query_columns_equal_stacked_rows():
+    """A batch's query columns (modality ids, has z, z rows with zeros where there is none) are those of
+    the naive per-query construction with np.stack, dtypes included."""
+    from ushash.serving.cache.l1 import _query_columns
+    from ushash.serving.cache.request import Query
+
+    rng = np.random.default_rng(6)
+    for none_every in (1, 3, 10 ** 9):
+        qs = [Query(str(rng.choice(["image", "text", "audio"])), bytes(8),
+                    None if i % none_every == 0 else rng.normal(size=16).astype(np.float32)) for i in range(50)]
+        mods = ["image", "text"]
+        qmod, has_z, qz = _query_columns(qs, mods, "none")
+        assert qmod.dtype == np.int64 and qmod.tolist() == [mods.index(q.modality) if q.modality in mods else 2
+                                                            for q in qs]
+        assert has_z.tolist() == [q.z is not None for q in qs]
+        if not has_z.any():
+            assert qz == "none"
+            continue
+        ref = np.stack([q.z if q.z is not None else np.zeros(16, np.float32) for q in qs])
+        assert qz.dtype == ref.dtype and qz.shape == ref.shape and np.array_equal(qz, ref)

@@ -153,12 +153,19 @@ def _query_columns(queries: list, mods: list[str], no_z):
         q0 = queries[0]
         qmod = np.array([mods.index(q0.modality) if q0.modality in mods else len(mods)], np.int64)
         return qmod, (_TRUE1 if q0.z is not None else _FALSE1), (q0.z[None] if q0.z is not None else no_z)
-    qmod = np.array([mods.index(q.modality) if q.modality in mods else len(mods) for q in queries], np.int64)
-    has_z = np.array([q.z is not None for q in queries], bool)
+    ids = {m: i for i, m in enumerate(mods)}
+    absent = len(mods)
+    qmod = np.array([ids.get(q.modality, absent) for q in queries], np.int64)
+    zs = [q.z for q in queries]
+    has_z = np.array([z is not None for z in zs], bool)
     if not has_z.any():
         return qmod, has_z, no_z
-    dim = next(q.z for q in queries if q.z is not None).shape[0]
-    return qmod, has_z, np.stack([q.z if q.z is not None else np.zeros(dim, np.float32) for q in queries])
+    dim = next(z for z in zs if z is not None).shape[0]
+    if not has_z.all():
+        zero = np.zeros(dim, np.float32)
+        zs = [zero if z is None else z for z in zs]
+    # np.stack's rows, by one concatenation (stack makes a view of every row first)
+    return qmod, has_z, np.concatenate(zs).reshape(len(zs), dim)
 
 
 class L1Tier:
