@@ -113,13 +113,38 @@ class CalibrationSettings:
     threshold_step: float = 0.01      # ... in these steps
     repeat_floor: bool = True         # same-modality pairs start at the lowest cosine an exact repeat reaches
                                       # through the payload codec on the calibration split: never stricter
-    count: str = "hits"               # what the bound counts: every hit, or "distinct" (request, served
-                                      # entry) pairs, so a repeated request counts once (stricter: repeats
-                                      # are not independent trials)
+    count: str = "hits"               # what the bound counts: every hit; "distinct" (request, served
+                                      # entry) pairs, so a repeated request counts once; or "items": the
+                                      # request items (classes) a pair served, an item with any false hit
+                                      # one event (strictest: an item mis-served once is mis-served on every
+                                      # repeat, so items, not hits, are the independent trials)
     marginal: bool = True             # a looser point is taken only when the hits it adds are false at
                                       # most at the target rate (ends the sequence earlier: never less safe)
     path_points: int = 16             # points tested per pair (replays of the calibration stream, at most)
+    path: str = "hits"                # "hits": one path per pair, the grid points ordered by hit counts (no
+                                      # labels read), walked on the whole stream; "split": Learn-then-Test
+                                      # with a split stream: on the path half each candidate path (the hits
+                                      # path, and the radius sweeps at each of `tight_thresholds`) is walked,
+                                      # the pair keeps the one that serves the most hits there (a looser one
+                                      # only when it serves `min_trials` more), and the test half alone walks
+                                      # it with fixed-sequence testing (the points and bounds reported)
+    split_by: str = "item"            # path "split": the halves hold disjoint items (classes), or "request"
+    split_frac: float = 0.5           # share of the items (requests) in the path-choosing half
+    split_seed: int = 0
+    tight_thresholds: tuple = (0.99, 0.98, 0.97, 0.95)   # path "split": a radius sweep 0..max_radius per
+                                      # threshold (same-modality pairs: no higher than the repeat floor)
     n_requests: Optional[int] = None  # calibration stream length; None: stream.n_requests
+
+    def __post_init__(self):
+        if str(self.count) not in ("hits", "distinct", "items"):
+            raise ValueError(f"calibration count must be hits, distinct or items; got {self.count!r}")
+        if str(self.path) not in ("hits", "split"):
+            raise ValueError(f"calibration path must be hits or split; got {self.path!r}")
+        if str(self.split_by) not in ("item", "request"):
+            raise ValueError(f"calibration split_by must be item or request; got {self.split_by!r}")
+        if not 0.0 < float(self.split_frac) < 1.0:
+            raise ValueError(f"calibration split_frac must be in (0, 1); got {self.split_frac}")
+        self.tight_thresholds = tuple(float(t) for t in self.tight_thresholds)
 
 
 @dataclass
@@ -153,6 +178,9 @@ class PairPoint:
     false_hits: int = 0
     upper: float = 1.0                # one-sided upper confidence bound of false_hits / hits
     reason: str = ""                  # why a pair is off
+    units: dict = field(default_factory=dict)   # the same point's evidence in other units: {"distinct" |
+                                      # "items": [trials, events, upper bound]} (distinct (request, entry)
+                                      # pairs; request items, one with any false hit an event)
 
     @property
     def rate(self) -> float:
@@ -220,12 +248,16 @@ class Calibration:
             raise ValueError(f"cannot read calibration {p}: {e}") from e
 
     def table(self) -> str:
-        lines = ["| pair | status | radius | payload threshold | hits | false hits | rate | upper bound |",
-                 "|---|---|---|---|---|---|---|---|"]
+        units = [u for u in ("distinct", "items") if any(u in p.units for p in self.pairs.values())]
+        lines = ["| pair | status | radius | payload threshold | hits | false hits | rate | upper bound |"
+                 + "".join(f" {u}: false / n (upper) |" for u in units),
+                 "|---|---|---|---|---|---|---|---|" + "---|" * len(units)]
         for k, p in sorted(self.pairs.items()):
             status = "on" if p.on else f"off ({p.reason})"
+            cells = "".join(f" {p.units[u][1]} / {p.units[u][0]} ({p.units[u][2]:.4f}) |" if p.on and u in p.units
+                            else " - |" for u in units)
             lines.append(f"| {k} | {status} | {p.radius if p.on else '-'} | {f'{p.threshold:.4f}' if p.on else '-'} | "
-                         f"{p.hits} | {p.false_hits} | {p.rate:.4f} | {p.upper:.4f} |")
+                         f"{p.hits} | {p.false_hits} | {p.rate:.4f} | {p.upper:.4f} |" + cells)
         return "\n".join(lines)
 
 

@@ -22,8 +22,19 @@
    `marginal` also where the hits a looser point adds are false more often than the budget. A pair with
    no passing point is off, with the reason.
 
+`path: split` (Learn-then-Test with part of the stream spent on choosing the path): the stream is split
+by item (`split_stream`: disjoint classes, stratified by popularity) into a path half and a test half.
+On the path half each candidate path is walked as above: the hits path and a radius sweep (radius 0, 1,
+... at one threshold) per `tight_thresholds` entry; each pair keeps the tightest candidate that passed
+unless a looser one served at least `min_trials` more hits there (`choose_path`). The test half alone
+then walks the chosen path (pass 1 on its own counts, then pass 2), and its counts and bounds are the
+calibration's: the path was chosen without them, so fixed-sequence testing needs no correction.
+
 The bound assumes independent hits; a Zipf stream repeats requests, so `count: distinct` counts each
-(request, served entry) pair once instead (stricter, and it needs a larger split).
+(request, served entry) pair once instead, and `count: items` counts the request items a pair served, an
+item with any false hit one event: an item whose first request is served another item's entry is never
+stored, so every repeat of it is false: items, not hits, are the independent trials (strictest; certifying
+a rate r with no event needs min_trials(r) items). Every point reports its evidence in all three units.
 
 `measure` replays a stream through a cache with the points (or with one radius / threshold) and reports
 the hit rate, false hits per hit and per request, the exact-key and oracle hit rates and the semantic
@@ -165,44 +176,88 @@ def pair_path(n: np.ndarray, radii: np.ndarray, thresholds: np.ndarray, need: in
     return [(r, -t) for _, r, t in cells]
 
 
-def calibrate(head, pool, stream: np.ndarray, target: float, settings: CalibrationSettings | None = None,
-              cache_cfg: dict | None = None, info: dict | None = None) -> Calibration:
-    s = settings or CalibrationSettings()
-    target = float(target)
-    delta = 1.0 - float(s.confidence)
-    enc = encode_pool(head, pool)
-    cos = payload_cosines(head, enc)
-    floors = repeat_floor(head, enc) if s.repeat_floor else {}
-    thresholds = _path(s)
-    radii = np.arange(int(s.max_radius) + 1)
-    counts = offline_counts(enc, cos, stream, thresholds, radii)
-    need = min_trials(target, delta)
-    # pass 1 (offline, every earlier request an entry): each pair's path, ended before its first point whose
-    # bound fails offline (ending a fixed sequence earlier only declares fewer points safe)
+def split_stream(pool, stream: np.ndarray, by: str = "item", frac: float = 0.5, seed: int = 0) -> np.ndarray:
+    """Learn-then-Test's split of a calibration stream: a bool per request, True in the path-choosing half.
+    By "item": every request of a class in one half, so the halves share no item and the test half's
+    evidence is about items the path never saw. The split is stratified by popularity (a Zipf stream puts
+    a fifth of its requests on one item): the classes, by request count (most first), are dealt in runs
+    of round(1 / min(frac, 1 - frac)), and in each run a seeded `frac` of them (rounded at random) goes
+    to the path half. By "request": a seeded `frac` of the requests."""
+    stream = np.asarray(stream)
+    rng = np.random.default_rng(int(seed))
+    if by == "item":
+        cls = np.asarray(pool.cls)[stream]
+        items, n = np.unique(cls, return_counts=True)
+        items = items[np.lexsort((items, -n))]           # most requested first, ties by class
+        run = max(2, int(round(1.0 / min(float(frac), 1.0 - float(frac)))))
+        chosen = []
+        for i in range(0, len(items), run):
+            block = items[i:i + run]
+            want = float(frac) * len(block)
+            take = int(np.floor(want + 1e-9)) + int(rng.random() < want - np.floor(want + 1e-9))   # rounded at random
+            chosen += rng.permutation(block)[:take].tolist()
+        return np.isin(cls, chosen)
+    if by == "request":
+        mask = np.zeros(len(stream), bool)
+        mask[rng.permutation(len(stream))[:int(round(float(frac) * len(stream)))]] = True
+        return mask
+    raise ValueError(f"split_by must be item or request; got {by!r}")
+
+
+def unit_counts(pr: dict, count: str) -> dict:
+    """A pair's replay counts in the unit the bound counts (`CalibrationSettings.count`)."""
+    if count == "distinct":
+        return {**pr, "hits": pr["distinct"], "false_hits": pr["distinct_false"], "upper": pr["distinct_upper"]}
+    if count == "items":
+        return {**pr, "hits": pr["items"], "false_hits": pr["items_false"], "upper": pr["items_upper"]}
+    return pr
+
+
+def _units(pr: dict) -> dict:
+    return {"distinct": [int(pr["distinct"]), int(pr["distinct_false"]), float(pr["distinct_upper"])],
+            "items": [int(pr["items"]), int(pr["items_false"]), float(pr["items_upper"])]}
+
+
+def offline_paths(counts: dict, candidates, radii: np.ndarray, thresholds: np.ndarray, delta: float, target: float,
+                  need: int) -> tuple[dict, dict]:
+    """Pass 1: each pair's path (`candidates(pair, hits) -> [(radius, threshold), ...]`) ended before its first
+    point whose bound fails offline (ending a fixed sequence earlier only declares fewer points safe); pairs
+    with no point left get an off point with the reason. Returns (paths, points)."""
     paths: dict[str, list[tuple[int, float]]] = {}
     points: dict[str, PairPoint] = {}
+    ri = {int(r): i for i, r in enumerate(radii)}
+    ti = {float(t): j for j, t in enumerate(thresholds)}
     for k, (n, bad) in sorted(counts.items()):
-        a, b = k.split(">")
-        path = pair_path(n, radii, thresholds, need, floors.get(b) if a == b else None, int(s.path_points))
-        ri = {int(r): i for i, r in enumerate(radii)}
-        ti = {float(t): j for j, t in enumerate(thresholds)}
+        path = candidates(k, n)
         kept = []
         for r, t in path:
             i, j = ri[r], ti[t]
+            if n[i, j] < need:       # too few hits to test here: a later point may have enough
+                continue
             if clopper_pearson_upper(int(bad[i, j]), int(n[i, j]), delta) > target:
                 break
             kept.append((r, t))
         if not kept:
-            why = (f"at most {int(n.max())} hits on the calibration stream, {need} needed" if not path
-                   else f"bound {clopper_pearson_upper(int(bad[ri[path[0][0]], ti[path[0][1]]]), int(n[ri[path[0][0]], ti[path[0][1]]]), delta):.4f} > {target} "
+            tested = [(r, t) for r, t in path if n[ri[r], ti[t]] >= need]
+            why = (f"at most {int(n.max())} hits on the calibration stream, {need} needed" if not tested
+                   else f"bound {clopper_pearson_upper(int(bad[ri[tested[0][0]], ti[tested[0][1]]]), int(n[ri[tested[0][0]], ti[tested[0][1]]]), delta):.4f} > {target} "
                         "at its tightest point")
             points[k] = PairPoint(False, reason=why)
         else:
             paths[k] = kept
             points[k] = PairPoint(False, reason="not yet tested")
-    # pass 2: the cache itself (store on miss) replays the stream; every pair still walking is at the next
-    # threshold of its path, the others at the last point that passed (or off)
-    walking = {k: 0 for k in paths}
+    return paths, points
+
+
+def walk(head, pool, stream: np.ndarray, paths: dict, points: dict, target: float, s: CalibrationSettings,
+         need: int, enc: Encoded, cache_cfg: dict | None = None) -> tuple[dict, list]:
+    """Pass 2, fixed-sequence testing: the real `SemanticCache` (store on miss) replays `stream` once per
+    step; every pair still walking is at the next point of its path, the others at the last point that
+    passed (or off). A pair's walk ends at its first point whose bound (in `s.count`'s unit) exceeds the
+    target, and with `s.marginal` also where the hits a looser point adds are false more often than the
+    target. Returns (points, the replays' counts)."""
+    points = {k: dataclasses.replace(p) for k, p in points.items()}
+    walking = {k: 0 for k in paths if paths[k]}
     rounds = []
     while walking:
         trial = {k: (dataclasses.replace(points[k]) if k not in walking else
@@ -213,10 +268,7 @@ def calibrate(head, pool, stream: np.ndarray, target: float, settings: Calibrati
         rounds.append({k: (*paths[k][i], res["pairs"].get(k, {}).get("hits", 0),
                            res["pairs"].get(k, {}).get("false_hits", 0)) for k, i in walking.items()})
         for k in list(walking):
-            pr = dict(res["pairs"].get(k, {"hits": 0, "false_hits": 0, "upper": 1.0, "distinct": 0,
-                                           "distinct_false": 0, "distinct_upper": 1.0}))
-            if s.count == "distinct":
-                pr.update(hits=pr["distinct"], false_hits=pr["distinct_false"], upper=pr["distinct_upper"])
+            pr = unit_counts(dict(res["pairs"].get(k, _EMPTY)), s.count)
             r, t = paths[k][walking[k]]
             if pr["hits"] >= need and pr["upper"] > target:   # the first failure ends the pair's sequence
                 if not points[k].on:
@@ -237,17 +289,119 @@ def calibrate(head, pool, stream: np.ndarray, target: float, settings: Calibrati
                     continue
             if pr["hits"] >= need:
                 points[k] = PairPoint(True, int(r), t, int(pr["hits"]), int(pr["false_hits"]),
-                                      float(pr["upper"]))
+                                      float(pr["upper"]), units=_units(pr))
             walking[k] += 1
             if walking[k] >= len(paths[k]):
                 del walking[k]
-        for k in paths:
-            if not points[k].on and k not in walking and points[k].reason == "not yet tested":
-                points[k] = PairPoint(False, reason=f"fewer than {need} hits at every point of its path")
+    for k in paths:
+        if not points[k].on and points[k].reason == "not yet tested":
+            points[k] = PairPoint(False, reason=f"fewer than {need} {s.count} at every point of its path")
+    return points, rounds
+
+
+_EMPTY = {"hits": 0, "false_hits": 0, "upper": 1.0, "distinct": 0, "distinct_false": 0, "distinct_upper": 1.0,
+          "items": 0, "items_false": 0, "items_upper": 1.0}
+
+
+def radius_sweeps(radii: np.ndarray, thresholds: np.ndarray, tight, floor: float | None) -> list[list[tuple[int, float]]]:
+    """The "tight" candidate paths of `path: split`: per threshold of `tight` (no higher than `floor`, on the
+    grid), radius 0, 1, ... at that threshold: the radius widens, the threshold stays tight."""
+    out, seen = [], set()
+    for t in tight:
+        t = float(t) if floor is None else min(float(t), floor)
+        j = int(np.argmin(np.abs(thresholds - t)))
+        if thresholds[j] > t + 1e-9:              # the grid point at or below t
+            j = min(j + 1, len(thresholds) - 1)
+        tj = float(thresholds[j])
+        if tj in seen:
+            continue
+        seen.add(tj)
+        out.append([(int(r), tj) for r in radii])
+    return out
+
+
+def choose_path(candidates, need: int):
+    """`path: split`'s choice of a pair's path from its walks on the path half: `candidates` is [(name, hits
+    at the walk's last passing point, or None where it passed nowhere)], tightest path first. The tightest
+    path that passed is kept unless a looser one serves at least `need` (min_trials) more hits: fewer added
+    hits than that could not show their own false-hit rate within the budget, so a looser path would buy
+    untestable gain with risk the calibration cannot see. Returns the name, or None."""
+    best = best_hits = None
+    for name, hits in candidates:
+        if hits is None:
+            continue
+        if best is None or hits >= best_hits + int(need):
+            best, best_hits = name, hits
+    return best
+
+
+def calibrate(head, pool, stream: np.ndarray, target: float, settings: CalibrationSettings | None = None,
+              cache_cfg: dict | None = None, info: dict | None = None) -> Calibration:
+    s = settings or CalibrationSettings()
+    target = float(target)
+    delta = 1.0 - float(s.confidence)
+    stream = np.asarray(stream)
+    enc = encode_pool(head, pool)
+    cos = payload_cosines(head, enc)
+    floors = repeat_floor(head, enc) if s.repeat_floor else {}
+    thresholds = _path(s)
+    radii = np.arange(int(s.max_radius) + 1)
+    need = min_trials(target, delta)
+
+    def floor_of(k):
+        a, b = k.split(">")
+        return floors.get(b) if a == b else None
+
+    def hits_path(k, n):
+        return pair_path(n, radii, thresholds, need, floor_of(k), int(s.path_points))
+
+    base = {**(info or {}), "settings": dataclasses.asdict(s), "repeat_floor": floors, "min_trials": need}
+    if s.path == "hits":
+        counts = offline_counts(enc, cos, stream, thresholds, radii)
+        paths, points = offline_paths(counts, hits_path, radii, thresholds, delta, target, need)
+        points, rounds = walk(head, pool, stream, paths, points, target, s, need, enc, cache_cfg)
+        return Calibration(str(head.revision), target, float(s.confidence), points,
+                           {**base, "calibration_requests": int(len(stream)), "replays": rounds})
+    # path "split": Learn-then-Test; the path half chooses each pair's path, the test half tests it
+    learn = split_stream(pool, stream, s.split_by, s.split_frac, s.split_seed)
+    sa, sb = stream[learn], stream[~learn]
+    counts_a = offline_counts(enc, cos, sa, thresholds, radii)
+    def sweep(i):
+        def cand(k, n):
+            paths = radius_sweeps(radii, thresholds, s.tight_thresholds, floor_of(k))
+            return paths[i] if i < len(paths) else []
+        return cand
+
+    families = {"hits": hits_path, **{f"sweep{i}": sweep(i) for i in range(len(s.tight_thresholds))}}
+    walked = {}
+    for name, cand in families.items():
+        paths, points = offline_paths(counts_a, cand, radii, thresholds, delta, target, need)
+        walked[name] = (paths, *walk(head, pool, sa, paths, points, target, s, need, enc, cache_cfg))
+    chosen_paths, choice = {}, {}
+    order = [f"sweep{i}" for i in range(len(s.tight_thresholds))] + ["hits"]   # tightest first
+    for k in counts_a:
+        best = choose_path([(nm, walked[nm][1][k].hits if k in walked[nm][0] and walked[nm][1][k].on else None)
+                            for nm in order], need)
+        if best is not None:
+            chosen_paths[k] = walked[best][0][k]
+            choice[k] = {"path": best, "learn_hits": int(walked[best][1][k].hits),
+                         "point": [walked[best][1][k].radius, walked[best][1][k].threshold]}
+    # the test half: offline pass 1 on its own counts, then the walk; only this half's evidence is reported
+    counts_b = offline_counts(enc, cos, sb, thresholds, radii)
+    paths_b, points_b = offline_paths(counts_b, lambda k, n: chosen_paths.get(k, []), radii, thresholds, delta,
+                                      target, need)
+    for k in counts_b:
+        if k not in chosen_paths:
+            why = walked["hits"][1][k].reason if k in walked["hits"][1] else "no path"
+            points_b[k] = PairPoint(False, reason=f"no passing point on the path half ({why})")
+    points, rounds = walk(head, pool, sb, paths_b, points_b, target, s, need, enc, cache_cfg)
     return Calibration(str(head.revision), target, float(s.confidence), points,
-                       {**(info or {}), "settings": dataclasses.asdict(s), "repeat_floor": floors,
-                        "calibration_requests": int(len(stream)), "min_trials": need,
-                        "replays": rounds})
+                       {**base, "calibration_requests": int(len(stream)), "path_requests": int(len(sa)),
+                        "test_requests": int(len(sb)),
+                        "path_items": int(len(np.unique(np.asarray(pool.cls)[sa]))),
+                        "test_items": int(len(np.unique(np.asarray(pool.cls)[sb]))),
+                        "path_choice": choice, "replays": rounds,
+                        "path_replays": {nm: w[2] for nm, w in walked.items()}})
 
 
 def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] = None, cache_cfg: dict | None = None,
@@ -276,13 +430,15 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
         hits += 1
         wrong = bool(enc.wrong(int(h.value), q))
         false += wrong
-        acc = pairs.setdefault(pair_name(queries[q].modality, h.modality), [0, 0, 0, set(), set()])
+        acc = pairs.setdefault(pair_name(queries[q].modality, h.modality), [0, 0, 0, set(), set(), set(), set()])
         acc[0] += 1
         acc[1] += wrong
         acc[2] = max(acc[2], int(h.distance))
         acc[3].add((q, h.entry))
+        acc[5].add(c)
         if wrong:
             acc[4].add((q, h.entry))
+            acc[6].add(c)
     n = len(stream)
     delta = 1.0 - float(confidence)
     hr, ex, orc = hits / n, exact / n, oracle / n
@@ -293,8 +449,10 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
             "pairs": {k: {"hits": a, "false_hits": b, "rate": b / a if a else 0.0,
                           "upper": clopper_pearson_upper(b, a, delta), "max_distance": r,
                           "distinct": len(da), "distinct_false": len(db),
-                          "distinct_upper": clopper_pearson_upper(len(db), len(da), delta)}
-                      for k, (a, b, r, da, db) in sorted(pairs.items())}}
+                          "distinct_upper": clopper_pearson_upper(len(db), len(da), delta),
+                          "items": len(ia), "items_false": len(ib),
+                          "items_upper": clopper_pearson_upper(len(ib), len(ia), delta)}
+                      for k, (a, b, r, da, db, ia, ib) in sorted(pairs.items())}}
 
 
 def headroom(hit_rate: float, exact_hit_rate: float, oracle_hit_rate: float) -> float:
@@ -303,4 +461,5 @@ def headroom(hit_rate: float, exact_hit_rate: float, oracle_hit_rate: float) -> 
     return (hit_rate - exact_hit_rate) / gap if gap > 0 else float("nan")
 
 
-__all__ = ["Encoded", "calibrate", "encode_pool", "headroom", "measure", "offline_counts", "payload_cosines"]
+__all__ = ["Encoded", "calibrate", "encode_pool", "headroom", "measure", "offline_counts", "offline_paths",
+           "choose_path", "payload_cosines", "radius_sweeps", "split_stream", "unit_counts", "walk"]
