@@ -111,10 +111,12 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=40000)
     ap.add_argument("--test-requests", type=int, default=20000)
     ap.add_argument("--marginal", type=int, default=1)
-    ap.add_argument("--count", default="hits", choices=["hits", "distinct"])
+    ap.add_argument("--count", default="hits", choices=["hits", "distinct", "items"])
+    ap.add_argument("--path", default="hits", choices=["hits", "split"])
+    ap.add_argument("--split-by", default="item", choices=["item", "request"])
     ap.add_argument("--out", default=str(ROOT / "experiments" / "budget"))
     a = ap.parse_args(argv)
-    settings = CalibrationSettings(marginal=bool(a.marginal), count=a.count)
+    settings = CalibrationSettings(marginal=bool(a.marginal), count=a.count, path=a.path, split_by=a.split_by)
     results = [resumed(e, a, settings) for e in a.export]
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "command": "python benchmarks/false_hit_budget.py " + " ".join(
