@@ -47,6 +47,15 @@ def test_the_item_split_is_disjoint_seeded_and_balanced_by_popularity():
     ranked = items[np.lexsort((items, -n))].tolist()
     for i in range(0, len(ranked) - 1, 2):
         assert (ranked[i] in a) != (ranked[i + 1] in a)
+    # items with a rare modality are dealt among themselves: each half gets half of the audio items
+    pool2 = _pool(np.random.default_rng(1))
+    for c in range(0, 40, 5):                 # 8 of the 40 items also have audio
+        pool2.add("audio", np.ones(24, np.float32) * c, c, "original", feature_key("audio", np.ones(24) * c))
+    s2 = make_stream(pool2, 4000, 1.0, 0)
+    learn2 = split_stream(pool2, s2, "item", 0.5, 0)
+    cls2 = np.asarray(pool2.cls)[s2]
+    audio = {c for c in range(0, 40, 5) if c in set(cls2.tolist())}
+    assert len(audio & set(cls2[learn2].tolist())) == len(audio) // 2
     # a Zipf stream's halves carry comparable shares of the requests (a plain item split would not)
     assert 0.3 < learn.mean() < 0.7
     by_req = split_stream(pool, stream, "request", 0.25, 0)

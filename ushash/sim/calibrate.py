@@ -179,23 +179,28 @@ def pair_path(n: np.ndarray, radii: np.ndarray, thresholds: np.ndarray, need: in
 def split_stream(pool, stream: np.ndarray, by: str = "item", frac: float = 0.5, seed: int = 0) -> np.ndarray:
     """Learn-then-Test's split of a calibration stream: a bool per request, True in the path-choosing half.
     By "item": every request of a class in one half, so the halves share no item and the test half's
-    evidence is about items the path never saw. The split is stratified by popularity (a Zipf stream puts
-    a fifth of its requests on one item): the classes, by request count (most first), are dealt in runs
-    of round(1 / min(frac, 1 - frac)), and in each run a seeded `frac` of them (rounded at random) goes
-    to the path half. By "request": a seeded `frac` of the requests."""
+    evidence is about items the path never saw. The split is stratified by the modalities an item has
+    (few items have audio: each half gets its share of them) and by popularity (a Zipf stream puts a fifth
+    of its requests on one item): within each set of modalities the classes, by request count (most
+    first), are dealt in runs of round(1 / min(frac, 1 - frac)), and in each run a seeded `frac` of them
+    (rounded at random) goes to the path half. By "request": a seeded `frac` of the requests."""
     stream = np.asarray(stream)
     rng = np.random.default_rng(int(seed))
     if by == "item":
-        cls = np.asarray(pool.cls)[stream]
+        all_cls, mods = np.asarray(pool.cls), np.asarray(pool.modality)
+        cls = all_cls[stream]
         items, n = np.unique(cls, return_counts=True)
-        items = items[np.lexsort((items, -n))]           # most requested first, ties by class
+        has = {int(c): tuple(sorted(set(mods[all_cls == c].tolist()))) for c in items}
         run = max(2, int(round(1.0 / min(float(frac), 1.0 - float(frac)))))
         chosen = []
-        for i in range(0, len(items), run):
-            block = items[i:i + run]
-            want = float(frac) * len(block)
-            take = int(np.floor(want + 1e-9)) + int(rng.random() < want - np.floor(want + 1e-9))   # rounded at random
-            chosen += rng.permutation(block)[:take].tolist()
+        for key in sorted(set(has.values())):
+            sel = np.array([has[int(c)] == key for c in items])
+            group = items[sel][np.lexsort((items[sel], -n[sel]))]   # most requested first, ties by class
+            for i in range(0, len(group), run):
+                block = group[i:i + run]
+                want = float(frac) * len(block)
+                take = int(np.floor(want + 1e-9)) + int(rng.random() < want - np.floor(want + 1e-9))   # rounded at random
+                chosen += rng.permutation(block)[:take].tolist()
         return np.isin(cls, chosen)
     if by == "request":
         mask = np.zeros(len(stream), bool)
