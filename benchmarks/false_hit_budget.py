@@ -81,7 +81,25 @@ def markdown(results: list[dict], meta: dict) -> str:
                          f"{d['headroom_captured']:.3f} |")
     for r in results:
         for b, x in r["budgets"].items():
-            lines += ["", f"{r['dataset']}, budget {b}, calibrated on val ({r['val_requests']} requests):", "", x["table"]]
+            info = x["calibration"]["info"]
+            where = (f"on val's test half ({info['test_requests']} requests, {info['test_items']} items; the path "
+                     f"chosen on the other {info['path_requests']} requests, {info['path_items']} items)"
+                     if "test_items" in info else f"on val ({r['val_requests']} requests)")
+            lines += ["", f"{r['dataset']}, budget {b}, calibrated {where}; the evidence of each point in hits, "
+                      f"distinct (request, entry) pairs and request items (certifying {b} with no false one takes "
+                      f"{info.get('min_trials', '?')} of them):", "", x["table"]]
+            choice = info.get("path_choice")
+            if choice:
+                lines += ["", "Path chosen on the path half: " + "; ".join(
+                    f"{k}: {c['path']} (ends at radius {c['point'][0]}, threshold {c['point'][1]:.2f}, "
+                    f"{c['learn_hits']} hits)" for k, c in sorted(choice.items())) + "."]
+            t = x["test"]["pairs"]
+            lines += ["", f"{r['dataset']}, budget {b}, measured on test ({r['test_requests']} requests):", "",
+                      "| pair | hits | false hits (95 % upper) | distinct pairs: false / n (upper) | items: false / n (upper) |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {k} | {v['hits']} | {v['false_hits']} ({v['upper']:.4f}) | {v['distinct_false']} / "
+                      f"{v['distinct']} ({v['distinct_upper']:.4f}) | {v.get('items_false', '-')} / {v.get('items', '-')} "
+                      f"({v.get('items_upper', float('nan')):.4f}) |" for k, v in sorted(t.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -112,7 +130,7 @@ def main(argv=None):
     ap.add_argument("--test-requests", type=int, default=20000)
     ap.add_argument("--marginal", type=int, default=1)
     ap.add_argument("--count", default="hits", choices=["hits", "distinct", "items"])
-    ap.add_argument("--path", default="hits", choices=["hits", "split"])
+    ap.add_argument("--path", default="split", choices=["hits", "split"])
     ap.add_argument("--split-by", default="item", choices=["item", "request"])
     ap.add_argument("--out", default=str(ROOT / "experiments" / "budget"))
     a = ap.parse_args(argv)

@@ -121,7 +121,7 @@ class CalibrationSettings:
     marginal: bool = True             # a looser point is taken only when the hits it adds are false at
                                       # most at the target rate (ends the sequence earlier: never less safe)
     path_points: int = 16             # points tested per pair (replays of the calibration stream, at most)
-    path: str = "hits"                # "hits": one path per pair, the grid points ordered by hit counts (no
+    path: str = "split"               # "hits": one path per pair, the grid points ordered by hit counts (no
                                       # labels read), walked on the whole stream; "split": Learn-then-Test
                                       # with a split stream: on the path half each candidate path (the hits
                                       # path, and the radius sweeps at each of `tight_thresholds`) is walked,
