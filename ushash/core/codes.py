@@ -58,6 +58,8 @@ def pack(signs) -> np.ndarray:
     The result is what faiss binary indexes take (see the module docstring for the bit order).
     """
     signs = np.asarray(signs)
+    if signs.dtype == np.bool_ and signs.ndim == 2 and not signs.shape[1] % 8 and MIN_BITS <= signs.shape[1] <= MAX_BITS:
+        return np.packbits(signs, axis=1, bitorder="little")  # bools of a valid width: nothing to check (a head's path)
     if signs.ndim != 2:
         raise ValueError(f"signs must be [N, bits] with bits a multiple of 8 in [8, 1024]; got shape {signs.shape}")
     if not (signs.dtype == np.bool_ or np.issubdtype(signs.dtype, np.number)) or np.iscomplexobj(signs):

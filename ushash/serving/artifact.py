@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -129,6 +130,11 @@ class ExportedHead:
         on_device = {k: v.to(self.device) for k, v in tensors.items()}
         self.layers = {m: fwd.from_ops(manifest["head"]["layers"][m], on_device) for m in self.in_dims}
         self.prototypes = on_device[manifest["prototypes"]["tensor"]]
+        # what is constant in eval, made once here rather than on every request: the layers as one chain
+        # of torch ops and the normalised prototypes (ushash.hashing.forward; the same numbers)
+        self._embed = {m: partial(fwd.embed, fwd.eval_steps(layers)) for m, layers in self.layers.items()}
+        with torch.no_grad():
+            self._unit = fwd.unit_prototypes(self.prototypes)
         np_tensors = {k: v.cpu().numpy() for k, v in tensors.items() if k.startswith("payload.")}
         try:
             self.payload = PayloadCodec.from_settings(manifest["payload"], np_tensors)
@@ -159,8 +165,7 @@ class ExportedHead:
     def encode(self, modality: str, features) -> tuple[np.ndarray, np.ndarray]:
         """(packed codes uint8 [N, bits/8], z float32 [N, dim]) for raw encoder features [N, in_dim]."""
         x = self._check(modality, features)
-        layers = self.layers[modality]
-        return fwd.encode(lambda xb: fwd.embed(layers, xb), self.prototypes, x, self.bits, self.dim)
+        return fwd.encode(self._embed[modality], self.prototypes, x, self.bits, self.dim, unit=self._unit)
 
     def embed(self, modality: str, features) -> np.ndarray:
         """Shared-space z, float32 [N, dim], L2-normalised: what the payload holds."""
