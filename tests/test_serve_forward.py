@@ -13,6 +13,8 @@ from ushash.core import codes as codes_lib
 from ushash.hashing import forward as fwd
 from ushash.hashing.heads import USHash
 from ushash.serving.artifact import ExportedHead, load_export
+from ushash.serving.cache import RequestError
+from ushash.serving.cache.request import QueryEncoder
 
 
 def _reference_encode(layers: nn.Module, prototypes: torch.Tensor, x: np.ndarray):
@@ -156,3 +158,37 @@ def test_pack_of_bools_is_the_general_pack(bits):
 def test_pack_still_refuses_bad_shapes(shape):
     with pytest.raises(ValueError):
         codes_lib.pack(np.ones(shape, bool))
+
+
+def test_request_rows_of_any_dtype_make_the_same_queries(head):
+    enc = QueryEncoder(head)
+    x = np.random.default_rng(1).normal(size=(5, head.in_dims["audio"])).round(3)
+    qs = {dt: enc.from_feature_rows("audio", x.astype(dt)) for dt in (np.float32, np.float64, np.float16)}
+    q16 = enc.from_feature_rows("audio", x.astype(np.float16).astype(np.float32))
+    ints = np.rint(x * 10).astype(np.int64)
+    for a, b in zip(qs[np.float32], qs[np.float64]):
+        assert a.code == b.code and np.array_equal(a.z, b.z) and a.z.dtype == np.float32
+    for a, b in zip(qs[np.float16], q16):
+        assert a.code == b.code and np.array_equal(a.z, b.z)
+    for a, b in zip(enc.from_feature_rows("audio", ints), enc.from_feature_rows("audio", ints.astype(np.float32))):
+        assert a.code == b.code and np.array_equal(a.z, b.z)
+    ref_codes, ref_z = _reference_encode(head.layers["audio"], head.prototypes, x.astype(np.float32))
+    for i, q in enumerate(qs[np.float32]):
+        assert q.code == ref_codes[i].tobytes()
+        assert np.array_equal(q.z, (ref_z[i] / np.float32(np.sqrt(ref_z[i] @ ref_z[i]))).astype(np.float32))
+    assert enc.from_feature_rows("audio", np.zeros((0, head.in_dims["audio"]), np.float32)) == []
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_request_rows_that_are_not_finite_are_refused_alike(head, dtype):
+    enc = QueryEncoder(head)
+    d = head.in_dims["image"]
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.ones((2, d), dtype)
+        x[1, 3] = bad
+        with pytest.raises(RequestError, match="must be finite numbers"):
+            enc.from_feature_rows("image", x)
+    with pytest.raises(RequestError, match="finite float32"):
+        enc.from_feature_rows("image", np.full((1, d), 1e39))
+    with pytest.raises(RequestError, match="must be finite numbers"):
+        enc.from_feature_rows("image", np.full((1, d), "a"))

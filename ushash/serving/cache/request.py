@@ -164,16 +164,25 @@ class QueryEncoder:
         want = getattr(self.head, "in_dims", {}).get(modality)
         if f.ndim != 2 or (want is not None and f.shape[1] != want):
             raise RequestError(f"{modality} features must be rows of {want or 'in_dim'} floats; got shape {f.shape}")
-        if not (np.issubdtype(f.dtype, np.floating) or np.issubdtype(f.dtype, np.integer)) or not np.isfinite(f).all():
-            raise RequestError(f"{modality} features must be finite numbers")
-        if len(f) == 0:
-            return []
-        with np.errstate(over="ignore", invalid="ignore"):
-            f32 = f.astype(np.float32)
-        if not np.isfinite(f32).all():
-            raise RequestError(f"{modality} features must be finite float32 numbers (|x| < 3.4e38)")
+        if f.dtype == np.float32:  # what a served request holds: the checks below in one (a float32 is one)
+            if not np.isfinite(f).all():
+                raise RequestError(f"{modality} features must be finite numbers")
+            if len(f) == 0:
+                return []
+            f32 = f
+        else:
+            if not (np.issubdtype(f.dtype, np.floating) or np.issubdtype(f.dtype, np.integer)) or not np.isfinite(f).all():
+                raise RequestError(f"{modality} features must be finite numbers")
+            if len(f) == 0:
+                return []
+            with np.errstate(over="ignore", invalid="ignore"):
+                f32 = f.astype(np.float32)
+            if not np.isfinite(f32).all():
+                raise RequestError(f"{modality} features must be finite float32 numbers (|x| < 3.4e38)")
         codes, z = self.head.encode(modality, f32)
-        z = np.asarray(z, np.float64)
+        z = np.asarray(z)
+        if z.dtype != np.float32:  # float32 (every head's) is checked as it is: float64 would say the same
+            z = z.astype(np.float64)
         if not np.isfinite(z).all() or not np.any(z, axis=1).all():
             raise RequestError(f"{modality} features are out of the range the head encodes (its embedding "
                                f"overflows or vanishes); send the encoder's features unscaled")
