@@ -253,3 +253,36 @@ def test_a_scoped_token_uses_only_its_tenants(export_dir):
         assert post("/v1/lookup", TOKEN, "default").json()["value"] == "d"
         assert post("/v1/lookup", TOKEN, "globex").json()["value"] == "g"
         assert post("/v1/lookup", "acme-only-012345678X", "acme").status_code == 401
+
+
+def test_a_wrong_token_is_refused_before_the_body_is_read(export_dir):
+    """The bearer check is a dependency of every token-checked route: a wrong or missing token is a 401
+    whatever the body, a malformed one included; the right one then gets the body's own 4xx."""
+    cache = SemanticCache.from_export(export_dir, {})
+    with TestClient(create_app(cache, token=TOKEN)) as c:
+        for route in ("/v1/lookup", "/v1/lookup_batch", "/v1/store"):
+            for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": f"Basic {TOKEN}"},
+                            {"Authorization": "Bearer"}, {"Authorization": f"Bearer{TOKEN}"}):
+                r = c.post(route, content=b'{"modality": ', headers={"content-type": "application/json", **headers})
+                assert r.status_code == 422, (route, headers, r.status_code)    # malformed JSON: FastAPI's, first
+                r = c.post(route, json={"modality": 3}, headers=headers)
+                assert r.status_code == 401 and r.json() == {"error": "missing or wrong bearer token"}, (route, headers)
+            r = c.post(route, json={"modality": 3}, headers={"Authorization": f"BEARER   {TOKEN}  "})
+            assert r.status_code == 422, route
+        for route in ("/metrics", "/v1/stats"):
+            assert c.get(route).status_code == 401
+            assert c.get(route, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+
+def test_without_a_token_any_authorization_header_is_ignored(export_dir):
+    cache = SemanticCache.from_export(export_dir, {"radius": 4})
+    with TestClient(create_app(cache)) as c:
+        f = np.random.default_rng(3).normal(size=16).round(3).tolist()
+        for headers in ({}, {"Authorization": "Bearer whatever"}, {"Authorization": "Basic x"}):
+            assert c.post("/v1/store", json={"modality": "image", "features": f, "value": 1}, headers=headers).json()["stored"]
+            assert c.post("/v1/lookup", json={"modality": "image", "features": f}, headers=headers).json()["value"] == 1
+            got = c.post("/v1/lookup_batch", json={"modality": "image", "features": [f]}, headers=headers).json()
+            assert got["results"][0]["value"] == 1
+            assert c.get("/metrics", headers=headers).status_code == 200
+            assert c.get("/v1/stats", headers=headers).status_code == 200
+        assert c.post("/v1/lookup", json={"modality": "image", "features": f, "allowed": None}).status_code == 422

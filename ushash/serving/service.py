@@ -24,18 +24,20 @@ not use, 404 unknown tenant, 413 body too large, 422 malformed JSON. A fault of 
 # No `from __future__ import annotations` here: FastAPI reads the route annotations at runtime.
 import base64
 import binascii
+import functools
 import hmac
+import inspect
 import ipaddress
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -255,14 +257,18 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         raise ValueError("tokens: the all-tenants token is also listed as a scoped one")
     keys = [(token.encode(), None)] if token is not None else []
     keys += [(t.encode(), ts) for t, ts in scoped.items()]
-    bearer = HTTPBearer(auto_error=False)  # parses "Authorization: Bearer <token>"; None when absent or another scheme
 
-    async def auth(creds: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> Optional[frozenset]:
+    async def auth(request: Request) -> Optional[frozenset]:
         """The tenants this caller may use (None: every tenant). A coroutine: a few compares are not worth
-        a trip through the thread pool (FastAPI runs plain-function dependencies there)."""
+        a trip through the thread pool (FastAPI runs plain-function dependencies there). The header is
+        read as fastapi.security.HTTPBearer(auto_error=False) reads it (scheme case-insensitive, the
+        credentials stripped), without that class's own dependency level."""
         if not keys:
             return None
-        given = creds.credentials.encode("utf-8", "surrogateescape") if creds is not None else b""
+        header = request.headers.get("Authorization")
+        scheme, credentials = get_authorization_scheme_param(header)
+        bearer = bool(header and scheme and credentials) and scheme.lower() == "bearer"
+        given = credentials.encode("utf-8", "surrogateescape") if bearer else b""
         allowed, ok = None, False
         for key, ts in keys:  # every key compared, in constant time each
             if hmac.compare_digest(given, key):
@@ -270,6 +276,27 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         if not ok:
             raise AuthError()
         return allowed
+
+    def guarded(endpoint):
+        """`endpoint`, whose `allowed` parameter is `Depends(auth)`, as the route's function: with a token
+        configured, unchanged (the token is checked as a dependency, so a wrong one is refused before the
+        body is validated); with none, without that parameter, `allowed` None (every tenant): solving a
+        dependency costs a features lookup more than the lookup's own parsing and validation."""
+        if keys:
+            return endpoint
+        sig = inspect.signature(endpoint)
+        if inspect.iscoroutinefunction(endpoint):
+            @functools.wraps(endpoint)
+            async def route(**kw):
+                return await endpoint(**kw, allowed=None)
+        else:
+            @functools.wraps(endpoint)
+            def route(**kw):
+                return endpoint(**kw, allowed=None)
+        route.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "allowed"])
+        return route
+
+    token_checked = [Depends(auth)] if keys else []
 
     def tenant_of(body, allowed: Optional[frozenset]) -> str:
         tenant = cache.check_tenant(body.tenant)
@@ -340,7 +367,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     def healthz():
         return {"status": "ok"}
 
-    @app.get("/metrics", dependencies=[Depends(auth)])
+    @app.get("/metrics", dependencies=token_checked)
     def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(cache.metrics.text(), media_type=CONTENT_TYPE_LATEST)
@@ -359,6 +386,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         return Response(_MISS, media_type="application/json") if hit is None else _json(_hit_json(hit))
 
     @app.post("/v1/lookup")
+    @guarded
     async def lookup(body: LookupBody, allowed: Optional[frozenset] = Depends(auth)):
         # features: the head's forward pass and the cache, tens of microseconds, run on the event loop
         # (a thread-pool round trip costs more than the work); raw media and text go through an encoder
@@ -368,6 +396,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         return await run_in_threadpool(_lookup, body, allowed)
 
     @app.post("/v1/lookup_batch")
+    @guarded
     def lookup_batch(body: LookupBatchBody, allowed: Optional[frozenset] = Depends(auth)):
         import numpy as np
 
@@ -383,6 +412,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         return _json({"results": [_hit_json(h) if h is not None else {"hit": False} for h in hits]})
 
     @app.post("/v1/store")
+    @guarded
     def store(body: StoreBody, allowed: Optional[frozenset] = Depends(auth)):
         tenant = tenant_of(body, allowed)
         try:
@@ -391,7 +421,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
             raise RequestError(str(e)) from None
         return {"stored": bool(stored), "revision": cache.revision}
 
-    @app.get("/v1/stats", dependencies=[Depends(auth)])
+    @app.get("/v1/stats", dependencies=token_checked)
     def stats():
         return cache.stats()
 
