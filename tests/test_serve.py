@@ -286,3 +286,82 @@ def test_without_a_token_any_authorization_header_is_ignored(export_dir):
             assert c.get("/metrics", headers=headers).status_code == 200
             assert c.get("/v1/stats", headers=headers).status_code == 200
         assert c.post("/v1/lookup", json={"modality": "image", "features": f, "allowed": None}).status_code == 422
+
+
+@pytest.mark.parametrize("overrides,match", [(["workers=0"], "positive integer"), (["workers=-2"], "positive integer"),
+                                             (["workers=2"], "shared L2")])
+def test_workers_are_checked_before_anything_starts(overrides, match):
+    from ushash.config import compose
+    from ushash.serving.service import run_serve
+
+    with pytest.raises(SystemExit, match=match):
+        run_serve(compose("serve", ["export=does-not-exist", *overrides]))
+
+
+def test_a_worker_builds_its_app_from_the_config_in_the_environment(export_dir, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from ushash.config import compose
+    from ushash.serving.service import WORKER_CONFIG_ENV, worker_app
+
+    monkeypatch.delenv(WORKER_CONFIG_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=WORKER_CONFIG_ENV):
+        worker_app()
+    cfg = compose("serve", [f"export={export_dir}", "cache.radius=5", "max_body_bytes=4096"])
+    monkeypatch.setenv(WORKER_CONFIG_ENV, OmegaConf.to_yaml(cfg, resolve=True))
+    app = worker_app()
+    assert app.state.cache.config.radius == 5
+    with TestClient(app) as c:
+        f = np.random.default_rng(4).normal(size=16).round(3).tolist()
+        assert c.post("/v1/store", json={"modality": "image", "features": f, "value": "w"}).json()["stored"]
+        assert c.post("/v1/lookup", json={"modality": "image", "features": f}).json()["value"] == "w"
+        assert c.post("/v1/lookup", content=b"x" * 5000, headers={"content-type": "application/json"}).status_code == 413
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("shutil").which("redis-server"), reason="redis-server not installed")
+def test_several_workers_start_share_the_l2_and_answer(export_dir, tmp_path):
+    """workers=2 over a real redis-server: two uvicorn worker processes on one port; an entry stored through
+    one is found through the other (from the L2), over fresh connections that the kernel spreads across them."""
+    import httpx
+
+    rport, port = _free_port(), _free_port()
+    redis = subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export_dir}", f"port={port}", "workers=2",
+                             "cache=redis", f"cache.l2.url=redis://127.0.0.1:{rport}/0", f"hydra.run.dir={tmp_path}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1800):
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the server did not come up")
+        workers = []
+        for _ in range(600):  # both workers up: the parent has two worker children besides multiprocessing's tracker
+            kids = [int(k) for k in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+            workers = [k for k in kids if "resource_tracker" not in open(f"/proc/{k}/cmdline").read()]
+            if len(workers) == 2:
+                break
+            time.sleep(0.1)
+        assert len(workers) == 2, workers
+        f = np.random.default_rng(5).normal(size=16).round(3).tolist()
+        assert httpx.post(f"{url}/v1/store", json={"modality": "image", "features": f, "value": 42}).json()["stored"]
+        tiers = set()
+        for _ in range(300):   # a new connection each time: the kernel hands it to either worker
+            hit = httpx.post(f"{url}/v1/lookup", json={"modality": "image", "features": f}, timeout=30).json()
+            assert hit["hit"] and hit["value"] == 42
+            tiers.add(hit["tier"])
+            if "l2" in tiers:
+                break
+        assert "l2" in tiers   # the worker that did not store it found it in Redis
+        assert httpx.post(f"{url}/v1/lookup", json={"modality": "image", "features": [0.5] * 16}).json() == {"hit": False}
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        redis.terminate()
+        redis.wait(10)

@@ -19,6 +19,10 @@ more tokens each to the tenants it may use (see docs/cache.md, threat model). Ba
 {"error": "..."}: 400 bad media or modality or features, 401 no/wrong token, 403 a tenant the token may
 not use, 404 unknown tenant, 413 body too large, 422 malformed JSON. A fault of the server is a 500 with
 {"error": "internal error"} (the traceback goes to the log), and the connection stays usable.
+
+`workers=N` (N > 1) runs uvicorn's own multi-worker mode: N processes accept on the one port, each with
+the export loaded and its own L1, over the L2 they share (`cache=redis`, required: without it an entry
+stored through one worker would not be found through another).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route annotations at runtime.
@@ -66,6 +70,9 @@ class ServeConfig:
     max_body_bytes: int = 8 << 20     # larger request bodies get 413
     device: str = "cpu"               # where the head (and the encoder for raw inputs) runs
     log_level: str = "warning"        # uvicorn's
+    workers: int = 1                  # uvicorn worker processes on the one port (uvicorn's own multi-worker mode);
+                                      # each loads the export and keeps its own L1, so > 1 needs a shared L2
+                                      # (cache=redis) for a store on one worker to be found by the others
     paths: Any = None
     cache: CacheConfig = field(default_factory=CacheConfig)   # configs/cache/*.yaml
 
@@ -430,6 +437,10 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     return app
 
 
+WORKER_CONFIG_ENV = "USHASH_SERVE_WORKER_CONFIG"  # the serve config (YAML) uvicorn's worker processes build from
+WORKER_START_S = 120  # how long a worker may take to answer uvicorn's health ping (imports, loading the export)
+
+
 def build(cfg: DictConfig):
     """(app, host, port, token) from a serve config (app.state.cache is the cache); checks the binding
     before loading anything."""
@@ -437,6 +448,7 @@ def build(cfg: DictConfig):
 
     from ushash.serving.cache import SemanticCache
 
+    check_workers(cfg)
     token = os.environ.get(TOKEN_ENV) or (str(cfg.token) if cfg.get("token") else None)
     tokens = to_dict(cfg.get("tokens")) if cfg.get("tokens") else None
     host = str(cfg.host)
@@ -457,11 +469,50 @@ def build(cfg: DictConfig):
     return app, host, int(cfg.port), token
 
 
+def check_workers(cfg) -> int:
+    """`workers`, checked: a positive integer, and > 1 only with an L2 the workers share."""
+    n = cfg.get("workers", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise SystemExit(f"workers must be a positive integer (uvicorn worker processes); got {n!r}")
+    if n > 1 and not (cfg.get("cache") or {}).get("l2"):
+        raise SystemExit(f"workers={n} needs a shared L2 (cache=redis [cache.l2.url=...]): each worker keeps its "
+                         f"own L1, so without one an entry stored through one worker is not found by the others")
+    return n
+
+
+def worker_app() -> FastAPI:
+    """The app of one of uvicorn's worker processes (workers > 1), built from the serve config the parent
+    put in the environment: each worker loads the export and makes its own cache (L1) over the shared L2."""
+    from omegaconf import OmegaConf
+
+    text = os.environ.get(WORKER_CONFIG_ENV)
+    if not text:
+        raise RuntimeError(f"{WORKER_CONFIG_ENV} is not set: worker_app is started by run_serve with workers > 1")
+    return build(OmegaConf.create(text))[0]
+
+
 def run_serve(cfg: DictConfig) -> None:
     import uvicorn
 
-    app, host, port, token = build(cfg)
-    cache = app.state.cache
-    log.info("serving http://%s:%d revision %s, %d bits, modalities %s, token %s", host, port, cache.revision,
-             cache.bits, cache.encoder.modalities, "required" if token else "off (loopback)")
-    uvicorn.run(app, host=host, port=port, log_level=str(cfg.log_level), access_log=False)
+    workers = check_workers(cfg)
+    if workers == 1:
+        app, host, port, token = build(cfg)
+        cache = app.state.cache
+        log.info("serving http://%s:%d revision %s, %d bits, modalities %s, token %s", host, port, cache.revision,
+                 cache.bits, cache.encoder.modalities, "required" if token else "off (loopback)")
+        uvicorn.run(app, host=host, port=port, log_level=str(cfg.log_level), access_log=False)
+        return
+    from omegaconf import OmegaConf
+
+    # uvicorn's multi-worker mode: this process binds the port, starts `workers` processes that each build
+    # the app (worker_app) and accept on it, and restarts one that dies. The app is built here once first,
+    # so that a bad setting or export fails now rather than in every worker, again and again; the config
+    # travels resolved, in the environment (a token stays off the command line).
+    app, host, port, _ = build(cfg)
+    del app
+    os.environ[WORKER_CONFIG_ENV] = OmegaConf.to_yaml(cfg, resolve=True)
+    log.info("serving http://%s:%d with %d workers", host, port, workers)
+    # a worker answers uvicorn's health pings only once it has imported this module (torch among what
+    # that pulls in), which on a busy machine takes longer than uvicorn's default 5 s
+    uvicorn.run("ushash.serving.service:worker_app", factory=True, host=host, port=port, workers=workers,
+                log_level=str(cfg.log_level), access_log=False, timeout_worker_healthcheck=WORKER_START_S)
