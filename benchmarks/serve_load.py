@@ -11,9 +11,16 @@ no training and no downloads), starts `python -m ushash.serve` on 127.0.0.1 at a
   text:      POST /v1/lookup with a caption (the tiny text encoder + head + cache)
   batch:     POST /v1/lookup_batch with `--batch` rows of features per request (lookups/s = rows/s)
 
-Prints requests/s, latency p50 / p99 per phase and the ratio to the reference.
+Prints requests/s, latency p50 / p99 per phase, the ratio to the reference, and the CPU time the server
+(all its processes) and the load generator spent per request (from /proc).
+
+`--workers 1,2` starts one server per entry (`workers=N`, uvicorn's worker processes), all over one
+redis-server started here as their shared L2 (`cache=redis`; a server of one worker too, so that the rows
+compare like with like), and interleaves every server's phases in the same rounds. Without --workers:
+one server of one worker, L1 only.
 
     python benchmarks/serve_load.py [--requests 3000] [--concurrency 8] [--seconds 30] [--entries 2000] [--rounds 4]
+                                    [--workers 1,2]
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -37,7 +45,8 @@ ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
 
 
 # ---------------------------------------------------------------------------------------------- client
-async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, feats: list, batch: int = 1) -> dict:
+async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, feats: list, batch: int = 1,
+                 server_pids: tuple = ()) -> dict:
     import httpx
 
     lat: list[float] = []
@@ -65,10 +74,24 @@ async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, 
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=30) as client:
-        t0 = time.perf_counter()
+        t0, s0, c0 = time.perf_counter(), _cpu_seconds(server_pids), time.process_time()
         await asyncio.gather(*[worker(client) for _ in range(concurrency)])
         wall = time.perf_counter() - t0
-    return {"phase": kind, "lat": lat, "errors": errors, "seconds": wall, "rows": batch if kind == "batch" else 1}
+        server_cpu, client_cpu = _cpu_seconds(server_pids) - s0, time.process_time() - c0
+    return {"phase": kind, "lat": lat, "errors": errors, "seconds": wall, "rows": batch if kind == "batch" else 1,
+            "server_cpu": server_cpu, "client_cpu": client_cpu}
+
+
+def _cpu_seconds(pids) -> float:
+    """CPU seconds (user + system) the processes `pids` have used so far, from /proc (NaN elsewhere)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def _summary(runs: list[dict]) -> dict:
@@ -79,20 +102,45 @@ def _summary(runs: list[dict]) -> dict:
     rows = runs[0]["rows"]
     return {"phase": runs[0]["phase"], "requests": len(lat), "errors": sum(r["errors"] for r in runs), "seconds": wall,
             "rps": len(lat) / wall, "lookups_per_s": rows * len(lat) / wall, "rows": rows,
+            "server_cpu_ms": 1e3 * sum(r["server_cpu"] for r in runs) / len(lat),
+            "client_cpu_ms": 1e3 * sum(r["client_cpu"] for r in runs) / len(lat),
             "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "rounds": len(runs)}
 
 
 def client_main(args) -> None:
     feats = json.loads(Path(args.features).read_text())
     kinds = ("healthz", "lookup", "text", "batch")
-    runs: dict[str, list] = {k: [] for k in kinds}
+    servers = json.loads(args.servers)      # [{"label", "url", "pids"}]
+    runs: dict[tuple, list] = {(sv["label"], k): [] for sv in servers for k in kinds}
     for _ in range(args.rounds):   # the phases interleaved in rounds: machine noise hits them alike
-        for kind in kinds:
-            n = max(1, args.requests // 20) if kind == "batch" else args.requests
-            conc = min(args.concurrency, 2) if kind == "batch" else args.concurrency
-            runs[kind].append(asyncio.run(_phase(args.url, kind, max(1, n // args.rounds), conc,
-                                                 args.seconds / args.rounds, feats, args.batch)))
-    print(json.dumps([_summary(runs[k]) for k in kinds]))
+        for sv in servers:
+            for kind in kinds:
+                n = max(1, args.requests // 20) if kind == "batch" else args.requests
+                conc = min(args.concurrency, 2) if kind == "batch" else args.concurrency
+                runs[sv["label"], kind].append(asyncio.run(_phase(
+                    sv["url"], kind, max(1, n // args.rounds), conc, args.seconds / args.rounds, feats, args.batch,
+                    _descendants(sv["pids"]))))
+    print(json.dumps([{"server": label, **_summary(r)} for (label, _), r in runs.items()]))
+
+
+def _descendants(pids) -> tuple:
+    """`pids` and every process below them (uvicorn's workers), from /proc (just `pids` elsewhere)."""
+    try:
+        parent = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+    except OSError:
+        return tuple(pids)
+    out, todo = set(), list(pids)
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        todo += [c for c, pp in parent.items() if pp == p and c not in out]
+    return tuple(sorted(out))
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -118,7 +166,7 @@ def _export(root: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--servers", default="[]", help=argparse.SUPPRESS)
     ap.add_argument("--features", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -126,6 +174,8 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=4, help="phases interleaved in this many rounds")
+    ap.add_argument("--workers", default="",
+                    help="comma-separated worker counts, one server each over a shared redis-server (e.g. 1,2)")
     ap.add_argument("--server-threads", type=int, default=1,
                     help="OMP_NUM_THREADS of the server: torch's intra-op threads for the head's forward pass")
     args = ap.parse_args()
@@ -136,54 +186,82 @@ def main() -> None:
 
     import httpx
 
+    workers = [int(w) for w in args.workers.split(",")] if args.workers else [1]
+    redis = bool(args.workers)
+    if redis and not shutil.which("redis-server"):
+        raise SystemExit("--workers needs redis-server (the workers' shared L2)")
     with tempfile.TemporaryDirectory(prefix="ushash-serve-load-") as tmp:
         root = Path(tmp)
         export = _export(root)
-        port = _free_port()
-        url = f"http://{HOST}:{port}"
-        server = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export}", f"host={HOST}",
-                                   f"port={port}", "log_level=error", f"hydra.run.dir={root / 'hydra'}"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": str(args.server_threads)})
+        procs, servers = [], []
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-            else:
-                raise RuntimeError("the server did not come up")
+            l2 = []
+            if redis:
+                rport = _free_port()
+                procs.append(subprocess.Popen(["redis-server", "--port", str(rport), "--bind", HOST, "--save", "",
+                                               "--appendonly", "no"], stdout=subprocess.DEVNULL))
+            for k, w in enumerate(workers):
+                if redis:   # one database each: the servers do not share entries
+                    l2 = ["cache=redis", f"cache.l2.url=redis://{HOST}:{rport}/{k}"]
+                port = _free_port()
+                proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export}", f"host={HOST}",
+                                         f"port={port}", f"workers={w}", *l2, "log_level=error",
+                                         f"hydra.run.dir={root / f'hydra{k}'}"],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env={**os.environ, "OMP_NUM_THREADS": str(args.server_threads)})
+                procs.append(proc)
+                label = f"{w} worker{'s' if w > 1 else ''}" + (", Redis L2" if redis else "")
+                servers.append({"label": label, "url": f"http://{HOST}:{port}", "pids": [proc.pid], "workers": w})
             rng = np.random.default_rng(0)
             stored = rng.normal(size=(args.entries, 16)).round(4)
-            with httpx.Client(timeout=30) as c:
-                for i, f in enumerate(stored):
-                    c.post(f"{url}/v1/store", json={"modality": "image", "features": f.tolist(), "value": {"id": i}})
             fresh = rng.normal(size=(args.entries, 16)).round(4)
+            for sv in servers:
+                _wait_until_up(httpx, sv, procs)
+                with httpx.Client(timeout=30) as c:
+                    for i, f in enumerate(stored):
+                        c.post(f"{sv['url']}/v1/store", json={"modality": "image", "features": f.tolist(),
+                                                              "value": {"id": i}})
             feats = [x.tolist() for pair in zip(stored, fresh) for x in pair]  # alternate hits and misses
             fpath = root / "features.json"
             fpath.write_text(json.dumps(feats))
-            r = subprocess.run([sys.executable, __file__, "--client", "--url", url, "--features", str(fpath),
+            r = subprocess.run([sys.executable, __file__, "--client", "--features", str(fpath),
                                 "--requests", str(args.requests), "--concurrency", str(args.concurrency),
-                                "--seconds", str(args.seconds), "--batch", str(args.batch), "--rounds", str(args.rounds)],
+                                "--seconds", str(args.seconds), "--batch", str(args.batch), "--rounds", str(args.rounds),
+                                "--servers", json.dumps(servers)],
                                capture_output=True, text=True, check=True)
             phases = json.loads(r.stdout.strip().splitlines()[-1])
-            metrics = httpx.get(f"{url}/metrics").text
+            hits = []
+            for sv in servers:
+                metrics = httpx.get(f"{sv['url']}/metrics").text
+                line = next((ln for ln in metrics.splitlines() if ln.startswith('cache_gets_total{result="hit"}')), "")
+                hits.append(f"{sv['label']}: {line}" + (" (one worker's count)" if sv["workers"] > 1 else ""))
         finally:
-            server.terminate()
-            server.wait(10)
-    hits = next((ln for ln in metrics.splitlines() if ln.startswith('cache_gets_total{result="hit"}')), "")
+            for proc in reversed(procs):
+                proc.terminate()
+                proc.wait(30)
     print(f"# serve_load  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; server and load generator on the same machine, loopback, "
           f"{args.concurrency} connections (batch: 2), <= {args.requests} requests / {args.seconds:.0f} s per phase in "
           f"{args.rounds} interleaved rounds; "
-          f"server OMP_NUM_THREADS={args.server_threads}; {hits}")
-    ref = phases[0]["rps"]
-    print("| phase | rows per request | requests | errors | requests/s | ratio to /healthz | lookups/s | p50 ms | p99 ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"server OMP_NUM_THREADS={args.server_threads}; {'; '.join(hits)}")
+    print("| server | phase | rows per request | requests | errors | requests/s | ratio to /healthz | lookups/s | p50 ms "
+          "| p99 ms | server CPU ms/request | client CPU ms/request |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in phases:
-        print(f"| {p['phase']} | {p['rows']} | {p['requests']} | {p['errors']} | {p['rps']:.0f} | {p['rps'] / ref:.2f} | "
-              f"{p['lookups_per_s']:,.0f} | {p['p50_ms']:.1f} | {p['p99_ms']:.1f} |")
+        ref = next(q["rps"] for q in phases if q["server"] == p["server"] and q["phase"] == "healthz")
+        print(f"| {p['server']} | {p['phase']} | {p['rows']} | {p['requests']} | {p['errors']} | {p['rps']:.0f} | "
+              f"{p['rps'] / ref:.2f} | {p['lookups_per_s']:,.0f} | {p['p50_ms']:.1f} | {p['p99_ms']:.1f} | "
+              f"{p['server_cpu_ms']:.2f} | {p['client_cpu_ms']:.2f} |")
+
+
+def _wait_until_up(httpx, server: dict, procs) -> None:
+    for _ in range(1800):
+        try:
+            if httpx.get(f"{server['url']}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError(f"the server ({server['label']}) did not come up")
 
 
 if __name__ == "__main__":
