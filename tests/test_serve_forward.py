@@ -192,3 +192,18 @@ def test_request_rows_that_are_not_finite_are_refused_alike(head, dtype):
         enc.from_feature_rows("image", np.full((1, d), 1e39))
     with pytest.raises(RequestError, match="must be finite numbers"):
         enc.from_feature_rows("image", np.full((1, d), "a"))
+
+
+@pytest.mark.parametrize("dim", [16, 128, 333])
+def test_the_unit_rows_of_a_batch_are_each_rows_unit_vector(dim):
+    from ushash.serving.cache.request import _unit, _units
+
+    rng = np.random.default_rng(dim)
+    z = (rng.normal(size=(500, dim)) * rng.uniform(0.01, 100, size=(500, 1))).astype(np.float32)
+    z[3], z[4], z[5] = 0.0, 1e-35, -1e-38      # zero and tiny rows: divided by 1e-30
+    for rows in (z, z.astype(np.float64), z[:1], z[7:9]):
+        got = _units(rows)
+        assert len(got) == len(rows)
+        for g, r in zip(got, rows):
+            want = _unit(r)
+            assert g.dtype == want.dtype == np.float32 and g.shape == want.shape and np.array_equal(g, want)
