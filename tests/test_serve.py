@@ -365,3 +365,45 @@ def test_several_workers_start_share_the_l2_and_answer(export_dir, tmp_path):
         proc.wait(60)
         redis.terminate()
         redis.wait(10)
+
+
+def test_workers_set_tcp_nodelay_on_each_connection():
+    """uvicorn's parent binds the workers' socket with protocol 0, so asyncio leaves Nagle on for what they
+    accept; the protocol the workers run sets TCP_NODELAY itself."""
+    import asyncio
+
+    from uvicorn.importer import import_from_string
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    cls = import_from_string("ushash.serving.service:NoDelayHTTP")
+    assert issubclass(cls, AutoHTTPProtocol) and cls is import_from_string("ushash.serving.service:NoDelayHTTP")
+
+    async def main():
+        listener = socket.socket(socket.AF_INET)          # as uvicorn's Config.bind_socket makes it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        seen = []
+
+        class Probe(cls):
+            def __init__(self):
+                pass
+
+            def connection_made(self, transport):
+                try:
+                    super().connection_made(transport)
+                except AttributeError:
+                    pass                                   # the rest of uvicorn's setup needs a server config
+                seen.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        _, w = await asyncio.open_connection(*listener.getsockname())
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        w.close()
+        server.close()
+        return seen
+
+    assert asyncio.run(main()) == [1]
