@@ -4,7 +4,7 @@
         [--features-dir data/features] [--budgets 0.01 0.05] [--out experiments/budget]
 
 Per export: the val and test pools (feature-space variants, ushash/sim/pool.py) of the stores of exactly the
-rows the head's data settings give (ushash.data.extract.stored_split), a Zipf stream of each (`--requests` on
+rows the head's data settings give (ushash.sim.calibrate.pool_and_stream), a Zipf stream of each (`--requests` on
 val to calibrate, `--test-requests` on test; different seeds), then per budget the calibration
 (ushash.sim.calibrate, written to --out as <dataset>-<budget>.calibration.json) and its replay on the test
 stream, beside the cache's uncalibrated defaults. Writes results.json and results.md to --out. GPTCache on
@@ -26,21 +26,15 @@ sys.path.insert(0, str(ROOT))
 
 from ushash.serving.artifact import load_export  # noqa: E402
 from ushash.serving.calibration import CalibrationSettings  # noqa: E402
-from ushash.sim.calibrate import calibrate, measure  # noqa: E402
-from ushash.sim.pool import pool_from_split  # noqa: E402
-from ushash.sim.stream import make_stream  # noqa: E402
+from ushash.sim.calibrate import calibrate, measure, pool_and_stream  # noqa: E402
 
 
 def pools_and_streams(head, features_dir: Path, n_val: int, n_test: int):
-    """(dataset, val pool, test pool, val stream, test stream): the pools of the head's own val and test rows."""
-    from ushash.data.extract import stored_split
-
-    src = dict(head.manifest.get("source") or {})
-    dataset = src.get("dataset")
-    prov = {**src, "encoder": {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint}}
-    sp = {s: stored_split(prov, s, features_dir) for s in ("val", "test")}
-    val, test = pool_from_split(sp["val"], seed=0), pool_from_split(sp["test"], seed=1)
-    return dataset, val, test, make_stream(val, n_val, 1.0, 0), make_stream(test, n_test, 1.0, 1)
+    """(dataset, val pool, test pool, val stream, test stream): the pools of the head's own val and test rows
+    (ushash.sim.calibrate.pool_and_stream, what python -m ushash.calibrate replays), seeds 0 and 1."""
+    dataset, val, sv = pool_and_stream(head, features_dir, "val", n_val, seed=0)
+    _, test, st = pool_and_stream(head, features_dir, "test", n_test, seed=1)
+    return dataset, val, test, sv, st
 
 
 def run(export: str, features_dir: Path, budgets, n_val: int, n_test: int, settings: CalibrationSettings,

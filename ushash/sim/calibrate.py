@@ -39,13 +39,19 @@ a rate r with no event needs min_trials(r) items). Every point reports its evide
 `measure` replays a stream through a cache with the points (or with one radius / threshold) and reports
 the hit rate, false hits per hit and per request, the exact-key and oracle hit rates and the semantic
 headroom captured, (hit - exact) / (oracle - exact), with per-pair counts and Clopper-Pearson bounds.
+
+`pool_and_stream` is the labelled stream of an export's own rows of a split (what the calibrate verb and
+benchmarks/false_hit_budget.py replay); `run_calibrate` is `python -m ushash.calibrate` (configs/calibrate.yaml,
+every setting in `CalibrateConfig`, registered in Hydra's ConfigStore as `schema_calibrate` on import).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 
@@ -54,6 +60,36 @@ from ushash.serving.calibration import (Calibration, CalibrationSettings, PairPo
                                         min_trials, pair_name)
 
 TENANT = "calibration"
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CalibrateConfig:
+    """python -m ushash.calibrate (configs/calibrate.yaml): every setting with its default and meaning."""
+    export: str = "???"               # required: the export to calibrate (python -m ushash.export); a relative
+                                      # path is taken from the repository root
+    target_false_hit_rate: float = 0.01   # the budget: false hits per hit of every modality pair
+    split: str = "val"                # the labelled calibration stream is replayed from this split (never test)
+    requests: int = 40000             # calibration stream length
+    zipf_s: float = 1.0               # the stream's popularity skew over items (ushash/sim/stream.py)
+    seed: int = 0                     # the pool's variants and the stream
+    features_dir: Optional[str] = None  # default: the export's feature store, else paths.features_dir
+    out: Optional[str] = None         # default: <export>/calibration.json (what cache.calibration= loads)
+    calibration: CalibrationSettings = dataclasses.field(default_factory=CalibrationSettings)  # how the points
+                                      # are chosen (ushash/serving/calibration.py); split and n_requests
+                                      # follow split= and requests= (configs/calibrate.yaml)
+    paths: Any = None
+
+
+def register_schema() -> None:
+    """Put the schema in Hydra's ConfigStore (idempotent): configs/calibrate.yaml names it in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="schema_calibrate", node=CalibrateConfig)
+
+
+register_schema()
 
 
 @dataclasses.dataclass
@@ -409,6 +445,75 @@ def calibrate(head, pool, stream: np.ndarray, target: float, settings: Calibrati
                         "path_replays": {nm: w[2] for nm, w in walked.items()}})
 
 
+def pool_and_stream(head, features_dir, split: str, n_requests: int, zipf_s: float = 1.0, seed: int = 0):
+    """(dataset, pool, stream): the pool of the head's own rows of `split` (the feature store of exactly the
+    rows the export's data settings give, ushash.data.extract.stored_split; feature-space variants,
+    ushash/sim/pool.py) and a Zipf stream of `n_requests` over it; `seed` seeds both."""
+    from ushash.data.extract import stored_split
+    from ushash.data.store import FeatureStoreError
+    from ushash.sim.pool import pool_from_split
+    from ushash.sim.stream import make_stream
+
+    src = dict(head.manifest.get("source") or {})
+    dataset = src.get("dataset")
+    if not dataset:
+        raise ValueError("the export does not name the dataset it was trained on: no split to calibrate on")
+    enc = {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint}
+    try:
+        sp = stored_split({**src, "encoder": enc}, str(split), features_dir)
+    except FeatureStoreError as e:
+        if "ushash.extract" in str(e):
+            raise
+        raise FeatureStoreError(f"{e}; extract it: python -m ushash.extract data={dataset} encoder={enc['name']} "
+                                f"extract.splits=[{split}], or pass features_dir=") from e
+    pool = pool_from_split(sp, seed=int(seed))
+    return dataset, pool, make_stream(pool, int(n_requests), float(zipf_s), int(seed))
+
+
+def run_calibrate(cfg) -> dict:
+    """python -m ushash.calibrate: the export's per-pair operating points for `target_false_hit_rate`,
+    chosen on a stream of its own `split` rows, written atomically to `out` (default
+    <export>/calibration.json). Returns {"out", "calibration", "table"}."""
+    from omegaconf import OmegaConf
+
+    from ushash.config import to_dict
+    from ushash.data.extract import resolve_features_dir
+    from ushash.serving.artifact import load_export
+
+    if OmegaConf.is_missing(cfg, "export"):
+        raise ValueError("calibrate needs export=<export dir> (python -m ushash.export makes one)")
+    settings = CalibrationSettings(**to_dict(cfg.calibration))
+    if str(settings.split) in ("test", "train"):
+        why = "test measures what the points promise" if settings.split == "test" else "train fitted the head"
+        raise ValueError(f"split={settings.split}: the calibration split must be held out of both training and "
+                         f"measuring ({why}); use split=val")
+    if settings.n_requests is None or int(settings.n_requests) <= 0:
+        raise ValueError(f"requests={settings.n_requests}: the calibration stream needs a positive length")
+    target = float(cfg.target_false_hit_rate)
+    if not 0.0 < target < 1.0:
+        raise ValueError(f"target_false_hit_rate is a rate in (0, 1); got {cfg.target_false_hit_rate}")
+    root = Path(cfg.paths.root)
+    export = Path(str(cfg.export))
+    export = export if export.is_absolute() else root / export
+    if not export.is_dir():
+        raise FileNotFoundError(f"no export at {export}: make one with python -m ushash.export "
+                                f"ckpt=checkpoints/<run>/best.ckpt out={cfg.export}")
+    head = load_export(export)
+    src = head.manifest.get("source") or {}
+    features_dir = resolve_features_dir(src, cfg)
+    dataset, pool, stream = pool_and_stream(head, features_dir, settings.split, int(settings.n_requests),
+                                            float(cfg.zipf_s), int(cfg.seed))
+    log.info("calibrating %s (revision %s) on %s/%s: %d requests over %d items, budget %g", export.name,
+             head.revision, dataset, settings.split, len(stream), len(set(pool.cls)), target)
+    cal = calibrate(head, pool, stream, target, settings,
+                    info={"dataset": dataset, "split": str(settings.split), "zipf_s": float(cfg.zipf_s),
+                          "seed": int(cfg.seed)})
+    out = Path(str(cfg.out)) if cfg.get("out") else export / "calibration.json"
+    out = out if out.is_absolute() else root / out
+    cal.save(out)
+    return {"out": str(out), "calibration": cal, "table": cal.table()}
+
+
 def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] = None, cache_cfg: dict | None = None,
             enc: Encoded | None = None, confidence: float = 0.95) -> dict:
     """Replay `stream` through a `SemanticCache` (store on a miss, no expiry) and count; a hit is false
@@ -466,5 +571,6 @@ def headroom(hit_rate: float, exact_hit_rate: float, oracle_hit_rate: float) -> 
     return (hit_rate - exact_hit_rate) / gap if gap > 0 else float("nan")
 
 
-__all__ = ["Encoded", "calibrate", "encode_pool", "headroom", "measure", "offline_counts", "offline_paths",
-           "choose_path", "payload_cosines", "radius_sweeps", "split_stream", "unit_counts", "walk"]
+__all__ = ["CalibrateConfig", "Encoded", "calibrate", "choose_path", "encode_pool", "headroom", "measure",
+           "offline_counts", "offline_paths", "payload_cosines", "pool_and_stream", "radius_sweeps", "run_calibrate",
+           "split_stream", "unit_counts", "walk"]
