@@ -5,7 +5,8 @@ served the answer an image stored). Each pair has its own operating point, a Ham
 cosine threshold, or is off. `Calibration` holds the points chosen for a false-hit budget
 (`target_false_hit_rate`) on a labelled calibration stream (ushash.sim.calibrate replays a data set's val
 split), with the one-sided upper confidence bound on each pair's false-hit rate, and is written beside the
-export as `calibration.json`; `cache.calibration=<that file>` makes a `SemanticCache` serve by it.
+export as `calibration.json` (python -m ushash.calibrate export=<export>); `cache.calibration=<that file>`
+makes a `SemanticCache` serve by it.
 
 Statistics (numpy / scipy only, no cache code):
 
@@ -103,8 +104,8 @@ def fixed_sequence(path: Iterable[tuple[int, float, int, int]], delta: float, ta
 # ---------------------------------------------------------------------------------------------- settings
 @dataclass
 class CalibrationSettings:
-    """How `ushash.sim.calibrate` chooses the operating points (cachesim's `calibration` block and the
-    calibrate verb's settings)."""
+    """How `ushash.sim.calibrate` chooses the operating points (the `calibration` block of python -m
+    ushash.calibrate, configs/calibrate.yaml; its split= and requests= set `split` and `n_requests`)."""
     split: str = "val"                # the labelled calibration stream is replayed from this split
     confidence: float = 0.95          # one-sided: the bound holds with this probability
     max_radius: int = 10              # radii 0..max_radius are on the grid of operating points
@@ -209,7 +210,7 @@ class Calibration:
         revs = {str(getattr(head, "revision", "")), str(getattr(head, "base_revision", ""))}
         if self.revision not in revs:
             raise ValueError(f"this calibration is for head revision {self.revision}; the cache serves "
-                             f"{getattr(head, 'revision', '?')}: recalibrate (python -m ushash.calibrate)")
+                             f"{getattr(head, 'revision', '?')}: recalibrate (python -m ushash.calibrate export=<that export>)")
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "format_version": FORMAT_VERSION, "revision": self.revision,
