@@ -108,20 +108,3 @@ def test_the_calibration_block_is_the_settings_and_mistakes_fail_at_load_time():
     for bad in ("calibration.pth=hits", "calibration.max_radius=far", "request=5"):
         with pytest.raises(Exception):
             compose("calibrate", [bad])
-
-
-def test_help_lists_the_verbs_groups():
-    import re
-
-    import yaml
-
-    from ushash.config import CONFIG_DIR
-
-    doc = yaml.safe_load((CONFIG_DIR / "calibrate.yaml").read_text())
-    header = doc["hydra"]["help"]["header"]
-    assert header.startswith("python -m ushash.calibrate export=exports/<name>")
-    groups = {next(iter(d)) for d in doc["defaults"] if isinstance(d, dict) and not next(iter(d)).startswith("override")}
-    listed = dict(re.findall(r"^\s+(\w+): (.+)$", header.split("== Config groups (group=option) ==")[1], re.M))
-    assert set(listed) == groups == {"paths"}
-    options = sorted(o.strip() for o in listed["paths"].split("|"))
-    assert options == sorted(p.stem for p in (CONFIG_DIR / "paths").glob("*.yaml"))

@@ -43,7 +43,7 @@ def test_a_verb_returns_what_main_returns():
     assert user_errors(lambda cfg: 0.5)({}) == 0.5
 
 
-@pytest.mark.parametrize("verb", ["config", "demo", "eval", "export", "serve", "cachesim", "proxy"])
+@pytest.mark.parametrize("verb", ["config", "demo", "eval", "export", "serve", "cachesim", "calibrate", "proxy"])
 def test_help_lists_exactly_the_groups_a_verb_reads(verb):
     """`--help` names the verb's own config groups and every option of each, nothing else."""
     import re
@@ -110,11 +110,12 @@ def test_readme_commands_compose_in_order():
     import ushash.serving.service  # noqa: F401  (registers the serve schema)
     import ushash.serving.export  # noqa: F401
     import ushash.sim  # noqa: F401
+    import ushash.sim.calibrate  # noqa: F401  (registers the calibrate schema)
 
     names = {"extract": "config", "train": "config", "sweep": "config", "eval": "eval", "export": "export",
-             "serve": "serve", "cachesim": "cachesim"}
+             "serve": "serve", "cachesim": "cachesim", "calibrate": "calibrate"}
     verbs = readme_verbs()
-    assert [v for v, _ in verbs] == ["extract", "train", "eval", "export", "cachesim", "serve", "sweep"]
+    assert [v for v, _ in verbs] == ["extract", "train", "eval", "export", "cachesim", "calibrate", "serve", "sweep"]
     made: set[str] = set()
     for verb, overrides in verbs:
         cfg = compose(names[verb], overrides)
