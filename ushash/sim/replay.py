@@ -37,6 +37,10 @@ def replay(cache: CacheUnderTest, stream: np.ndarray, pool: Pool, clock: SimCloc
     the end; a new revision is deployed at `revision_change_at` of the stream (0: never)."""
     cls = np.asarray(pool.cls)
     src = pool.source_ids()
+
+    def equivalent(a: int, b: int) -> bool:
+        return cls[a] == cls[b] or src[a] == src[b]
+
     n = len(stream)
     change = revision_change_index(n, revision_change_at)
     t0 = clock.t
@@ -60,7 +64,7 @@ def replay(cache: CacheUnderTest, stream: np.ndarray, pool: Pool, clock: SimCloc
             lat[t] = time.perf_counter() - s
             if out.hit:
                 hits += 1
-                right = cls[out.value] == cls[i] or src[out.value] == src[i]
+                right = equivalent(out.value, i)
                 correct += right
                 false += not right
                 stale += out.stale
@@ -69,7 +73,7 @@ def replay(cache: CacheUnderTest, stream: np.ndarray, pool: Pool, clock: SimCloc
                 nv = cache.nearest_value(i)
                 if nv is not None:
                     misses_with_entries += 1
-                    miss_nn_right += cls[nv] == cls[i] or src[nv] == src[i]
+                    miss_nn_right += equivalent(nv, i)
                 cache.store(i, i)
             if t % 256 == 0:
                 peak = max(peak, cache.nbytes)
