@@ -36,3 +36,22 @@ def write_tiny_export(out):
     model = USHash(dict(enc.dims), bits=64, dim=32, hidden=32).eval()
     write_export(model, out, {"name": "tiny", "fingerprint": enc.fingerprint, "config": ENC_CFG})
     return out
+
+
+def clustered_pool(rng, n_classes, members, spread, confusable):
+    """A sim Pool of clustered 24-d image and text features, `members` per class and modality; `confusable`
+    of the classes share a centre with another class."""
+    import numpy as np
+
+    from ushash.sim.pool import Pool, feature_key
+
+    pool = Pool()
+    centres = rng.normal(size=(n_classes, 24)).astype(np.float32)
+    for c in range(int(confusable * n_classes)):
+        centres[c] = centres[c + 1] + 0.05 * rng.normal(size=24)
+    for c in range(n_classes):
+        for m in ("image", "text"):
+            for _ in range(members):
+                x = centres[c] + spread * rng.normal(size=24).astype(np.float32)
+                pool.add(m, x, c, "original", feature_key(m, x))
+    return pool

@@ -15,6 +15,8 @@ from ushash.sim.calibrate import calibrate, headroom, measure
 from ushash.sim.pool import Pool, feature_key
 from ushash.sim.stream import make_stream
 
+from conftest import clustered_pool
+
 
 @pytest.fixture
 def head():
@@ -117,17 +119,7 @@ def test_shadow_off_action_turns_the_pair_off(head):
 
 
 def _pool(rng, n_classes=60, members=4, spread=0.25, confusable=0.0):
-    """Clustered features; `confusable` of the classes share a centre with another class."""
-    pool = Pool()
-    centres = rng.normal(size=(n_classes, 24)).astype(np.float32)
-    for c in range(int(confusable * n_classes)):
-        centres[c] = centres[c + 1] + 0.05 * rng.normal(size=24)
-    for c in range(n_classes):
-        for m in ("image", "text"):
-            for _ in range(members):
-                x = centres[c] + spread * rng.normal(size=24).astype(np.float32)
-                pool.add(m, x, c, "original", feature_key(m, x))
-    return pool
+    return clustered_pool(rng, n_classes, members, spread, confusable)
 
 
 def test_calibrate_keeps_the_budget_on_a_held_out_stream(head):

@@ -11,6 +11,8 @@ from ushash.sim.calibrate import calibrate, choose_path, measure, radius_sweeps,
 from ushash.sim.pool import Pool, feature_key
 from ushash.sim.stream import make_stream
 
+from conftest import clustered_pool
+
 
 @pytest.fixture
 def head():
@@ -18,16 +20,7 @@ def head():
 
 
 def _pool(rng, n_classes=40, members=3, spread=0.25, confusable=0.1):
-    pool = Pool()
-    centres = rng.normal(size=(n_classes, 24)).astype(np.float32)
-    for c in range(int(confusable * n_classes)):
-        centres[c] = centres[c + 1] + 0.05 * rng.normal(size=24)
-    for c in range(n_classes):
-        for m in ("image", "text"):
-            for _ in range(members):
-                x = centres[c] + spread * rng.normal(size=24).astype(np.float32)
-                pool.add(m, x, c, "original", feature_key(m, x))
-    return pool
+    return clustered_pool(rng, n_classes, members, spread, confusable)
 
 
 def test_the_item_split_is_disjoint_seeded_and_balanced_by_popularity():
