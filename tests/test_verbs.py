@@ -24,6 +24,19 @@ def test_a_mistake_is_one_line_and_status_2(err, caplog, monkeypatch):
     assert rec.getMessage().startswith(str(err)) and "\n" not in rec.getMessage() and rec.exc_info is None
 
 
+def test_a_required_setting_left_out_is_one_line_naming_it(caplog, monkeypatch):
+    """A `???` key read before it was given (export's ckpt=, serve's export=) is a mistake, not a bug."""
+    from omegaconf import MISSING, OmegaConf
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    cfg = OmegaConf.create({"ckpt": MISSING})
+
+    with caplog.at_level(logging.ERROR, logger="ushash"), pytest.raises(SystemExit) as e:
+        user_errors(lambda c: c.ckpt)(cfg)
+    assert e.value.code == 2
+    (rec,) = caplog.records
+    assert rec.getMessage().startswith("ckpt is required: add ckpt=... to the command") and "\n" not in rec.getMessage()
+
+
 def test_a_bug_keeps_its_traceback_and_full_error_shows_mistakes_too(monkeypatch):
     def bug(cfg):
         raise TypeError("unsupported operand")

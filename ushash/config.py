@@ -185,14 +185,25 @@ def user_errors(main):
         from ushash.data.store import FeatureStoreError
         mistakes = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                     PermissionError, FeatureStoreError, TuxFetchError, EmojiFetchError)
+        from omegaconf.errors import MissingMandatoryValue
         try:
             return main(cfg)
-        except mistakes as e:
+        except (*mistakes, MissingMandatoryValue) as e:
             if os.environ.get("HYDRA_FULL_ERROR") == "1" or _hydra_verbose():
                 raise
-            logging.getLogger("ushash").error("%s (hydra.verbose=true for the traceback)", str(e) or type(e).__name__)
+            logging.getLogger("ushash").error("%s (hydra.verbose=true for the traceback)", _one_line(e))
             sys.exit(2)
     return wrapped
+
+
+def _one_line(e: Exception) -> str:
+    """The line a mistake prints: its message, or for a required setting left out (a `???` in the verb's
+    config, which omegaconf reports over three lines) the key and how to give it."""
+    from omegaconf.errors import MissingMandatoryValue
+    if isinstance(e, MissingMandatoryValue):
+        key = getattr(e, "full_key", None) or "a required setting"
+        return f"{key} is required: add {key}=... to the command (--help shows the verb's usage)"
+    return str(e) or type(e).__name__
 
 
 def _hydra_verbose() -> bool:
