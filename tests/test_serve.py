@@ -131,6 +131,9 @@ def test_binding_rules():
     with pytest.raises(SystemExit, match="at least 16"):
         check_binding("0.0.0.0", "short")
     check_binding("0.0.0.0", TOKEN)
+    check_binding("0.0.0.0", None, {"t" * 16: "acme"})  # the proxy's tokens map (token -> tenant) is enough
+    with pytest.raises(SystemExit, match="at least 16"):
+        check_binding("0.0.0.0", None, {"short": "acme"})
 
 
 def _free_port():
@@ -316,6 +319,28 @@ def test_a_worker_builds_its_app_from_the_config_in_the_environment(export_dir, 
         assert c.post("/v1/store", json={"modality": "image", "features": f, "value": "w"}).json()["stored"]
         assert c.post("/v1/lookup", json={"modality": "image", "features": f}).json()["value"] == "w"
         assert c.post("/v1/lookup", content=b"x" * 5000, headers={"content-type": "application/json"}).status_code == 413
+
+
+def test_relative_export_and_calibration_paths_hang_off_the_root(export_dir, tmp_path, monkeypatch):
+    """`export=` and `cache.calibration=` relative to `paths.root`, not to the directory serve or the proxy
+    was started in (a calibration written by python -m ushash.calibrate is found from anywhere)."""
+    import shutil
+
+    from ushash.config import compose
+    from ushash.serving import proxy, service
+    from ushash.serving.artifact import load_export
+    from ushash.serving.calibration import Calibration, PairPoint
+
+    root = tmp_path / "repo"
+    shutil.copytree(export_dir, root / "exports" / "tiny")
+    head = load_export(root / "exports" / "tiny")
+    Calibration(head.revision, 0.01, 0.95, {"text>text": PairPoint(True, 7, 0.5)}).save(root / "cal.json")
+    monkeypatch.chdir(tmp_path)   # not the root: a path read from here would not be found
+    args = [f"paths.root={root}", "export=exports/tiny", "cache.calibration=cal.json"]
+    cache = service.build(compose("serve", args))[0].state.cache
+    assert cache.budget.calibration.pairs["text>text"].radius == 7
+    cache = proxy.build(compose("proxy", [*args, "upstream=http://127.0.0.1:9"]))[3]
+    assert cache.budget.calibration.pairs["text>text"].radius == 7
 
 
 @pytest.mark.slow

@@ -253,30 +253,15 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     return wrapped
 
 
-def check_binding(host: str, token: str | None, tokens: dict | None) -> None:
-    from ushash.serving.service import is_loopback
-
-    if not is_loopback(host) and not token and not tokens:
-        raise SystemExit(f"refusing to bind {host!r} without a token: set token=..., tokens={{...}} or {TOKEN_ENV}")
-    for t in ([token] if token else []) + list((tokens or {}).keys()):
-        if len(t) < 16:
-            raise SystemExit("bearer tokens must be at least 16 characters")
-
-
 def build(cfg):
-    from pathlib import Path
-
     from ushash.config import to_dict
-    from ushash.serving.cache import SemanticCache
+    from ushash.serving.service import cache_from_cfg, check_binding
 
     token = os.environ.get(TOKEN_ENV) or (str(cfg.token) if cfg.get("token") else None)
     tokens = {str(k): str(v) for k, v in (to_dict(cfg.tokens) if cfg.get("tokens") else {}).items()}
     host = str(cfg.host)
     check_binding(host, token, tokens)
-    export = Path(str(cfg.export))
-    if not export.is_absolute():
-        export = Path(cfg.paths.root) / export
-    cache = SemanticCache.from_export(export, to_dict(cfg.cache), device=str(cfg.device))
+    cache = cache_from_cfg(cfg)
     app = create_proxy_app(cache, str(cfg.upstream), token=token, tokens=tokens, text_path=cfg.get("text_path"),
                            image_path=cfg.get("image_path"), max_body_bytes=int(cfg.max_body_bytes),
                            max_answer_bytes=int(cfg.max_answer_bytes), timeout_s=float(cfg.upstream_timeout_s),

@@ -35,6 +35,7 @@ import ipaddress
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from fastapi import Depends, FastAPI, Request
@@ -97,12 +98,29 @@ def is_loopback(host: str) -> bool:
 
 
 def check_binding(host: str, token: Optional[str], tokens: Optional[dict] = None) -> None:
-    """Refuse to serve beyond loopback without a bearer token."""
+    """Refuse to serve beyond loopback without a bearer token (`token`, or `tokens`' keys); a token is at
+    least 16 characters. The service and the proxy both start through here."""
     if not is_loopback(host) and not token and not tokens:
-        raise SystemExit(f"refusing to bind {host!r} without a bearer token: set token=... or {TOKEN_ENV} "
-                         f"(or bind 127.0.0.1)")
-    if token is not None and len(token) < 16:
-        raise SystemExit("the bearer token must be at least 16 characters")
+        raise SystemExit(f"refusing to bind {host!r} without a bearer token: set token=..., tokens={{...}} or "
+                         f"{TOKEN_ENV} (or bind 127.0.0.1)")
+    for t in ([token] if token is not None else []) + list((tokens or {}).keys()):
+        if len(t) < 16:
+            raise SystemExit("bearer tokens must be at least 16 characters")
+
+
+def cache_from_cfg(cfg: DictConfig):
+    """The verb's `SemanticCache`: `export=` and `cache.calibration=` relative to the repository root
+    (`paths.root`), like every path of ushash, then `SemanticCache.from_export`."""
+    from ushash.serving.cache import SemanticCache
+
+    def under_root(p) -> Path:
+        p = Path(str(p))
+        return p if p.is_absolute() else Path(cfg.paths.root) / p
+
+    cache_cfg = to_dict(cfg.cache)
+    if cache_cfg.get("calibration"):
+        cache_cfg["calibration"] = str(under_root(cache_cfg["calibration"]))
+    return SemanticCache.from_export(under_root(cfg.export), cache_cfg, device=str(cfg.device))
 
 
 def check_tokens(tokens, tenants: Optional[list] = None) -> dict[str, frozenset]:
@@ -444,10 +462,6 @@ WORKER_START_S = 120  # how long a worker may take to answer uvicorn's health pi
 def build(cfg: DictConfig):
     """(app, host, port, token) from a serve config (app.state.cache is the cache); checks the binding
     before loading anything."""
-    from pathlib import Path
-
-    from ushash.serving.cache import SemanticCache
-
     check_workers(cfg)
     token = os.environ.get(TOKEN_ENV) or (str(cfg.token) if cfg.get("token") else None)
     tokens = to_dict(cfg.get("tokens")) if cfg.get("tokens") else None
@@ -460,10 +474,7 @@ def build(cfg: DictConfig):
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise SystemExit(f"port must be an integer in 1..65535; got {port!r}")
     check_tokens(tokens, list(cfg.cache.tenants) if cfg.cache.get("tenants") is not None else None)
-    export = Path(str(cfg.export))
-    if not export.is_absolute():
-        export = Path(cfg.paths.root) / export
-    cache = SemanticCache.from_export(export, to_dict(cfg.cache), device=str(cfg.device))
+    cache = cache_from_cfg(cfg)
     app = create_app(cache, token=token, max_body_bytes=int(cfg.max_body_bytes), tokens=tokens)
     app.state.cache = cache
     return app, host, int(cfg.port), token

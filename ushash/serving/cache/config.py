@@ -71,7 +71,8 @@ class CacheConfig:
     l2: Optional[L2Config] = None            # Redis; None: L1 only
     calibration: Optional[str] = None        # calibration.json (python -m ushash.calibrate): per modality pair
                                              # radius + payload threshold for a false-hit budget, with its
-                                             # bound; replaces radius / payload_threshold / cross_modal
+                                             # bound; replaces radius / payload_threshold / cross_modal;
+                                             # serve and proxy read a relative path from paths.root
     shadow: ShadowConfig = field(default_factory=ShadowConfig)   # online checks of a share of hits
 
     def __post_init__(self):
