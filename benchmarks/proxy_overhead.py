@@ -22,7 +22,6 @@ import io
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -33,28 +32,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ushash.serving.localhost import free_port, wait_until_up  # noqa: E402
+
 PROMPT = "what is in this image"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_up(url: str, proc, seconds: float = 300) -> None:
-    import httpx
-
-    t0 = time.time()
-    while time.time() - t0 < seconds:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url} exited with {proc.returncode}")
-        try:
-            httpx.get(url, timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise SystemExit(f"{url} did not come up in {seconds} s")
 
 
 def chat(png: bytes) -> dict:
@@ -119,8 +99,8 @@ def main(argv=None):
                                        f"cache.payload_threshold={a.threshold}", "cache.cross_modal=false"],
                                       env=env, cwd=ROOT))
         model_url, proxy_url = f"http://127.0.0.1:{mport}", f"http://127.0.0.1:{pport}"
-        wait_up(model_url + "/v1/stats", procs[0])
-        wait_up(proxy_url + "/healthz", procs[1])
+        wait_until_up(model_url + "/v1/stats", procs[0], seconds=300)
+        wait_until_up(proxy_url + "/healthz", procs[1], seconds=300)
         client = httpx.Client(timeout=120)
         ref: dict = {}
 

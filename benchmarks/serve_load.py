@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -144,12 +143,6 @@ def _descendants(pids) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------- parent
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def _export(root: Path) -> Path:
     import torch
 
@@ -190,33 +183,36 @@ def main() -> None:
     redis = bool(args.workers)
     if redis and not shutil.which("redis-server"):
         raise SystemExit("--workers needs redis-server (the workers' shared L2)")
+    from ushash.serving.localhost import free_port, wait_until_up
+
     with tempfile.TemporaryDirectory(prefix="ushash-serve-load-") as tmp:
         root = Path(tmp)
         export = _export(root)
-        procs, servers = [], []
+        procs, servers, sv_procs = [], [], []
         try:
             l2 = []
             if redis:
-                rport = _free_port()
+                rport = free_port(HOST)
                 procs.append(subprocess.Popen(["redis-server", "--port", str(rport), "--bind", HOST, "--save", "",
                                                "--appendonly", "no"], stdout=subprocess.DEVNULL))
             for k, w in enumerate(workers):
                 if redis:   # one database each: the servers do not share entries
                     l2 = ["cache=redis", f"cache.l2.url=redis://{HOST}:{rport}/{k}"]
-                port = _free_port()
+                port = free_port(HOST)
                 proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export}", f"host={HOST}",
                                          f"port={port}", f"workers={w}", *l2, "log_level=error",
                                          f"hydra.run.dir={root / f'hydra{k}'}"],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**os.environ, "OMP_NUM_THREADS": str(args.server_threads)})
                 procs.append(proc)
+                sv_procs.append(proc)
                 label = f"{w} worker{'s' if w > 1 else ''}" + (", Redis L2" if redis else "")
                 servers.append({"label": label, "url": f"http://{HOST}:{port}", "pids": [proc.pid], "workers": w})
             rng = np.random.default_rng(0)
             stored = rng.normal(size=(args.entries, 16)).round(4)
             fresh = rng.normal(size=(args.entries, 16)).round(4)
-            for sv in servers:
-                _wait_until_up(httpx, sv, procs)
+            for sv, proc in zip(servers, sv_procs):
+                wait_until_up(f"{sv['url']}/healthz", proc)
                 with httpx.Client(timeout=30) as c:
                     for i, f in enumerate(stored):
                         c.post(f"{sv['url']}/v1/store", json={"modality": "image", "features": f.tolist(),
@@ -252,16 +248,6 @@ def main() -> None:
         print(f"| {p['server']} | {p['phase']} | {p['rows']} | {p['requests']} | {p['errors']} | {p['rps']:.0f} | "
               f"{p['rps'] / ref:.2f} | {p['lookups_per_s']:,.0f} | {p['p50_ms']:.1f} | {p['p99_ms']:.1f} | "
               f"{p['server_cpu_ms']:.2f} | {p['client_cpu_ms']:.2f} |")
-
-
-def _wait_until_up(httpx, server: dict, procs) -> None:
-    for _ in range(1800):
-        try:
-            if httpx.get(f"{server['url']}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError(f"the server ({server['label']}) did not come up")
 
 
 if __name__ == "__main__":

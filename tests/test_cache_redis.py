@@ -14,15 +14,10 @@ import pytest
 
 from ushash.serving.cache import SemanticCache
 from ushash.serving.cache.lsh import LSHHead
+from ushash.serving.localhost import free_port
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed (./run test installs it)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _free_cluster_port(start: int) -> int:
@@ -41,7 +36,7 @@ def _free_cluster_port(start: int) -> int:
 
 class RedisServer:
     def __init__(self, extra=()):
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = subprocess.Popen([REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--protected-mode", "yes", "--enable-debug-command", "local", *extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -21,6 +21,7 @@ from conftest import write_tiny_export
 
 import hostile_corpus as hc
 from ushash.serving.cache import RequestError, SemanticCache, UnknownTenant
+from ushash.serving.localhost import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "admin-token-0123456789abcdef"
@@ -237,12 +238,6 @@ def test_a_python_replica_s_bytes_value_and_surrogates_are_handled(cache):
 
 
 # ---------------------------------------------------------------------------------------------- HTTP
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SERVER = """
 import sys, uvicorn
 from ushash.serving.cache import SemanticCache
@@ -261,7 +256,7 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="critical", 
 
 class Server:
     def __init__(self, export_dir):
-        self.port = _free_port()
+        self.port = free_port()
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(export_dir), str(self.port), ADMIN, ACME],
                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

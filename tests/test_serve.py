@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from ushash.serving.cache import SemanticCache
+from ushash.serving.localhost import free_port, wait_until_up
 from ushash.serving.service import check_binding, create_app, is_loopback
 
 TOKEN = "s3cret-token-0123456789"
@@ -136,12 +137,6 @@ def test_binding_rules():
         check_binding("0.0.0.0", None, {"short": "acme"})
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_entry_point_serves_on_loopback_and_refuses_public_binding(export_dir):
     import httpx
@@ -149,16 +144,11 @@ def test_entry_point_serves_on_loopback_and_refuses_public_binding(export_dir):
     r = subprocess.run([sys.executable, "-m", "ushash.serve", f"export={export_dir}", "host=0.0.0.0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "without a bearer token" in r.stderr + r.stdout
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export_dir}", f"port={port}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_until_up(f"http://127.0.0.1:{port}/healthz", proc)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/store", json={"modality": "text", "text": "hi", "value": 1})
         assert r.json()["stored"]
         assert httpx.post(f"http://127.0.0.1:{port}/v1/lookup", json={"modality": "text", "text": "hi"}).json()["hit"]
@@ -350,7 +340,7 @@ def test_several_workers_start_share_the_l2_and_answer(export_dir, tmp_path):
     one is found through the other (from the L2), over fresh connections that the kernel spreads across them."""
     import httpx
 
-    rport, port = _free_port(), _free_port()
+    rport, port = free_port(), free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export_dir}", f"port={port}", "workers=2",
@@ -358,14 +348,7 @@ def test_several_workers_start_share_the_l2_and_answer(export_dir, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1800):
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("the server did not come up")
+        wait_until_up(f"{url}/healthz", proc)
         workers = []
         for _ in range(600):  # both workers up: the parent has two worker children besides multiprocessing's tracker
             kids = [int(k) for k in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
