@@ -228,6 +228,25 @@ def test_serve_settings_are_checked_when_the_app_is_made(export_dir, kw, match):
         create_app(cache, **kw)
 
 
+def test_bodies_orjson_refuses_mean_what_json_loads_makes_of_them(client):
+    """Bodies are parsed by orjson, and by json.loads where orjson refuses one, so each means what it meant
+    before: an integer beyond 64 bits in a value is stored and answered, a lone surrogate is the cache's 400
+    (not a JSON error), NaN features and a cut-off body are still 4xx."""
+    def post(route, raw):
+        return client.post(route, content=raw, headers={"content-type": "application/json"})
+
+    f = np.random.default_rng(9).normal(size=16).round(3).tolist()
+    assert post("/v1/store", ('{"modality": "image", "features": %s, "value": {"big": %d}}' % (f, 2 ** 70)).encode()
+                ).json()["stored"]
+    assert client.post("/v1/lookup", json={"modality": "image", "features": f}).json()["value"] == {"big": 2 ** 70}
+    r = post("/v1/store", ('{"modality": "image", "features": %s, "value": "\\ud800x"}' % f).encode())
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]
+    r = post("/v1/lookup", b'{"modality": "image", "features": [NaN' + b", 1" * 15 + b"]}")
+    assert 400 <= r.status_code < 500
+    r = post("/v1/lookup", b'{"modality": "image", "features": [1,')
+    assert r.status_code in (400, 422) and "JSON" in r.text
+
+
 def test_a_scoped_token_uses_only_its_tenants(export_dir):
     cache = SemanticCache.from_export(export_dir, {"radius": 4, "tenants": ["default", "acme", "globex"]})
     acme, both = "acme-only-0123456789", "acme-and-globex-0123"
