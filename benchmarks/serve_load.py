@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--workers", default="",
                     help="comma-separated worker counts, one server each over a shared redis-server (e.g. 1,2)")
     ap.add_argument("--server-threads", type=int, default=1,
-                    help="OMP_NUM_THREADS of the server: torch's intra-op threads for the head's forward pass")
+                    help="the server's threads= (torch's intra-op threads for the head's forward pass) and OMP_NUM_THREADS")
     args = ap.parse_args()
     args.requests = min(args.requests, 20000)  # bounded load
     args.seconds = min(args.seconds, 120.0)
@@ -200,7 +200,7 @@ def main() -> None:
                     l2 = ["cache=redis", f"cache.l2.url=redis://{HOST}:{rport}/{k}"]
                 port = free_port(HOST)
                 proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export}", f"host={HOST}",
-                                         f"port={port}", f"workers={w}", *l2, "log_level=error",
+                                         f"port={port}", f"workers={w}", f"threads={args.server_threads}", *l2, "log_level=error",
                                          f"hydra.run.dir={root / f'hydra{k}'}"],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**os.environ, "OMP_NUM_THREADS": str(args.server_threads)})

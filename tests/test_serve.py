@@ -330,6 +330,27 @@ def test_a_worker_builds_its_app_from_the_config_in_the_environment(export_dir, 
         assert c.post("/v1/lookup", content=b"x" * 5000, headers={"content-type": "application/json"}).status_code == 413
 
 
+def test_threads_sets_torchs_threads_and_is_checked(export_dir):
+    """`threads` (1 by default) is torch's intra-op thread count in the serving process; 0 is refused."""
+    import torch
+
+    from ushash.config import compose
+    from ushash.serving import service
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        service.build(compose("serve", [f"export={export_dir}"]))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        service.build(compose("serve", [f"export={export_dir}", "threads=null"]))
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="threads must be a positive integer"):
+            service.build(compose("serve", [f"export={export_dir}", "threads=0"]))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_relative_export_and_calibration_paths_hang_off_the_root(export_dir, tmp_path, monkeypatch):
     """`export=` and `cache.calibration=` relative to `paths.root`, not to the directory serve or the proxy
     was started in (a calibration written by python -m ushash.calibrate is found from anywhere)."""

@@ -59,6 +59,7 @@ class ProxyConfig:
     upstream_timeout_s: float = 60.0
     ttl_s: Optional[float] = None     # stored answers' TTL; None: the cache's
     device: str = "cpu"
+    threads: Optional[int] = 1        # torch's intra-op threads (ushash.serve's `threads`)
     log_level: str = "warning"
     paths: Any = None
     cache: CacheConfig = field(default_factory=CacheConfig)

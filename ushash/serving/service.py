@@ -71,6 +71,9 @@ class ServeConfig:
     tokens: Optional[Dict[str, List[str]]] = None  # more bearer tokens, each -> the tenants it may use
     max_body_bytes: int = 8 << 20     # larger request bodies get 413
     device: str = "cpu"               # where the head (and the encoder for raw inputs) runs
+    threads: Optional[int] = 1        # torch's intra-op threads per process (worker): 1 serves concurrent
+                                      # requests side by side; torch's default (null) spins a thread per core on
+                                      # every one-row forward pass (a features lookup: ~7 ms of CPU, not ~0.5)
     log_level: str = "warning"        # uvicorn's
     workers: int = 1                  # uvicorn worker processes on the one port (uvicorn's own multi-worker mode);
                                       # each loads the export and keeps its own L1, so > 1 needs a shared L2
@@ -110,14 +113,20 @@ def check_binding(host: str, token: Optional[str], tokens: Optional[dict] = None
 
 
 def cache_from_cfg(cfg: DictConfig):
-    """The verb's `SemanticCache`: `export=` and `cache.calibration=` relative to the repository root
-    (`paths.root`), like every path of ushash, then `SemanticCache.from_export`."""
+    """The verb's `SemanticCache`: torch's threads set (`threads`), `export=` and `cache.calibration=`
+    relative to the repository root (`paths.root`), like every path of ushash, then `SemanticCache.from_export`."""
     from ushash.serving.cache import SemanticCache
 
     def under_root(p) -> Path:
         p = Path(str(p))
         return p if p.is_absolute() else Path(cfg.paths.root) / p
 
+    threads = cfg.get("threads")
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer or null (torch's default); got {threads!r}")
+        import torch
+        torch.set_num_threads(threads)
     cache_cfg = to_dict(cfg.cache)
     if cache_cfg.get("calibration"):
         cache_cfg["calibration"] = str(under_root(cache_cfg["calibration"]))
