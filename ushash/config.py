@@ -182,13 +182,14 @@ def user_errors(main):
     def wrapped(cfg):
         from ushash.data.datasets.emoji import FetchError as EmojiFetchError
         from ushash.data.datasets.tuxpaint import FetchError as TuxFetchError
+        from omegaconf.errors import MissingMandatoryValue
+
         from ushash.data.store import FeatureStoreError
         mistakes = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-                    PermissionError, FeatureStoreError, TuxFetchError, EmojiFetchError)
-        from omegaconf.errors import MissingMandatoryValue
+                    PermissionError, FeatureStoreError, TuxFetchError, EmojiFetchError, MissingMandatoryValue)
         try:
             return main(cfg)
-        except (*mistakes, MissingMandatoryValue) as e:
+        except mistakes as e:
             if os.environ.get("HYDRA_FULL_ERROR") == "1" or _hydra_verbose():
                 raise
             logging.getLogger("ushash").error("%s (hydra.verbose=true for the traceback)", _one_line(e))
