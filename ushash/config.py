@@ -180,10 +180,10 @@ def user_errors(main):
 
     @functools.wraps(main)
     def wrapped(cfg):
-        from ushash.data.datasets.emoji import FetchError as EmojiFetchError
-        from ushash.data.datasets.tuxpaint import FetchError as TuxFetchError
         from omegaconf.errors import MissingMandatoryValue
 
+        from ushash.data.datasets.emoji import FetchError as EmojiFetchError
+        from ushash.data.datasets.tuxpaint import FetchError as TuxFetchError
         from ushash.data.store import FeatureStoreError
         mistakes = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                     PermissionError, FeatureStoreError, TuxFetchError, EmojiFetchError, MissingMandatoryValue)
