@@ -2,6 +2,7 @@
 batch builds from the L1 columns, the batch metrics, the narrow columns and how they widen at their limit,
 and giving freed heap pages back."""
 
+import dataclasses
 import math
 import random
 
@@ -81,6 +82,59 @@ def test_value_offsets_widen_at_their_limit():
     assert small.voff.dtype == np.int64 and ref.voff.dtype == np.uint32
     for s, e in live.items():
         assert small.value_of(s) == ref.value_of(s) == e.value
+
+
+def test_narrow_columns_widen_before_a_value_they_cannot_hold():
+    """Tenant and modality ids and value lengths start in one byte; the write that needs more widens the
+    column first (never a wrapped value), and every entry reads back as written, through compaction too.
+    The payload length column is as wide as the rows; a negative id or a second revision is refused."""
+    rng = np.random.default_rng(3)
+    t = EntryTable(8, payload_bytes=6)
+    assert (t.tenant.dtype, t.modality.dtype, t.vlen.dtype, t.plen.dtype) == (np.uint8, np.int8, np.uint8, np.uint8)
+    assert EntryTable(8, payload_bytes=300).plen.dtype == np.uint16
+    live = {}
+    for i, e in enumerate(_entries(rng, 400)):
+        if i == 300:
+            e = dataclasses.replace(e, value=bytes(70_000))   # past uint16
+        elif i % 7 == 0:
+            e = dataclasses.replace(e, value=bytes(rng.integers(0, 256, 300, dtype=np.uint8)))   # past uint8
+        ten, mod = i * 997, i % 200   # tenant ids past uint16, modality ids past int8
+        s = t.alloc()
+        t.write(s, e, tenant=ten, modality=mod)
+        live[s] = (e, ten, mod)
+        if i % 3 == 2:
+            gone = int(rng.choice(list(live)))
+            t.release(gone)
+            del live[gone]
+    assert (t.tenant.dtype, t.modality.dtype, t.vlen.dtype) == (np.uint32, np.int16, np.uint32)
+    mods, revs = [f"m{k}" for k in range(200)], ["r1"]
+    for s, (e, ten, mod) in live.items():
+        assert (int(t.tenant[s]), int(t.modality[s])) == (ten, mod)
+        assert t.read(s, mods, revs) == dataclasses.replace(e, modality=mods[mod])
+    for bad in ({"tenant": -1, "modality": 0}, {"tenant": 0, "modality": -1}):
+        with pytest.raises(ValueError, match=">= 0"):
+            t.write(t.alloc(), e, **bad)
+    with pytest.raises(ValueError, match="one revision"):
+        t.write(t.alloc(), e, tenant=0, modality=0, revision=1)
+
+
+def test_expiry_records_drop_only_the_entry_they_were_made_for():
+    """An expiry record names (expires, slot): a slot reused by a later entry keeps that entry until its own
+    expiry, however many records of earlier entries of the slot come due before it."""
+    clock = FakeClock(1000.0)
+    c = SemanticCache(LSHHead({"image": 8}, bits=64, dim=8, seed=0),
+                      {"ttl_s": 10, "ttl_jitter": 0.0, "bloom": False, "xfetch_beta": 0.0}, clock=clock)
+    rng = np.random.default_rng(4)
+    codes = rng.integers(0, 256, size=(3, 8), dtype=np.uint8)
+    c.store_codes("t", "image", codes[:1], ["a"])          # slot 0, expires 1010
+    c.delete_tenant("t")                                    # its record stays in the heap
+    clock.t = 1005.0
+    c.store_codes("t", "image", codes[1:2], ["b"])         # slot 0 again, expires 1015
+    assert c.table.live_slots().tolist() == [0]
+    clock.t = 1011.0
+    assert c.lookup(c.query_from_code("image", codes[1]), "t").value == "b"
+    clock.t = 1015.0
+    assert c.lookup(c.query_from_code("image", codes[1]), "t") is None and len(c) == 0
 
 
 def test_wtinylfu_sizes_widen_at_their_limit():

@@ -190,22 +190,28 @@ VALUE_KINDS = ("b", "s", "j")   # encode_value's tags, stored as their index
 class EntryTable:
     """L1 entries as columns indexed by slot: `code` uint8 [capacity, code_bytes], `payload` uint8
     [capacity, payload_bytes] (fixed-width rows; `plen` says how many bytes a row holds, 0: none), one
-    numpy column per fixed-size field of `Entry` (modality, revision and kind as small interned ids) and
-    per bookkeeping field, the values in one byte arena (`voff`, `vlen`), and the L2 ids in a dict (only
-    entries shared with an L2 have one). Columns are as narrow as their values allow.
+    numpy column per fixed-size field of `Entry` (modality and kind as small interned ids) and per
+    bookkeeping field, the values in one byte arena (`voff`, `vlen`), and the L2 ids in a dict (only
+    entries shared with an L2 have one). Every entry of a table is of one revision (an L1 serves one
+    head: a new revision is a new tier), so the revision has no column. Columns are as narrow as their
+    values allow: `plen` as its rows' width needs; tenant and modality ids and value lengths start at one
+    or two bytes and the column is widened (`WIDEN`) before a value it cannot hold is written.
 
     The arena is append-only; a removed value's bytes are garbage until the arena is compacted, which
     happens when garbage outweighs the live bytes (amortised O(1) per removal)."""
 
-    # gen wraps at 2^32 (an expiry record is matched by (slot, gen): 2^32 reuses of one slot while one of
-    # its records waits would be needed to confuse them); a value is < 4 GiB (checked in write); voff is
-    # uint32 until the arena holds VOFF_LIMIT bytes, then int64 (`_arena_put` widens it)
-    NUMERIC = {"tenant": np.int32, "modality": np.int8, "revision": np.int16, "kind": np.int8,
+    # a value is < 4 GiB (checked in write); voff is uint32 until the arena holds VOFF_LIMIT bytes, then
+    # int64 (`_arena_put` widens it)
+    NUMERIC = {"tenant": np.uint8, "modality": np.int8, "kind": np.int8,
                "created": np.float64, "expires": np.float64, "compute_s": np.float32,
-               "gen": np.uint32, "alive": np.bool_, "plen": np.int16, "voff": np.uint32, "vlen": np.uint32}
+               "alive": np.bool_, "plen": np.uint8, "voff": np.uint32, "vlen": np.uint8}
+    #: the dtypes a column is widened through, narrowest first (its NUMERIC dtype is the first)
+    WIDEN = {"tenant": (np.uint8, np.uint16, np.uint32, np.int64), "modality": (np.int8, np.int16, np.int32),
+             "vlen": (np.uint8, np.uint16, np.uint32)}
     VOFF_LIMIT = 1 << 32
-    # every Entry field has a column of the same name (id: l2id, a dict; value: the arena)
-    assert set(ENTRY_FIELDS) - {"id"} <= {"code", "payload", "value", *NUMERIC}
+    # every Entry field has a column of the same name (id: l2id, a dict; value: the arena; revision: one
+    # per table)
+    assert set(ENTRY_FIELDS) - {"id", "revision"} <= {"code", "payload", "value", *NUMERIC}
 
     def __init__(self, code_bytes: int, payload_bytes: int = 0, capacity: int = 16):
         self.code_bytes, self.payload_bytes = int(code_bytes), int(payload_bytes)
@@ -214,6 +220,10 @@ class EntryTable:
         self.payload = np.zeros((self._cap, self.payload_bytes), np.uint8)
         for name, dt in self.NUMERIC.items():
             setattr(self, name, np.zeros(self._cap, dt))
+        # a row's payload length: as wide as the rows need
+        self.plen = np.zeros(self._cap, next(dt for dt in (np.uint8, np.uint16, np.uint32)
+                                             if self.payload_bytes <= np.iinfo(dt).max))
+        self._max = {name: int(np.iinfo(self.NUMERIC[name]).max) for name in self.WIDEN}
         self.l2id: dict[int, str] = {}
         self.arena = np.zeros(256, np.uint8)
         self._top = 0            # arena bytes used (live + garbage)
@@ -234,6 +244,19 @@ class EntryTable:
         self._cap = cap
         heap.replaced(freed)
 
+    def _widen(self, name: str, value: int) -> None:
+        """Widen column `name` to the narrowest of its WIDEN dtypes that holds `value` (ids and lengths
+        are >= 0: a negative one is refused)."""
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0; got {value}")
+        for dt in self.WIDEN[name]:
+            if value <= np.iinfo(dt).max:
+                break
+        else:
+            raise ValueError(f"{name} {value} is beyond the widest {name} column ({np.dtype(dt).name})")
+        setattr(self, name, getattr(self, name).astype(dt))
+        self._max[name] = int(np.iinfo(dt).max)
+
     def alloc(self) -> int:
         if self._free:
             slot = self._free.pop()
@@ -243,7 +266,6 @@ class EntryTable:
             slot = self._hwm
             self._hwm += 1
         self.alive[slot] = True
-        self.gen[slot] += 1
         self.live += 1
         return slot
 
@@ -261,6 +283,8 @@ class EntryTable:
                 heap.replaced(freed)
         if self._top + n > self.VOFF_LIMIT and self.voff.dtype != np.int64:
             self.voff = self.voff.astype(np.int64)   # offsets beyond uint32
+        if n > self._max["vlen"]:
+            self._widen("vlen", n)
         self.arena[self._top : self._top + n] = np.frombuffer(data, np.uint8)
         self.voff[slot], self.vlen[slot] = self._top, n
         self._top += n
@@ -279,16 +303,23 @@ class EntryTable:
         self.voff[live] = new_off
         self._top = self._live_bytes = total
 
-    def write(self, slot: int, e: Entry, tenant: int, modality: int, revision: int) -> None:
-        """Store entry `e` in `slot` (modality and revision as the L1's interned ids)."""
+    def write(self, slot: int, e: Entry, tenant: int, modality: int, revision: int = 0) -> None:
+        """Store entry `e` in `slot` (tenant, modality and revision as the L1's interned ids; a table
+        holds one revision, 0)."""
         np_ = len(e.payload)
         if np_ > self.payload_bytes:
             raise ValueError(f"payload record of {np_} bytes; this table's rows hold {self.payload_bytes}")
+        if revision != 0:
+            raise ValueError(f"a table holds the entries of one revision (id 0); got revision id {revision}")
+        if tenant > self._max["tenant"] or tenant < 0:
+            self._widen("tenant", tenant)
+        if modality > self._max["modality"] or modality < 0:
+            self._widen("modality", modality)
         self.code[slot] = np.frombuffer(e.code, np.uint8)
         if np_:
             self.payload[slot, :np_] = np.frombuffer(e.payload, np.uint8)
         self.plen[slot] = np_
-        self.tenant[slot], self.modality[slot], self.revision[slot] = tenant, modality, revision
+        self.tenant[slot], self.modality[slot] = tenant, modality
         self.kind[slot] = VALUE_KINDS.index(e.kind)
         self.created[slot], self.expires[slot], self.compute_s[slot] = e.created, e.expires, e.compute_s
         if e.id is not None:
@@ -309,7 +340,7 @@ class EntryTable:
     def read(self, slot: int, modalities: list[str], revisions: list[str]) -> Entry:
         """The entry in `slot` (modalities / revisions: the L1's interned names)."""
         return Entry(code=self.code[slot].tobytes(), payload=self.payload_of(slot), modality=modalities[self.modality[slot]],
-                     value=self.value_of(slot), kind=VALUE_KINDS[self.kind[slot]], revision=revisions[self.revision[slot]],
+                     value=self.value_of(slot), kind=VALUE_KINDS[self.kind[slot]], revision=revisions[0],
                      created=float(self.created[slot]), expires=float(self.expires[slot]),
                      compute_s=float(self.compute_s[slot]), id=self.l2id.get(slot))
 
@@ -321,12 +352,12 @@ class EntryTable:
         cb, pw = self.code_bytes, self.payload_bytes
         codes, pays = self.code[ix].tobytes(), self.payload[ix].tobytes()
         plen, voff, vlen = self.plen[ix].tolist(), self.voff[ix].tolist(), self.vlen[ix].tolist()
-        mod, rev, kind = self.modality[ix].tolist(), self.revision[ix].tolist(), self.kind[ix].tolist()
+        mod, kind, rev = self.modality[ix].tolist(), self.kind[ix].tolist(), revisions[0]
         created, expires, cs = self.created[ix].tolist(), self.expires[ix].tolist(), self.compute_s[ix].tolist()
         arena, l2id = self.arena, self.l2id
         return [Entry(code=codes[i * cb:(i + 1) * cb], payload=pays[i * pw:i * pw + plen[i]],
                       modality=modalities[mod[i]], value=arena[voff[i]:voff[i] + vlen[i]].tobytes(),
-                      kind=VALUE_KINDS[kind[i]], revision=revisions[rev[i]], created=created[i], expires=expires[i],
+                      kind=VALUE_KINDS[kind[i]], revision=rev, created=created[i], expires=expires[i],
                       compute_s=cs[i], id=l2id.get(s)) for i, s in enumerate(slots)]
 
     def hits(self, slots: list[int], dists: list[int], cosines: list[float], tier: str, modalities: list[str],
@@ -339,17 +370,17 @@ class EntryTable:
             s, c = slots[0], cosines[0]
             o = int(self.voff[s])
             return [_hit(decode_value(VALUE_KINDS[self.kind[s]], arena[o:o + int(self.vlen[s])].tobytes()), dists[0],
-                         None if c != c else c, tier, modalities[self.modality[s]], revisions[self.revision[s]],
+                         None if c != c else c, tier, modalities[self.modality[s]], revisions[0],
                          float(self.created[s]), float(self.expires[s]), False, f"{tier}:{s}")], \
                 [float(self.compute_s[s])]
         ix = np.array(slots, np.int64)
         voff, vlen, kind = self.voff[ix].tolist(), self.vlen[ix].tolist(), self.kind[ix].tolist()
-        mod, rev = self.modality[ix].tolist(), self.revision[ix].tolist()
+        mod, rev = self.modality[ix].tolist(), revisions[0]
         created, expires = self.created[ix].tolist(), self.expires[ix].tolist()
         return [_hit(decode_value(VALUE_KINDS[k], arena[o:o + n].tobytes()), d, None if c != c else c, tier,
-                     modalities[m], revisions[r], cr, ex, False, f"{tier}:{s}")
-                for s, d, c, k, o, n, m, r, cr, ex in zip(slots, dists, cosines, kind, voff, vlen, mod, rev, created,
-                                                          expires)], self.compute_s[ix].tolist()
+                     modalities[m], rev, cr, ex, False, f"{tier}:{s}")
+                for s, d, c, k, o, n, m, cr, ex in zip(slots, dists, cosines, kind, voff, vlen, mod, created, expires)], \
+            self.compute_s[ix].tolist()
 
     def release(self, slot: int) -> None:
         if not self.alive[slot]:

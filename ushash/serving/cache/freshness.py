@@ -69,29 +69,32 @@ class Freshness:
 
 
 class ExpiryHeap:
-    """Expiries of stored entries, soonest first: (expires, slot, generation); `due(now)` yields the
-    (slot, generation) of every entry whose expiry has passed (the caller drops those still current)."""
+    """Expiries of stored entries, soonest first: (expires, slot); `due(now)` yields the (slot, expires)
+    of every record whose expiry has passed. A record outlives its entry when the entry is evicted or
+    replaced, so the caller drops an entry only when it is alive and its own expiry is the record's (a
+    later entry in the same slot with the same expiry has expired too: dropping it then is what its own
+    record, popped right after, would do)."""
 
     def __init__(self):
-        self._h: list[tuple[float, int, int]] = []
+        self._h: list[tuple[float, int]] = []
 
-    def push(self, expires: float, slot: int, gen: int) -> None:
+    def push(self, expires: float, slot: int) -> None:
         if math.isfinite(expires):
-            heapq.heappush(self._h, (expires, slot, gen))
+            heapq.heappush(self._h, (expires, slot))
 
     def __len__(self) -> int:
         return len(self._h)
 
-    def replace(self, expires, slots, gens) -> None:
+    def replace(self, expires, slots) -> None:
         """Keep only these records (the live entries'): drops those of evicted or replaced entries."""
-        self._h = [(float(e), int(s), int(g)) for e, s, g in zip(expires, slots, gens) if math.isfinite(e)]
+        self._h = [(float(e), int(s)) for e, s in zip(expires, slots) if math.isfinite(e)]
         heapq.heapify(self._h)
 
-    def due(self, now: float) -> Iterator[tuple[int, int]]:
+    def due(self, now: float) -> Iterator[tuple[int, float]]:
         h = self._h
         while h and h[0][0] <= now:
-            _, slot, gen = heapq.heappop(h)
-            yield slot, gen
+            exp, slot = heapq.heappop(h)
+            yield slot, exp
 
 
 def revision_rank(head) -> float | None:

@@ -35,10 +35,11 @@ from ushash.serving.cache.search import MIndexBackend, make_backend
 
 
 @njit(cache=True, nogil=True)
-def _gather(lims, slots, dists, radius, max_candidates, revision, rev_ok, expires, modality, plen):
+def _gather(lims, slots, dists, radius, max_candidates, current, expires, modality, plen):
     """From a search's results (each query's sorted by distance): per query the number of results and the
     nearest distance (-1: none), and the candidates (those within `radius`, at most `max_candidates` per
-    query) as flat columns: lims, slot, distance, of the revision served, expiry, modality, has a payload."""
+    query) as flat columns: lims, slot, distance, of the revision served (`current`: the L1's entries are
+    all of one revision), expiry, modality, has a payload."""
     b = len(lims) - 1
     counts = np.empty(b, np.int64)
     nearest = np.empty(b, np.int64)
@@ -66,7 +67,7 @@ def _gather(lims, slots, dists, radius, max_candidates, revision, rev_ok, expire
             slot = slots[a + j]
             s[w] = slot
             d[w] = dists[a + j]
-            cur[w] = rev_ok[revision[slot]]
+            cur[w] = current
             exp[w] = expires[slot]
             mod[w] = modality[slot]
             hasp[w] = plen[slot] > 0
@@ -75,7 +76,7 @@ def _gather(lims, slots, dists, radius, max_candidates, revision, rev_ok, expire
 
 @njit(cache=True, nogil=True)
 def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, observe_radius, use_tables, radius,
-                max_candidates, revision, rev_ok, expires, modality, plen, payload, qmod, has_z, qz, now,
+                max_candidates, current, expires, modality, plen, payload, qmod, has_z, qz, now,
                 cross_modal, check, thr, o_vals, length, group):
     """One compiled call for a batch of lookups on the own multi-index with the int4 group-scaled payloads
     (or no payload check) and one threshold: the search (mindex._search), the candidates (`_gather`), the
@@ -109,7 +110,7 @@ def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, obse
             j = a + c
             c += 1
             slot = out_s[j]
-            if not rev_ok[revision[slot]]:
+            if not current:
                 n_rev += 1
                 continue
             if expires[slot] <= now:
@@ -200,7 +201,6 @@ class L1Tier:
                                     fp_rate=c.bloom_fp_rate, chunks=c.bloom_chunks)
         self.lock = threading.RLock()
         self._fused_cache = None
-        self._rev_oks: dict[str, np.ndarray] = {}   # revision -> served? per interned revision (`_rev_ok`)
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
     @property
@@ -248,12 +248,12 @@ class L1Tier:
 
     def expire(self, now: float) -> None:
         t = self.table
-        for slot, gen in self._expiry.due(now):
-            if t.alive[slot] and t.gen[slot] == gen:
+        for slot, exp in self._expiry.due(now):
+            if t.alive[slot] and t.expires[slot] == exp:
                 self._remove(slot, "expired")
         if len(self._expiry) > 2 * t.live + 1024:  # records of evicted / replaced entries: drop them
             live = t.live_slots()
-            self._expiry.replace(t.expires[live], live, t.gen[live])
+            self._expiry.replace(t.expires[live], live)
 
     def update_gauges(self) -> None:
         self.metrics.size_bytes.set(self.policy.used_bytes)
@@ -362,19 +362,16 @@ class L1Tier:
             self.metrics.bloom_skips.inc(len(skipped))
         return skipped
 
-    def _rev_ok(self, revision: str) -> np.ndarray:
-        """Per interned revision: is it the one served (the interned revisions never change)."""
-        ok = self._rev_oks.get(revision)
-        if ok is None:
-            ok = self._rev_oks[revision] = np.array([r == revision for r in self._revisions], bool)
-        return ok
+    def _current(self, revision: str) -> bool:
+        """Is `revision` the one of every entry here (the one the tier was made for)?"""
+        return revision == self._revisions[0]
 
     def _candidates(self, queries, backend, codes: bytes, revision: str):
         """One index search of the batch and `_gather`'s columns of its candidates."""
         arr = np.frombuffer(codes, np.uint8).reshape(len(queries), self.code_bytes)
         lims, slots, dists = backend.search_many(arr, self.observe_radius)
         t = self.table
-        return _gather(lims, slots, dists, self.radius, self.config.max_candidates, t.revision, self._rev_ok(revision),
+        return _gather(lims, slots, dists, self.radius, self.config.max_candidates, self._current(revision),
                        t.expires, t.modality, t.plen)
 
     def _batch(self, qlims, slots, dists, cur, exp, mod, hasp) -> Batch:
@@ -471,8 +468,8 @@ class L1Tier:
         res, ccos, n_rev, n_exp, n_bad = _find_fused(
             qw, mi.codes, mi.p2s, mi.n, mi.nbase, mi.offs if use else _NO_OFFS, mi.ids if use else _NO_IDS,
             mi.tc if use else _NO_TC, mi.th if use else _NO_TH, masks, mi.nchunks,
-            int(min(self.observe_radius, self.bits)), use, self.radius, self.config.max_candidates, t.revision,
-            self._rev_ok(revision), t.expires, t.modality, t.plen, t.payload, qmod, has_z, qz, float(now), cross,
+            int(min(self.observe_radius, self.bits)), use, self.radius, self.config.max_candidates,
+            self._current(revision), t.expires, t.modality, t.plen, t.payload, qmod, has_z, qz, float(now), cross,
             on and qz is not _NO_Z, thr, o_vals, length, group)
         if n_rev or n_exp or n_bad:
             m = self.metrics
@@ -542,7 +539,7 @@ class L1Tier:
                 if admitted:
                     placed[key] = slot
                     added[slot] = None
-                    self._expiry.push(e.expires, slot, int(t.gen[slot]))
+                    self._expiry.push(e.expires, slot)
                     if self.bloom is not None:
                         self.bloom.add(ti, e.code)
                     m.puts.inc()
