@@ -106,16 +106,44 @@ def test_search_many_equals_single_searches(kind, device):
             np.testing.assert_array_equal(dists[lims[i]:lims[i + 1]], d1)
 
 
+class _CodesBySlot:
+    """A caller's codes by slot for MIndexBackend(codes=...): uint64 words, a new array whenever it grows;
+    removed slots are overwritten with other codes (as a reused slot of the cache's entry table would be)."""
+
+    def __init__(self, nwords, rng):
+        self.a, self.rng = np.zeros((16, nwords), np.uint64), rng
+
+    def __call__(self):
+        return self.a
+
+    def put(self, slots, codes):
+        top = int(np.max(slots)) + 1
+        if top > len(self.a):
+            a = np.zeros((max(top, 2 * len(self.a)), self.a.shape[1]), np.uint64)
+            a[: len(self.a)] = self.a
+            self.a = a
+        self.a[np.asarray(slots)] = np.ascontiguousarray(codes).view("<u8").reshape(len(slots), -1)
+
+    def scribble(self, slot):
+        self.a[slot] = self.rng.integers(0, 2 ** 63, self.a.shape[1], dtype=np.uint64)
+
+
+@pytest.mark.parametrize("by_slot", [False, True], ids=["own-codes", "codes-by-slot"])
 @pytest.mark.parametrize("bits", [40, 64, 128])
-def test_mindex_tables_tail_merges_and_scans_match_a_naive_reference(bits):
+def test_mindex_tables_tail_merges_and_scans_match_a_naive_reference(bits, by_slot):
     """The own multi-index through every path: the scan while small, chunk tables once built, the scanned
     tail and its merges, tombstones and renumbering, and the scan it picks for wide radii; batches and
-    single queries against a naive popcount reference, ties (equal distances, duplicate codes) included."""
+    single queries against a naive popcount reference, ties (equal distances, duplicate codes) included;
+    with its own copy of the codes, and reading the caller's codes by slot (whose removed slots hold
+    other codes by then)."""
     from ushash.serving.cache.search import MIndexBackend
 
+    if by_slot and bits % 64:
+        pytest.skip("codes by slot are whole 64-bit words")
     rng = np.random.default_rng(bits + 1)
     nb = bits // 8
-    b = MIndexBackend(bits, min_entries=200, tail_max=64)
+    src = _CodesBySlot(bits // 64, rng) if by_slot else None
+    b = MIndexBackend(bits, min_entries=200, tail_max=64, codes=src)
     centres = rng.integers(0, 256, size=(8, nb), dtype=np.uint8)
     live: dict[int, np.ndarray] = {}
     slot = 0
@@ -131,15 +159,21 @@ def test_mindex_tables_tail_merges_and_scans_match_a_naive_reference(bits):
         codes[: n // 10] = codes[n // 10 : 2 * (n // 10)]          # duplicate codes: ties by slot
         slots = rng.permutation(np.arange(slot, slot + 3 * n))[:n]  # sparse, unordered slots
         slot += 3 * n
+        if src is not None:
+            src.put(slots, codes)
         b.add_many(slots, codes)
         live.update({int(s): c for s, c in zip(slots, codes)})
         if step % 3 == 2:   # re-adding a live slot replaces its code
             s0 = int(rng.choice(sorted(live)))
+            if src is not None:
+                src.put([s0], centres[:1])
             b.add(s0, centres[0])
             live[s0] = centres[0].copy()
         for s in rng.choice(sorted(live), size=len(live) // 4, replace=False):
             b.remove(int(s))
             del live[int(s)]
+            if src is not None:
+                src.scribble(int(s))
         assert len(b) == len(live)
         saw_tables |= b.uses_tables
         saw_tail |= b.uses_tables and b._mi.n > b._mi.nbase
@@ -154,6 +188,53 @@ def test_mindex_tables_tail_merges_and_scans_match_a_naive_reference(bits):
                 np.testing.assert_array_equal(s1, ref_s)
                 np.testing.assert_array_equal(d1, ref_d)
     assert saw_tables and saw_tail
+
+
+@pytest.mark.parametrize("bits", [64, 128])
+def test_mindex_codes_by_slot_through_renumbering_and_reused_slots(bits):
+    """Reading the caller's codes by slot, through renumberings that rebuild the tables and ones that
+    leave too few codes for tables (the tail's codes copied from the caller's), with freed slots reused
+    for other codes while their tombstones are still in the index."""
+    from ushash.serving.cache.search import MIndexBackend
+
+    rng = np.random.default_rng(bits + 7)
+    nb = bits // 8
+    src = _CodesBySlot(bits // 64, rng)
+    b = MIndexBackend(bits, min_entries=200, tail_max=64, codes=src)
+    centres = rng.integers(0, 256, size=(6, nb), dtype=np.uint8)
+    live: dict[int, np.ndarray] = {}
+    free: list[int] = []
+    top = 0
+    renumbered = set()
+    for add, keep in ((1500, 400), (1300, 150), (100, 100), (1200, 900), (1100, 20), (300, 300)):
+        codes = centres[rng.integers(0, 6, add)].copy()
+        bit = rng.integers(0, bits, (add, 2))
+        for j in range(2):
+            codes[np.arange(add), bit[:, j] // 8] ^= (1 << (bit[:, j] % 8)).astype(np.uint8)
+        reuse = [free.pop(int(rng.integers(0, len(free)))) for _ in range(min(len(free), add // 2))]
+        slots = np.array(reuse + list(range(top, top + add - len(reuse))), np.int64)
+        top += add - len(reuse)
+        for at in range(0, add, 250):   # in batches, as the cache adds them
+            src.put(slots[at:at + 250], codes[at:at + 250])
+            b.add_many(slots[at:at + 250], codes[at:at + 250])
+        live.update({int(s): c for s, c in zip(slots, codes)})
+        for s in rng.permutation(sorted(live))[: len(live) - keep]:
+            n_before = b._mi.n
+            b.remove(int(s))
+            del live[int(s)]
+            src.scribble(int(s))
+            free.append(int(s))
+            if b._mi.n < n_before:
+                renumbered.add(b.uses_tables)
+        assert len(b) == len(live)
+        qs = np.concatenate([codes[:5], centres[:2]])
+        for radius in (0, 2, 3, 7, bits):
+            lims, ss, dd = b.search_many(qs, radius)
+            for i, q in enumerate(qs):
+                ref_s, ref_d = _reference(live, q, radius)
+                np.testing.assert_array_equal(ss[lims[i]:lims[i + 1]], ref_s)
+                np.testing.assert_array_equal(dd[lims[i]:lims[i + 1]], ref_d)
+    assert renumbered == {True, False}
 
 
 def test_flip_masks_enumerate_every_probe_once():

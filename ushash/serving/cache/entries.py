@@ -224,6 +224,7 @@ class EntryTable:
         self.plen = np.zeros(self._cap, next(dt for dt in (np.uint8, np.uint16, np.uint32)
                                              if self.payload_bytes <= np.iinfo(dt).max))
         self._max = {name: int(np.iinfo(self.NUMERIC[name]).max) for name in self.WIDEN}
+        self._words = self._words_of = None       # code_words' view, and the column it is of
         self.l2id: dict[int, str] = {}
         self.arena = np.zeros(256, np.uint8)
         self._top = 0            # arena bytes used (live + garbage)
@@ -243,6 +244,13 @@ class EntryTable:
             freed += old.nbytes
         self._cap = cap
         heap.replaced(freed)
+
+    def code_words(self) -> np.ndarray:
+        """The code column as uint64 [capacity, code_bytes / 8] (a view; code_bytes a multiple of 8, read
+        as little-endian words): the own index's codes by slot (mindex.MultiIndex's `codes`)."""
+        if self._words_of is not self.code:   # made again after the column grows
+            self._words, self._words_of = self.code.view("<u8"), self.code
+        return self._words
 
     def _widen(self, name: str, value: int) -> None:
         """Widen column `name` to the narrowest of its WIDEN dtypes that holds `value` (ids and lengths

@@ -75,7 +75,8 @@ def _gather(lims, slots, dists, radius, max_candidates, current, expires, modali
 
 
 @njit(cache=True, nogil=True)
-def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, observe_radius, use_tables, radius,
+def _find_fused(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, observe_radius,
+                use_tables, radius,
                 max_candidates, current, expires, modality, plen, payload, qmod, has_z, qz, now,
                 cross_modal, check, thr, o_vals, length, group):
     """One compiled call for a batch of lookups on the own multi-index with the int4 group-scaled payloads
@@ -91,8 +92,8 @@ def _find_fused(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, obse
     while True:
         out_s = np.empty(cap, np.int64)
         out_d = np.empty(cap, np.int32)
-        m = _search(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, observe_radius, use_tables, lims,
-                    out_s, out_d)
+        m = _search(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, observe_radius,
+                    use_tables, lims, out_s, out_d)
         if m <= cap:
             break
         cap = m
@@ -217,8 +218,11 @@ class L1Tier:
             ti = self._free_tenant_ids.pop() if self._free_tenant_ids else len(self._tenant_ids)
             self._tenant_ids[tenant], self._tenant_names[ti], self._tenant_live[ti] = ti, tenant, 0
             c = self.config
+            # the own index reads the codes of the entry table (one copy per code) where they are whole
+            # little-endian 64-bit words
+            words = self.table.code_words if self.bits % 64 == 0 and _LITTLE else None
             self._backends[ti] = make_backend(c.backend, self.bits, device=c.device, mih_nhash=c.mih_nhash,
-                                              mih_min_entries=c.mih_min_entries)
+                                              mih_min_entries=c.mih_min_entries, codes=words)
         return ti
 
     def _drop_tenant_if_empty(self, ti: int) -> None:
@@ -466,7 +470,7 @@ class L1Tier:
         qw = np.frombuffer(codes, "<u8").reshape(nq, mi.nwords) if self.bits % 64 == 0 and _LITTLE else \
             mi.words(np.frombuffer(codes, np.uint8).reshape(nq, self.code_bytes))
         res, ccos, n_rev, n_exp, n_bad = _find_fused(
-            qw, mi.codes, mi.p2s, mi.n, mi.nbase, mi.offs if use else _NO_OFFS, mi.ids if use else _NO_IDS,
+            qw, mi.codes, mi.by_slot, mi.tail_codes, mi.p2s, mi.n, mi.nbase, mi.offs if use else _NO_OFFS, mi.ids if use else _NO_IDS,
             mi.tc if use else _NO_TC, mi.th if use else _NO_TH, masks, mi.nchunks,
             int(min(self.observe_radius, self.bits)), use, self.radius, self.config.max_candidates,
             self._current(revision), t.expires, t.modality, t.plen, t.payload, qmod, has_z, qz, float(now), cross,

@@ -10,6 +10,12 @@ code's whole distance from them) and the start of each value's run (int32 [2^16 
 chunk, 40 B per 64-bit code, against faiss IndexBinaryMultiHash's ~200 B of hash tables. A code found through an earlier chunk is skipped in
 the later ones (its earlier chunk is within f bits too), so each result is reported once.
 
+The codes themselves are either the index's own (by position) or, given a `codes` source, the caller's
+array of codes by slot (the cache's entry table: one copy of each code in the process, 8 B per 64-bit
+code less), read through the position's slot; the tail's codes are then copied into a small array of
+their own, so that a scan of the tail reads contiguous rows either way. A 64-bit search through the
+tables reads no code at all (a run holds the 48 bits beside the chunk).
+
 The tables are built for the codes at positions [0, nbase); codes added since (the tail, at most
 `tail_max` of them) are scanned; when the tail is full it is merged into the tables in place, one
 backward pass per chunk moving each entry at most once (the tables grow by doubling, so the heap is not
@@ -72,6 +78,15 @@ def _rest(w, c):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _row(p2s, pos, by_slot):
+    """The row of codes that holds position pos's code: its slot (by_slot; row 0 for a tombstone, whose
+    slot's code may be another's by now: a tombstone is never emitted), else pos itself."""
+    if by_slot:
+        return max(p2s[pos], 0)
+    return pos
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _emit(out_s, out_d, m, slot, d):
     """Result m (slot, d) unless the slot is a tombstone (-1); written only while the buffers have room
     (the count goes on: the caller calls again with buffers that long). Returns the new count."""
@@ -112,10 +127,13 @@ def _sort_run(out_s, out_d, a, b):
 
 
 @njit(cache=True, nogil=True)
-def _search(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, radius, use_tables, lims, out_s, out_d):
+def _search(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, radius, use_tables, lims,
+            out_s, out_d):
     """Every live code within `radius` of each query into (lims [B + 1], out_s, out_d), each query's sorted
     by (distance, slot); returns the number of results, which may exceed the buffers' length (then
-    nothing is complete: call again with buffers that long). q, codes: uint64 [*, nwords]; positions
+    nothing is complete: call again with buffers that long). q, codes, tcodes: uint64 [*, nwords]; the
+    code at position pos is row p2s[pos] of codes when by_slot, else row pos; tcodes: the tail's,
+    position pos >= nbase at row pos - nbase; positions
     [0, nbase) through the tables (when use_tables), the rest scanned; masks: the chunk-value flips to
     probe (popcount <= radius // nchunks). A table run holds the other 48 bits of its codes' first words
     inline (tc: the low 32, th: the high 16; `_rest`), so a probe reads contiguous runs, and the position's
@@ -146,21 +164,27 @@ def _search(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, radius, 
                         for i in range(j):   # found through an earlier chunk already
                             # chunk i < j <= 3 sits where it does in the word; beyond word 0, read the code
                             ci = np.int64((r >> np.uint64(16 * i)) & np.uint64(0xFFFF)) if j < 4 else \
-                                _chunk(pos, codes, i)
+                                _chunk(_row(p2s, pos, by_slot), codes, i)
                             if _ctpop(ci ^ _chunk(qi, q, i)) <= f:
                                 dup = True
                                 break
                         if dup:
                             continue
                         if nwords > 1:
-                            d = _dist(codes, pos, q, qi, nwords)
+                            d = _dist(codes, _row(p2s, pos, by_slot), q, qi, nwords)
                             if d > radius:
                                 continue
                         m = _emit(out_s, out_d, m, p2s[pos], d)
-        for pos in range(scan_from, n):
-            d = _dist(codes, pos, q, qi, nwords)
+        for pos in range(scan_from, nbase):   # (a scan instead of the tables: wide radii)
+            slot = p2s[pos]
+            if slot >= 0:
+                d = _dist(codes, slot if by_slot else pos, q, qi, nwords)
+                if d <= radius:
+                    m = _emit(out_s, out_d, m, slot, d)
+        for t in range(n - nbase):   # the tail
+            d = _dist(tcodes, t, q, qi, nwords)
             if d <= radius:
-                m = _emit(out_s, out_d, m, p2s[pos], d)
+                m = _emit(out_s, out_d, m, p2s[nbase + t], d)
         if m <= cap:
             _sort_run(out_s, out_d, start, m)
         lims[qi + 1] = m
@@ -168,8 +192,9 @@ def _search(q, codes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, radius, 
 
 
 @njit(cache=True, nogil=True)
-def _build(codes, p2s, n, nchunks, cap):
-    """Tables for the live codes at positions [0, n): offs int32 [nchunks, 2^16 + 1], ids int32 [nchunks, cap]
+def _build(codes, by_slot, p2s, n, nchunks, cap):
+    """Tables for the live codes at positions [0, n) (the code of position pos: row p2s[pos] of codes when
+    by_slot, else row pos): offs int32 [nchunks, 2^16 + 1], ids int32 [nchunks, cap]
     (positions sorted by the chunk's value, the first `live` of each row used), tc uint32 and th uint16
     [nchunks, cap] (the other 48 bits of their codes' first words, `_rest`). Returns (offs, ids, tc, th, live)."""
     live = 0
@@ -185,15 +210,16 @@ def _build(codes, p2s, n, nchunks, cap):
     for j in range(nchunks):
         for pos in range(n):
             if p2s[pos] >= 0:
-                offs[j, _chunk(pos, codes, j) + 1] += 1
+                offs[j, _chunk(p2s[pos] if by_slot else pos, codes, j) + 1] += 1
         for v in range(NVALUES):
             offs[j, v + 1] += offs[j, v]
             fill[v] = offs[j, v]
         for pos in range(n):
             if p2s[pos] >= 0:
-                v = _chunk(pos, codes, j)
+                row = p2s[pos] if by_slot else pos
+                v = _chunk(row, codes, j)
                 ids[j, fill[v]] = pos
-                r = _rest(codes[pos, 0], j & 3)
+                r = _rest(codes[row, 0], j & 3)
                 tc[j, fill[v]] = np.uint32(r & np.uint64(0xFFFFFFFF))
                 th[j, fill[v]] = np.uint16(r >> np.uint64(32))
                 fill[v] += 1
@@ -201,8 +227,9 @@ def _build(codes, p2s, n, nchunks, cap):
 
 
 @njit(cache=True, nogil=True)
-def _merge(codes, p2s, nbase, n, offs, ids, tc, th, ntab, nchunks):
-    """Merge the live codes of the tail [nbase, n) into the tables in place (ids / tc have room for them):
+def _merge(tcodes, p2s, nbase, n, offs, ids, tc, th, ntab, nchunks):
+    """Merge the live codes of the tail [nbase, n) (tcodes: theirs, position pos at row pos - nbase) into
+    the tables in place (ids / tc have room for them):
     per chunk one backward pass that moves each old entry at most once, so that each value's run is its
     old run, then the tail's codes of that value in position order. Tombstones already in the tables stay
     until the next rebuild (`compact`). Returns the tables' new length."""
@@ -220,13 +247,13 @@ def _merge(codes, p2s, nbase, n, offs, ids, tc, th, ntab, nchunks):
         tcount[:] = 0
         for pos in range(nbase, n):
             if p2s[pos] >= 0:
-                tcount[_chunk(pos, codes, j) + 1] += 1
+                tcount[_chunk(pos - nbase, tcodes, j) + 1] += 1
         for v in range(NVALUES):
             tcount[v + 1] += tcount[v]
             fill[v] = tcount[v]
         for pos in range(nbase, n):   # the tail by value, in position order within a value
             if p2s[pos] >= 0:
-                v = _chunk(pos, codes, j)
+                v = _chunk(pos - nbase, tcodes, j)
                 tpos[fill[v]] = pos
                 tval[fill[v]] = v
                 fill[v] += 1
@@ -241,7 +268,7 @@ def _merge(codes, p2s, nbase, n, offs, ids, tc, th, ntab, nchunks):
                 src -= 1
                 dst -= 1
             ids[j, dst] = tpos[t]
-            r = _rest(codes[tpos[t], 0], j & 3)
+            r = _rest(tcodes[tpos[t] - nbase, 0], j & 3)
             tc[j, dst] = np.uint32(r & np.uint64(0xFFFFFFFF))
             th[j, dst] = np.uint16(r >> np.uint64(32))
             dst -= 1
@@ -259,22 +286,40 @@ def flip_masks(width: int, flips: int) -> np.ndarray:
 
 
 class MultiIndex:
-    """Positions -> codes (uint64 words) and slots, the chunk tables and the tail (module docstring).
-    Slot bookkeeping (slot -> position) is the caller's (search.MIndexBackend)."""
+    """Positions -> slots, the codes (the index's own by position, or a caller's by slot: `codes`), the
+    chunk tables and the tail (module docstring). Slot bookkeeping (slot -> position) is the caller's
+    (search.MIndexBackend).
 
-    def __init__(self, bits: int, min_entries: int = 4096, tail_max: int = 4096):
+    codes: None (the index keeps its own copy of each code), or a callable returning the caller's current
+    uint64 [*, nwords] array of codes by slot (it may be a new array after each call that grows it). With
+    one, the caller keeps the code of every slot it has appended (and not removed) at that slot."""
+
+    def __init__(self, bits: int, min_entries: int = 4096, tail_max: int = 4096, codes=None):
         self.bits = int(bits)
         self.nwords = -(-self.bits // 64)
         self.nchunks = -(-self.bits // CHUNK_BITS)
         self.min_entries = int(min_entries)
         self.tail_max = int(tail_max)
-        self.codes = np.zeros((16, self.nwords), np.uint64)
+        self._source = codes
+        self.by_slot = codes is not None
+        # own codes by position, or (by slot) the tail's codes, position pos >= nbase at row pos - nbase
+        self._codes = np.zeros((16, self.nwords), np.uint64)
         self.p2s = np.full(16, -1, np.int32)   # slots < 2^31 (checked by the backend)
         self.n = 0          # positions used (live + tombstones)
         self.nbase = 0      # positions covered by the tables
         self.offs = self.ids = self.tc = self.th = None
         self.ntab = 0       # table entries used (ids / tc / th have room for more)
         self._masks: dict[int, np.ndarray] = {}
+
+    @property
+    def codes(self) -> np.ndarray:
+        """The codes the search reads: by slot (the caller's) or by position (the index's own)."""
+        return self._source() if self.by_slot else self._codes
+
+    @property
+    def tail_codes(self) -> np.ndarray:
+        """The tail's codes, position pos >= nbase at row pos - nbase."""
+        return self._codes if self.by_slot else self._codes[self.nbase:]
 
     def words(self, packed: np.ndarray) -> np.ndarray:
         """uint8 [N, bits / 8] -> uint64 [N, nwords] (little-endian, zero-padded)."""
@@ -286,18 +331,26 @@ class MultiIndex:
         return np.ascontiguousarray(packed).view("<u8").astype(np.uint64, copy=False)
 
     def _grow(self, need: int) -> None:
+        """Room for `need` positions (and, by slot, for the tail's codes up to position need)."""
+        held = need - self.nbase if self.by_slot else need   # rows of _codes needed
+        if held > len(self._codes):
+            cap = len(self._codes)
+            while cap < held:
+                cap *= 2
+            codes = heap.zeros((cap, self.nwords), np.uint64)   # pages not yet written cost no memory
+            used = self.n - self.nbase if self.by_slot else self.n
+            codes[:used] = self._codes[:used]
+            freed, self._codes = self._codes.nbytes, codes
+            heap.replaced(freed)
         cap = len(self.p2s)
         if need <= cap:
             return
         while cap < need:
             cap *= 2
-        codes = heap.zeros((cap, self.nwords), np.uint64)   # pages not yet written cost no memory
-        codes[: self.n] = self.codes[: self.n]
         p2s = heap.zeros(cap, np.int32)
         p2s[: self.n] = self.p2s[: self.n]
         p2s[self.n:] = -1
-        freed = self.codes.nbytes + self.p2s.nbytes
-        self.codes, self.p2s = codes, p2s
+        freed, self.p2s = self.p2s.nbytes, p2s
         heap.replaced(freed)
 
     def append(self, slots: np.ndarray, words: np.ndarray) -> np.ndarray:
@@ -305,7 +358,8 @@ class MultiIndex:
         k = len(slots)
         self._grow(self.n + k)
         pos = np.arange(self.n, self.n + k, dtype=np.int64)
-        self.codes[self.n : self.n + k] = words
+        at = self.n - self.nbase if self.by_slot else self.n
+        self._codes[at : at + k] = words
         self.p2s[self.n : self.n + k] = slots
         self.n += k
         if (self.n - self.nbase >= self.tail_max) if self.offs is not None else (self.n >= self.min_entries):
@@ -314,8 +368,8 @@ class MultiIndex:
 
     def merge(self) -> None:
         if self.offs is None:   # room for a tail beyond the codes there are; more by doubling when needed
-            self.offs, self.ids, self.tc, self.th, self.ntab = _build(self.codes, self.p2s, self.n, self.nchunks,
-                                                                      self.n + self.tail_max)
+            self.offs, self.ids, self.tc, self.th, self.ntab = _build(self.codes, self.by_slot, self.p2s, self.n,
+                                                                      self.nchunks, self.n + self.tail_max)
         else:
             need = self.ntab + (self.n - self.nbase)
             if need > self.ids.shape[1]:   # room by doubling: few reallocations, so little heap fragmentation
@@ -327,15 +381,22 @@ class MultiIndex:
                 freed = self.ids.nbytes + self.tc.nbytes + self.th.nbytes
                 self.ids, self.tc, self.th = ids, tc, th
                 heap.replaced(freed)
-            self.ntab = _merge(self.codes, self.p2s, self.nbase, self.n, self.offs, self.ids, self.tc, self.th,
+            self.ntab = _merge(self.tail_codes, self.p2s, self.nbase, self.n, self.offs, self.ids, self.tc, self.th,
                                self.ntab, self.nchunks)
         self.nbase = self.n
 
     def compact(self) -> np.ndarray:
         """Renumber the live codes to positions [0, live), rebuild; returns the live slots in their new order."""
         live = np.flatnonzero(self.p2s[: self.n] >= 0)
-        codes, slots = self.codes[live].copy(), self.p2s[live].copy()
-        self.codes[: len(live)] = codes
+        slots = self.p2s[live].copy()
+        if self.by_slot:   # no tables below min_entries: every position is the tail's, its codes by position
+            if len(live) < self.min_entries:
+                codes = heap.zeros((max(16, len(self._codes), len(live)), self.nwords), np.uint64)
+                codes[: len(live)] = self._source()[slots]
+                self._codes = codes
+        else:
+            codes = self._codes[live].copy()
+            self._codes[: len(live)] = codes
         self.p2s[: len(live)] = slots
         self.p2s[len(live) : self.n] = -1
         self.n = len(live)
@@ -364,7 +425,8 @@ class MultiIndex:
     def search(self, qwords: np.ndarray, radius: int, live: int):
         """(lims, slots, dists) for queries uint64 [B, nwords] (see _search)."""
         masks, use = self.plan(radius, live)
-        args = (qwords, self.codes, self.p2s, self.n, self.nbase, self.offs if use else _NO_OFFS,
+        args = (qwords, self.codes, self.by_slot, self.tail_codes, self.p2s, self.n, self.nbase,
+                self.offs if use else _NO_OFFS,
                 self.ids if use else _NO_IDS, self.tc if use else _NO_TC, self.th if use else _NO_TH, masks,
                 self.nchunks, int(radius), use)
         lims = np.zeros(len(qwords) + 1, np.int64)
@@ -378,9 +440,10 @@ class MultiIndex:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the positions' columns and the tables (capacity included)."""
+        """Bytes held by the positions' columns (the own codes, or the tail's) and the tables (capacity
+        included); a by-slot source's codes are the caller's."""
         t = 0 if self.offs is None else self.offs.nbytes + self.ids.nbytes + self.tc.nbytes + self.th.nbytes
-        return self.codes.nbytes + self.p2s.nbytes + t
+        return self._codes.nbytes + self.p2s.nbytes + t
 
 
 _NO_OFFS = np.zeros((1, 2), np.int32)

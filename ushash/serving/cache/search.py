@@ -14,8 +14,8 @@ with tombstones: a removed entry stays in the index, is filtered out of results,
 rebuilt from the live codes once tombstones outnumber live entries (amortised O(1) per removal).
 faiss's binary `range_search` is strict (distance < radius), so radius + 1 is passed (see ushash.core.index).
 
-- "mindex" (and "auto", the default): this package's multi-index (mindex.py): sorted chunk tables, 16 B
-  per 64-bit code beside the code and its slot, searched in one numba call per batch, a popcount scan
+- "mindex" (and "auto", the default): this package's multi-index (mindex.py): sorted chunk tables, 40 B
+  per 64-bit code beside its slot (and the code, unless the caller lends its own codes by slot), searched in one numba call per batch, a popcount scan
   while small or when cheaper; exact for every radius. No faiss.
 - "flat": `IndexBinaryFlat`, a scan of every code; best for small caches.
 - "mih": `IndexBinaryMultiHash(bits, nhash, bits / nhash)`: exact for any radius with
@@ -296,11 +296,14 @@ class MIndexBackend(HammingBackend):
 
     kind = "mindex"
 
-    def __init__(self, bits: int, min_entries: int = 4096, tail_max: int = 4096):
+    def __init__(self, bits: int, min_entries: int = 4096, tail_max: int = 4096, codes=None):
+        """codes: None (the index keeps a copy of each code), or a callable returning the caller's uint64
+        [*, bits / 64] codes by slot, where the caller keeps each added slot's code until it is removed
+        (mindex.MultiIndex)."""
         super().__init__(bits)
         from ushash.serving.cache.mindex import MultiIndex
 
-        self._mi = MultiIndex(self.bits, min_entries=min_entries, tail_max=tail_max)
+        self._mi = MultiIndex(self.bits, min_entries=min_entries, tail_max=tail_max, codes=codes)
         self._slot2pos = _SlotMap()
 
     @property
@@ -417,7 +420,8 @@ class TorchBackend(HammingBackend):
 
 
 def make_backend(kind: str, bits: int, device: str = "cpu", mih_nhash: int | None = None,
-                 mih_min_entries: int = 20000) -> HammingBackend:
+                 mih_min_entries: int = 20000, codes=None) -> HammingBackend:
+    """codes: for "auto" / "mindex", the caller's codes by slot (MIndexBackend); the others keep their own."""
     kind = str(kind).lower()
     if kind == "torch":
         return TorchBackend(bits, device=device)
@@ -426,7 +430,7 @@ def make_backend(kind: str, bits: int, device: str = "cpu", mih_nhash: int | Non
             raise ValueError(f"search backend {kind!r} runs on the CPU; use backend 'torch' for device {device!r}")
         if kind in ("auto", "mindex"):
             m = min(4096, int(mih_min_entries))   # tables from this many codes; a tail of up to m / 2, <= 2048
-            return MIndexBackend(bits, min_entries=m, tail_max=min(2048, max(32, m // 2)))
+            return MIndexBackend(bits, min_entries=m, tail_max=min(2048, max(32, m // 2)), codes=codes)
         return FaissBackend(bits, kind="auto" if kind == "faiss" else kind, mih_nhash=mih_nhash,
                             mih_min_entries=mih_min_entries)
     raise ValueError(f"unknown search backend {kind!r}; choose one of {BACKENDS}")
