@@ -138,24 +138,34 @@ def test_expiry_records_drop_only_the_entry_they_were_made_for():
 
 
 def test_wtinylfu_sizes_widen_at_their_limit():
-    """Entry sizes are held as uint32 until one reaches SIZE_LIMIT, then as int64: the evictions are
-    those of a policy that held int64 sizes from the start."""
+    """Entry sizes are held as uint16 until one reaches its limit, then as uint32, then as int64 (one
+    insert may skip a step): the evictions are those of a policy that held int64 sizes from the start."""
     from ushash.serving.cache.policies.wtinylfu import WTinyLFU
 
-    rng = np.random.default_rng(2)
-    a, b = WTinyLFU(5000, window=0.05), WTinyLFU(5000, window=0.05)
-    a.SIZE_LIMIT = 150
-    b._size = b._size.astype(np.int64)
-    for step in range(3000):
-        k = int(rng.integers(0, 200))
-        if rng.random() < 0.4:
-            size = int(rng.integers(1, 200 if step > 500 else 100))
-            assert [int(x) for x in a.insert(k, size)] == [int(x) for x in b.insert(k, size)]
-        else:
-            a.access(k), b.access(k)
-    assert a._size.dtype == np.int64
-    np.testing.assert_array_equal(a._size, b._size)
-    assert a.used_bytes == b.used_bytes <= 5000
+    assert WTinyLFU(5000)._size.dtype == np.uint16
+    for limits, sizes, dtypes in ((((np.uint16, 100), (np.uint32, 150), (np.int64, None)), (100, 150, 200),
+                                   (np.uint16, np.uint32, np.int64)),
+                                  (((np.uint16, 100), (np.uint32, 150), (np.int64, None)), (100, 100, 200),
+                                   (np.uint16, np.uint16, np.int64))):
+        rng = np.random.default_rng(2)
+        a, b = WTinyLFU(5000, window=0.05), WTinyLFU(5000, window=0.05)
+        a.SIZE_DTYPES = limits
+        b._size = b._size.astype(np.int64)
+        for phase, top in enumerate(sizes):
+            for step in range(1500):
+                k = int(rng.integers(0, 200))
+                if rng.random() < 0.4:
+                    size = int(rng.integers(1, top))
+                    assert [int(x) for x in a.insert(k, size)] == [int(x) for x in b.insert(k, size)]
+                else:
+                    a.access(k), b.access(k)
+            assert a._size.dtype == dtypes[phase]
+        np.testing.assert_array_equal(a._size, b._size)
+        assert a.used_bytes == b.used_bytes <= 5000
+    c = WTinyLFU(5000)
+    c.SIZE_DTYPES = ((np.uint16, 100), (np.uint32, 150), (np.int64, None))
+    c.insert(0, 50), c.insert(1, 180)   # past both limits at once
+    assert c._size.dtype == np.int64 and c._size[:2].tolist() == [50, 180]
 
 
 def test_batch_metrics_equal_one_record_per_lookup():

@@ -15,7 +15,8 @@ layout of Caffeine) with a capacity in bytes, its state in numpy arrays:
   small. It counts an entry's `ident` (the cache passes a hash of tenant and code, so a request stored
   again is known), or the key when none is given.
 
-Per entry: two int32 links, a segment byte, its size and ident (~25 B), plus about 4 B of sketch.
+Per entry: two int32 links, a segment byte, its size (uint16 while entries are under 64 KiB) and ident
+(~21 B), plus 2-4 B of sketch.
 Entries of any size up to the capacity are stored.
 """
 
@@ -146,7 +147,8 @@ class WTinyLFU(Policy):
     """W-TinyLFU over byte sizes (see the module docstring)."""
 
     name = "wtinylfu"
-    SIZE_LIMIT = 1 << 32   # entry sizes below it are held as uint32
+    #: entry sizes are held in the first of these dtypes, each until an entry's size reaches its limit
+    SIZE_DTYPES = ((np.uint16, 1 << 16), (np.uint32, 1 << 32), (np.int64, None))
 
     def __init__(self, capacity_bytes: int, window: float = 0.01, protected: float = 0.8):
         super().__init__(capacity_bytes)
@@ -161,7 +163,8 @@ class WTinyLFU(Policy):
         self._prev = np.full(cap, -1, np.int32)
         self._next = np.full(cap, -1, np.int32)
         self._seg = np.zeros(cap, np.int8)
-        self._size = np.zeros(cap, np.uint32)   # int64 once an entry reaches SIZE_LIMIT bytes (insert)
+        self._size = np.zeros(cap, self.SIZE_DTYPES[0][0])   # wider once an entry reaches its limit (insert)
+        self._size_level = 0
         self._ident = np.zeros(cap, np.uint64)
         self._head = np.full(4, -1, np.int64)   # per segment: LRU end
         self._tail = np.full(4, -1, np.int64)   # per segment: MRU end
@@ -222,8 +225,11 @@ class WTinyLFU(Policy):
         if key in self:
             self.remove(key)
         self._grow(key)
-        if nbytes >= self.SIZE_LIMIT and self._size.dtype != np.int64:
-            self._size = self._size.astype(np.int64)
+        lim = self.SIZE_DTYPES[self._size_level][1]
+        if lim is not None and nbytes >= lim:
+            while self.SIZE_DTYPES[self._size_level][1] is not None and nbytes >= self.SIZE_DTYPES[self._size_level][1]:
+                self._size_level += 1
+            self._size = self._size.astype(self.SIZE_DTYPES[self._size_level][0])
         self._size[key] = nbytes
         self._ident[key] = key if ident is None else int(ident) & _MASK
         self._n += 1
