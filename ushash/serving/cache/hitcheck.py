@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-from numba import njit
+from ushash.core.jit import njit
 
 from ushash.serving.cache.entries import Candidates
 from ushash.serving.cache.request import Query

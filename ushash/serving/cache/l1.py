@@ -22,7 +22,7 @@ import sys
 import threading
 
 import numpy as np
-from numba import njit
+from ushash.core.jit import njit
 
 from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found, found
 from ushash.serving.cache.freshness import ExpiryHeap

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
+from ushash.core.jit import njit
 
 from ushash.serving.payload import scoring
 from ushash.serving.payload.scoring import _as_float2d

@@ -23,7 +23,7 @@ Entries of any size up to the capacity are stored.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from ushash.core.jit import njit
 
 from ushash.serving.cache import heap
 from ushash.serving.cache.policies import POLICIES, Policy
