@@ -78,6 +78,44 @@ def _cache(srv, revision=None, **kw):
     return SemanticCache(_head(revision), {"radius": 3, "l2": l2, **kw})
 
 
+def _flip(code: bytes, bits) -> bytes:
+    a = bytearray(code)
+    for b in bits:
+        a[b // 8] ^= 1 << (b % 8)
+    return bytes(a)
+
+
+def test_bloom_filter_never_hides_a_hit_and_its_guard_skips_l2_trips(redis_server):
+    """In front of the L2: with and without the filter the same answers; the empty searches it answers "no
+    entry" for are counted, and with bloom_guard_l2 they are not asked of the L2 (only another replica's
+    entries could be there: the guard is for one writer per tenant)."""
+    rng = np.random.default_rng(3)
+    caches = {name: _cache(redis_server, bloom=bloom, bloom_guard_l2=guard, l2={"prefix": f"bloom-{name}"})
+              for name, bloom, guard in (("on", True, False), ("off", False, False), ("guard", True, True))}
+    assert caches["off"].bloom is None and caches["on"].bloom is not None
+    asked = {}
+    for name, cache in caches.items():   # count the L2 searches each cache makes
+        l2 = cache._serving[1][1]
+        asked[name] = 0
+
+        def find(*a, _find=l2.find, _name=name, **kw):
+            asked[_name] += 1
+            return _find(*a, **kw)
+        l2.find = find
+    base = rng.integers(0, 256, size=(200, 8), dtype=np.uint8)
+    for i, c in enumerate(base):
+        for cache in caches.values():
+            cache.store(cache.query_from_code("text", c), i)
+    for _ in range(300):
+        c = base[rng.integers(200)].tobytes() if rng.random() < 0.5 else rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+        q = np.frombuffer(_flip(c, rng.integers(0, 64, size=rng.integers(0, 5))), np.uint8)
+        answers = {n: cache.lookup(cache.query_from_code("text", q)) for n, cache in caches.items()}
+        assert len({(h and h.value) for h in answers.values()}) == 1
+    skips = caches["on"].metrics.value("cache_bloom_skips_total")
+    assert skips > 100 and caches["guard"].metrics.value("cache_bloom_skips_total") == skips
+    assert asked["on"] == asked["off"] > 0 and asked["guard"] == asked["on"] - skips
+
+
 def test_replicas_share_entries_through_l2(redis_server):
     a, b = _cache(redis_server), _cache(redis_server)
     x = np.linspace(-1, 1, 16).astype(np.float32)

@@ -60,7 +60,9 @@ class CacheConfig:
                                              # memory in use (`device`'s, or the process's) and the p99 of
                                              # get_or_compute's computations over the last minute
     xfetch_beta: float = 1.0                 # early refresh eagerness; 0: off
-    bloom: bool = True                       # Bloom filter of stored code chunks: skip searches that must miss
+    bloom: bool = True                       # with an L2: a Bloom filter of the L1's code chunks; an empty
+                                             # search it says "no entry" for is counted (cache_bloom_skips_total)
+                                             # and, with bloom_guard_l2, not asked of the L2; no L2: no filter
     bloom_fp_rate: float = 0.01
     bloom_chunks: Optional[int] = None       # None: radius + 1, at least 16 bits a chunk
     bloom_guard_l2: bool = False             # also skip the L2 on a Bloom miss (single writer per tenant only)

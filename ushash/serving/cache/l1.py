@@ -193,7 +193,7 @@ class L1Tier:
         self._revisions: list[str] = [str(revision)]   # every L1 entry is of this revision (reload: a new tier)
         self._expiry = ExpiryHeap()
         self.bloom = None
-        if c.bloom:
+        if c.bloom and c.l2 is not None:   # its "no entry" matters only for the L2 behind (an L1 alone has searched)
             min_entry = self.code_bytes + 1 + (min(payload_codec.nbytes(m) for m in modalities)
                                                 if payload_codec is not None else 0)
             # sized for what fits, but start small: the filter doubles on rebuild as entries arrive
