@@ -296,3 +296,60 @@ def test_query_columns_equal_stacked_rows():
             continue
         ref = np.stack([q.z if q.z is not None else np.zeros(16, np.float32) for q in qs])
         assert qz.dtype == ref.dtype and qz.shape == ref.shape and np.array_equal(qz, ref)
+
+
+def test_l1_policy_idents_from_the_table_equal_idents_given_at_insert():
+    """The L1 binds W-TinyLFU's idents to its entry table (nothing held per entry for them): a cache's
+    admissions and evictions are exactly those of one whose policy is given `request_ident(code, tenant)`
+    of the entry at insert and holds it, under a seeded stream of stores (requests recurring, stored
+    again, across tenants, one of them deleted and its id reused) and lookups."""
+    from ushash.serving.cache.policies.wtinylfu import request_ident
+
+    clock = FakeClock()
+    cfg = {"capacity_bytes": 4000, "policy": "wtinylfu", "policy_options": {"window": 0.05}, "bloom": False,
+           "ttl_s": 1e9, "ttl_jitter": 0.0, "xfetch_beta": 0.0, "radius": 0}
+    head = LSHHead({"image": 8}, bits=64, dim=8, seed=0)
+    a, b = (SemanticCache(head, cfg, clock=clock, rng=random.Random(0)) for _ in range(2))
+    assert a.l1.policy._ident is None
+    pol = b.l1.policy
+    pol._rows, pol._ident = None, np.zeros(len(pol._seg), np.uint64)    # held idents, as given at insert
+    insert = pol.insert
+
+    refused, admitted = [0], [0]
+
+    def insert_with_ident(slot, nbytes, ident=None):
+        t = b.table
+        window = set(np.flatnonzero(pol._seg == 1).tolist()) | {slot}   # candidates come from here
+        out = insert(slot, nbytes, request_ident(t.code[slot].tobytes(), int(t.tenant[slot])))
+        refused[0] += sum(int(s) in window for s in out)
+        admitted[0] += sum(int(s) not in window for s in out)
+        return out
+
+    pol.insert = insert_with_ident
+    rng = np.random.default_rng(8)
+    pool = rng.integers(0, 256, size=(300, 8), dtype=np.uint8)
+    tenants = ["t0", "t1", "t2"]
+    stored = 0
+    for step in range(1500):
+        tenant = tenants[int(rng.integers(0, 3))]
+        idx = rng.integers(0, len(pool), int(rng.integers(1, 6)))
+        if rng.random() < 0.5:
+            values = [f"v{step}-{int(i)}" for i in idx]
+            na, nb = (c.store_codes(tenant, "image", pool[idx], values) for c in (a, b))
+            assert na == nb
+            stored += na
+        else:
+            qa, qb = ([c.query_from_code("image", pool[i]) for i in idx] for c in (a, b))
+            ha, hb = a.lookup_many(qa, tenant), b.lookup_many(qb, tenant)
+            assert [h.value if h else None for h in ha] == [h.value if h else None for h in hb]
+        if step == 700:
+            assert a.delete_tenant("t1") == b.delete_tenant("t1")
+        if step % 100 == 0:
+            assert a.table.live_slots().tolist() == b.table.live_slots().tolist()
+            for name in ("_prev", "_next", "_seg", "_size", "_head", "_tail", "_bytes"):
+                np.testing.assert_array_equal(getattr(a.l1.policy, name), getattr(pol, name), err_msg=name)
+            np.testing.assert_array_equal(a.l1.policy.sketch.table, pol.sketch.table)
+    ev_a, ev_b = (c.metrics.evictions.labels(reason="capacity")._value.get() for c in (a, b))
+    assert ev_a == ev_b > 100
+    assert refused[0] > 100 and admitted[0] > 100, (refused, admitted)   # the sketch decided both ways
+    assert a.table.live_slots().tolist() == b.table.live_slots().tolist() and stored > 1000

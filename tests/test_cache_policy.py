@@ -177,16 +177,95 @@ def test_unknown_policy_and_options():
         make_policy("lru", 10, k=2)
 
 
-def test_wtinylfu_compiled_access_equals_the_python_one():
+class _Rows:
+    """An entry table's `code` and `tenant` columns (what `bind_idents` reads), replaced as they grow."""
+
+    def __init__(self, code_bytes):
+        import numpy as np
+        self.code, self.tenant = np.zeros((4, code_bytes), np.uint8), np.zeros(4, np.uint8)
+
+    def write(self, k, code, tenant):
+        import numpy as np
+        while k >= len(self.tenant):
+            self.code = np.concatenate([self.code, np.zeros_like(self.code)])
+            self.tenant = np.concatenate([self.tenant, np.zeros_like(self.tenant)])
+        if tenant > np.iinfo(self.tenant.dtype).max:
+            self.tenant = self.tenant.astype(np.int64)
+        self.code[k], self.tenant[k] = np.frombuffer(code, np.uint8), tenant
+
+
+@pytest.mark.parametrize("code_bytes", [8, 4, 16])
+def test_wtinylfu_bound_idents_equal_held_ones(code_bytes):
+    """Bound to an entry table (`bind_idents`), W-TinyLFU derives each key's ident from its row when it
+    needs it; its evictions, links, sizes and sketch are exactly those of a policy given
+    `request_ident(code, tenant)` at insert and holding it, under a seeded stream of inserts (codes drawn
+    from a small pool, so requests recur under new keys; keys reused; tenants past uint8), compiled and
+    Python hits and removals that refuses and admits candidates and ages the sketch."""
+    import numpy as np
+
+    from ushash.serving.cache.policies.wtinylfu import WTinyLFU, request_ident
+
+    rng = np.random.default_rng(11)
+    rows = _Rows(code_bytes)
+    a, b = WTinyLFU(6000, window=0.05), WTinyLFU(6000, window=0.05)
+    a.bind_idents(rows)
+    assert a._ident is None
+    pool = [rng.integers(0, 256, code_bytes, dtype=np.uint8).tobytes() for _ in range(120)]
+    held: list[int] = []
+    refused = admitted = 0
+    for step in range(8000):
+        r = rng.random()
+        if r < 0.4 or not held:
+            k = int(rng.integers(0, 400))
+            if k in a:
+                a.remove(k), b.remove(k)   # a row is rewritten only after its key left the policy
+            code, tenant = pool[int(rng.integers(0, len(pool)))], int(rng.choice([0, 1, 2, 300]))
+            rows.write(k, code, tenant)
+            size = int(rng.integers(1, 150))
+            window = set(np.flatnonzero(a._seg == 1).tolist()) | {k}   # the candidates come from here
+            ea, eb = a.insert(k, size), b.insert(k, size, request_ident(code, tenant))
+            assert [int(x) for x in ea] == [int(x) for x in eb]
+            refused += sum(int(x) in window for x in ea)
+            admitted += sum(int(x) not in window for x in ea)
+            held = [x for x in range(400) if x in a]
+        elif r < 0.9:
+            ks = [int(rng.choice(held)) for _ in range(int(rng.integers(1, 4)))] + [int(rng.integers(400, 500))]
+            if step % 2:
+                a.access_many(ks), b.access_many(ks)
+            else:
+                for k in ks:
+                    a._access_py(k), b._access_py(k)
+        else:
+            k = int(rng.choice(held))
+            a.remove(k), b.remove(k)
+            held.remove(k)
+        if step % 400 == 0:
+            for name in ("_prev", "_next", "_seg", "_size", "_head", "_tail", "_bytes"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+            np.testing.assert_array_equal(a.sketch.table, b.sketch.table)
+            assert a.sketch.additions == b.sketch.additions
+    assert refused > 50 and admitted > 50, (refused, admitted)
+    assert rows.tenant.dtype == np.int64
+    assert a.used_bytes == b.used_bytes <= 6000
+    with pytest.raises(RuntimeError, match="empty"):
+        a.bind_idents(rows)
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_wtinylfu_compiled_access_equals_the_python_one(bound):
     """The compiled hit path (access / access_many) leaves exactly the state the Python methods leave:
     links, segments, bytes per segment, sketch counters and aging, under a seeded stream of inserts,
-    hits and removals that overflows the protected segment and halves the sketch."""
+    hits and removals that overflows the protected segment and halves the sketch; with idents held and
+    bound to an entry table."""
     import numpy as np
 
     from ushash.serving.cache.policies.wtinylfu import WTinyLFU
 
     rng = np.random.default_rng(5)
     a, b = WTinyLFU(4000, window=0.05), WTinyLFU(4000, window=0.05)
+    rows = _Rows(8)
+    if bound:
+        a.bind_idents(rows), b.bind_idents(rows)
     held: list[int] = []
     aged, last, width = False, 0, 0
     for step in range(6000):
@@ -196,6 +275,10 @@ def test_wtinylfu_compiled_access_equals_the_python_one():
         if r < 0.3 or not held:
             k = int(rng.integers(0, 300))
             ident = int(rng.integers(0, 1 << 63)) if rng.random() < 0.5 else None
+            if bound:
+                if k in a:
+                    a.remove(k), b.remove(k)
+                rows.write(k, rng.integers(0, 256, 8, dtype=np.uint8).tobytes(), int(rng.integers(0, 3)))
             size = int(rng.integers(1, 200))
             ea, eb = a.insert(k, size, ident), b.insert(k, size, ident)
             assert [int(x) for x in ea] == [int(x) for x in eb]
@@ -211,6 +294,9 @@ def test_wtinylfu_compiled_access_equals_the_python_one():
             held.remove(k)
         if step % 500 == 0:
             for name in ("_prev", "_next", "_seg", "_size", "_ident", "_head", "_tail", "_bytes"):
+                if bound and name == "_ident":
+                    assert a._ident is None and b._ident is None
+                    continue
                 np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
             np.testing.assert_array_equal(a.sketch.table, b.sketch.table)
             assert a.sketch.additions == b.sketch.additions

@@ -184,6 +184,9 @@ class L1Tier:
         self.table = EntryTable(self.code_bytes, pw)
         opts = dict(c.policy_options or {})
         self.policy = make_policy(c.policy, c.capacity_bytes, clock=clock, **opts)
+        # the request's identity for the policy's frequency counts, tenant and code, read from the slot's row
+        # (written before the policy's insert, released after its remove)
+        self.policy.bind_idents(self.table)
         self._backends: dict[int, object] = {}
         self._tenant_ids: dict[str, int] = {}
         self._tenant_names: dict[int, str] = {}
@@ -530,9 +533,7 @@ class L1Tier:
                 t.write(slot, e, ti, mi, self._revisions.index(e.revision))
                 self._tenant_live[ti] += 1
                 admitted = True
-                # the request's identity for the policy's frequency counts: tenant and code (deterministic)
-                ident = (int.from_bytes(e.code, "little") * 0x9E3779B97F4A7C15 + ti) & 0xFFFFFFFFFFFFFFFF
-                for s in self.policy.insert(slot, e.nbytes, ident):
+                for s in self.policy.insert(slot, e.nbytes):
                     if s == slot:
                         admitted = False
                         m.rejections.labels(reason="admission").inc()

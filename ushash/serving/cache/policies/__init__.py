@@ -4,7 +4,8 @@ Every policy tracks integer keys (the cache's entry slots) and their sizes in by
 
     evicted = policy.insert(key, nbytes, ident)   # keys to drop, oldest decision first; may contain
                                            # `key` itself when the policy refuses to admit it (W-TinyLFU);
-                                           # ident: the request's identity across slots (optional)
+                                           # ident: the request's identity across slots (optional;
+                                           # bind_idents(table) derives it from the slot's row instead)
     policy.access(key)                      # a hit
     policy.access_many(keys)                # hits of a batch, in order (W-TinyLFU: one compiled call)
     policy.remove(key)                      # the cache dropped it (expiry, revision change, replacement)
@@ -51,6 +52,10 @@ class Policy:
         """Hold `key` of `nbytes`; returns the keys evicted. ident: the request's identity, for policies
         that count requests across entries (W-TinyLFU's sketch); others ignore it."""
         raise NotImplementedError
+
+    def bind_idents(self, rows) -> None:
+        """Take each key's ident from row `key` of an entry table (`code`, `tenant`) instead of `insert`'s
+        argument (W-TinyLFU: nothing held per entry for it); others ignore idents."""
 
     def access(self, key: int) -> None:
         raise NotImplementedError

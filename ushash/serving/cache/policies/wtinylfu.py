@@ -12,11 +12,13 @@ layout of Caffeine) with a capacity in bytes, its state in numpy arrays:
 - the frequency sketch: a count-min sketch of 4-bit saturating counters (4 hashes), halved every
   10 x width increments (aging); its width follows the number of entries held (a power of two >= 2x the
   entries, reset when it grows), not the configured capacity, so a small cache in a large budget stays
-  small. It counts an entry's `ident` (the cache passes a hash of tenant and code, so a request stored
-  again is known), or the key when none is given.
+  small. It counts an entry's `ident`: bound to an entry table (`bind_idents`, what the L1 does), the
+  ident is derived from the slot's row when needed, `request_ident` of its code and tenant (so a request
+  stored again is known), and nothing is held per entry for it; unbound, the ident given to `insert` is
+  held (8 B per entry), or the key when none is given.
 
-Per entry: two int32 links, a segment byte, its size (uint16 while entries are under 64 KiB) and ident
-(~21 B), plus 2-4 B of sketch.
+Per entry: two int32 links, a segment byte and its size (uint16 while entries are under 64 KiB), ~11 B
+(+ 8 B of ident when unbound), plus 2-4 B of sketch.
 Entries of any size up to the capacity are stored.
 """
 
@@ -31,6 +33,24 @@ from ushash.serving.cache.policies import POLICIES, Policy
 _NONE, _WINDOW, _PROBATION, _PROTECTED = 0, 1, 2, 3
 _MASK = (1 << 64) - 1
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0x632BE59BD9B4E019), np.uint64(0xBF58476D1CE4E5B9)
+_K = 0x9E3779B97F4A7C15
+
+
+def request_ident(code: bytes, tenant: int) -> int:
+    """A request's identity for the sketch: its code (only its first 8 bytes matter, little-endian) and
+    tenant id."""
+    return (int.from_bytes(code, "little") * _K + int(tenant)) & _MASK
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nb_ident(ident, codes, tenant, bound, k):
+    """Key k's ident: held (`ident[k]`), or bound: `request_ident` of row k of codes and tenant."""
+    if not bound:
+        return ident[k]
+    c = np.uint64(0)
+    for b in range(min(8, codes.shape[1])):
+        c |= np.uint64(codes[k, b]) << np.uint64(8 * b)
+    return c * _M1 + np.uint64(tenant[k])
 
 
 # A hit (`access`) is the hot path of every lookup: compiled, on the same arrays and with the same
@@ -86,12 +106,13 @@ def _nb_unlink(prev, nxt, segs, size, head, tail, nbytes, k):
 
 
 @njit(cache=True, nogil=True)
-def _nb_access(keys, prev, nxt, segs, size, ident, head, tail, nbytes, protected_bytes, table, additions):
+def _nb_access(keys, prev, nxt, segs, size, ident, codes, tenant, bound, head, tail, nbytes, protected_bytes, table,
+               additions):
     """`WTinyLFU.access` of each key in turn; returns the sketch's additions count."""
     for key in keys:
         if key < 0 or key >= len(segs) or segs[key] == _NONE:
             continue
-        additions = _nb_increment(table, ident[key], additions)
+        additions = _nb_increment(table, _nb_ident(ident, codes, tenant, bound, key), additions)
         seg = _nb_unlink(prev, nxt, segs, size, head, tail, nbytes, key)
         if seg == _WINDOW:
             _nb_link(prev, nxt, segs, size, head, tail, nbytes, _WINDOW, key)
@@ -102,6 +123,9 @@ def _nb_access(keys, prev, nxt, segs, size, ident, head, tail, nbytes, protected
             _nb_unlink(prev, nxt, segs, size, head, tail, nbytes, d)
             _nb_link(prev, nxt, segs, size, head, tail, nbytes, _PROBATION, d)
     return additions
+
+
+_NO_IDENT, _NO_CODES, _NO_TENANT = np.zeros(1, np.uint64), np.zeros((1, 1), np.uint8), np.zeros(1, np.uint8)
 
 
 class _Sketch:
@@ -165,7 +189,8 @@ class WTinyLFU(Policy):
         self._seg = np.zeros(cap, np.int8)
         self._size = np.zeros(cap, self.SIZE_DTYPES[0][0])   # wider once an entry reaches its limit (insert)
         self._size_level = 0
-        self._ident = np.zeros(cap, np.uint64)
+        self._ident = np.zeros(cap, np.uint64)   # unbound only (bind_idents drops it)
+        self._rows = None                         # bound: the entry table whose rows give the idents
         self._head = np.full(4, -1, np.int64)   # per segment: LRU end
         self._tail = np.full(4, -1, np.int64)   # per segment: MRU end
         self._bytes = np.zeros(4, np.int64)
@@ -180,6 +205,8 @@ class WTinyLFU(Policy):
         freed = 0
         for name, fill in (("_prev", -1), ("_next", -1), ("_seg", 0), ("_size", 0), ("_ident", 0)):
             old = getattr(self, name)
+            if old is None:
+                continue
             a = heap.zeros(new, old.dtype)
             a[:cap] = old
             if fill:
@@ -214,8 +241,23 @@ class WTinyLFU(Policy):
         self._bytes[seg] -= int(self._size[k])
         return seg
 
+    def bind_idents(self, rows) -> None:
+        """Derive each key's ident from row `key` of `rows` (an object with `code`, a [n, code_bytes]
+        uint8 array, and `tenant`, an integer array; read afresh each time, so they may be replaced as
+        they grow) instead of holding the ident given to `insert`: `request_ident(code, tenant)`. The
+        caller keeps a held key's row as it was when inserted. Only on an empty policy."""
+        if self._n:
+            raise RuntimeError("bind_idents needs an empty policy")
+        self._rows, self._ident = rows, None
+
+    def _ident_of(self, k: int) -> int:
+        r = self._rows
+        if r is None:
+            return int(self._ident[k])
+        return request_ident(r.code[k, :8].tobytes(), int(r.tenant[k]))
+
     def _freq(self, k: int) -> int:
-        return self.sketch.frequency(int(self._ident[k]))
+        return self.sketch.frequency(self._ident_of(k))
 
     # ------------------------------------------------------------------ the policy
     def insert(self, key: int, nbytes: int, ident: int | None = None) -> list[int]:
@@ -231,10 +273,11 @@ class WTinyLFU(Policy):
                 self._size_level += 1
             self._size = self._size.astype(self.SIZE_DTYPES[self._size_level][0])
         self._size[key] = nbytes
-        self._ident[key] = key if ident is None else int(ident) & _MASK
+        if self._rows is None:
+            self._ident[key] = key if ident is None else int(ident) & _MASK
         self._n += 1
         self.sketch.ensure(self._n)
-        self.sketch.increment(int(self._ident[key]))
+        self.sketch.increment(self._ident_of(key))
         self._link(_WINDOW, key)
         # window overflow: its LRU entries move to probation as candidates for the main space
         cands = []
@@ -269,17 +312,21 @@ class WTinyLFU(Policy):
 
     def access_many(self, keys) -> None:
         """`access` of each key in turn (one compiled call)."""
-        sk = self.sketch
+        sk, r = self.sketch, self._rows
+        if r is None:
+            ident, codes, tenant = self._ident, _NO_CODES, _NO_TENANT
+        else:
+            ident, codes, tenant = _NO_IDENT, r.code, r.tenant
         sk.additions = int(_nb_access(np.asarray(keys, np.int64), self._prev, self._next, self._seg, self._size,
-                                      self._ident, self._head, self._tail, self._bytes, self.protected_bytes,
-                                      sk.table, sk.additions))
+                                      ident, codes, tenant, r is not None, self._head, self._tail, self._bytes,
+                                      self.protected_bytes, sk.table, sk.additions))
 
     def _access_py(self, key: int) -> None:
         """The Python twin of the compiled access (tests check they agree)."""
         key = int(key)
         if key not in self:
             return
-        self.sketch.increment(int(self._ident[key]))
+        self.sketch.increment(self._ident_of(key))
         seg = self._unlink(key)
         if seg == _WINDOW:
             self._link(_WINDOW, key)
