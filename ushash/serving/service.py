@@ -32,12 +32,14 @@ import functools
 import hmac
 import inspect
 import ipaddress
+import json
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -203,8 +205,6 @@ class _BodyLimit:
 
 
 async def _send_json(send, status: int, obj: dict) -> None:
-    import json
-
     body = json.dumps(obj).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
@@ -247,8 +247,6 @@ class SafeJSONResponse(JSONResponse):
     """JSON as ASCII: a value or a message holding a lone surrogate still encodes (as \\udXXX)."""
 
     def render(self, content) -> bytes:
-        import json
-
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
@@ -288,10 +286,6 @@ class _FastJSONRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            import json
-
-            import orjson
-
             body = await self.body()
             try:
                 self._json = orjson.loads(body)
@@ -440,8 +434,6 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         return Response(cache.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     def _json(out: dict):
-        import orjson
-
         try:  # orjson straight to bytes, skipping FastAPI's generic encoding of the returned dict
             return Response(orjson.dumps(out), media_type="application/json")
         except TypeError:  # a value orjson does not take (an integer beyond 64 bits): the generic path

@@ -339,9 +339,7 @@ class L1Tier:
         nearest distance seen (-1: nothing within observe_radius), and the indices of the queries the
         Bloom filter answered "no entry". None when the tenant has nothing here. One compiled call on the
         own multi-index with int4 payloads (`_find_fused`), else one search and `check.select`."""
-        if len(self._expiry):
-            self.expire(now)
-        ti = self._tenant_ids.get(tenant)
+        ti = self._tenant_at(tenant, now)
         nq = len(queries)
         if ti is None or not nq:
             return None
@@ -358,6 +356,13 @@ class L1Tier:
         if hits:
             self.policy.access_many(hits)
         return chosen, dist, cos, nearest, skipped
+
+    def _tenant_at(self, tenant: str, now: float) -> int | None:
+        """(lock held) What every search does first: entries expired by `now` dropped, then the tenant's id
+        (None: it has nothing here)."""
+        if len(self._expiry):
+            self.expire(now)
+        return self._tenant_ids.get(tenant)
 
     def _bloom_skips(self, ti: int, queries, counts) -> list[int]:
         """The queries whose search found nothing that the Bloom filter says have no entry. The filter
@@ -408,9 +413,7 @@ class L1Tier:
     def _find_top(self, q, tenant: str, revision: str, check, now: float, k: int) -> list[Found]:
         """(lock held) find(q, ..., k > 1): the best servable entry and the next k - 1 (`Found.more`)."""
         out = [MISS]
-        if len(self._expiry):
-            self.expire(now)
-        ti = self._tenant_ids.get(tenant)
+        ti = self._tenant_at(tenant, now)
         if ti is None:
             return out
         counts, nearest_d, qlims, slots, dists, cur, exp, mod, hasp = self._candidates([q], self._backends[ti], q.code,

@@ -78,6 +78,14 @@ def _rest(w, c):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _put_rest(tc, th, j, at, w):
+    """Table entry `at` of chunk j's tables: word w's other 48 bits (`_rest`), the low 32 in tc, the high 16 in th."""
+    r = _rest(w, j & 3)
+    tc[j, at] = np.uint32(r & np.uint64(0xFFFFFFFF))
+    th[j, at] = np.uint16(r >> np.uint64(32))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _row(p2s, pos, by_slot):
     """The row of codes that holds position pos's code: its slot (by_slot; row 0 for a tombstone, whose
     slot's code may be another's by now: a tombstone is never emitted), else pos itself."""
@@ -219,9 +227,7 @@ def _build(codes, by_slot, p2s, n, nchunks, cap):
                 row = p2s[pos] if by_slot else pos
                 v = _chunk(row, codes, j)
                 ids[j, fill[v]] = pos
-                r = _rest(codes[row, 0], j & 3)
-                tc[j, fill[v]] = np.uint32(r & np.uint64(0xFFFFFFFF))
-                th[j, fill[v]] = np.uint16(r >> np.uint64(32))
+                _put_rest(tc, th, j, fill[v], codes[row, 0])
                 fill[v] += 1
     return offs, ids, tc, th, live
 
@@ -268,9 +274,7 @@ def _merge(tcodes, p2s, nbase, n, offs, ids, tc, th, ntab, nchunks):
                 src -= 1
                 dst -= 1
             ids[j, dst] = tpos[t]
-            r = _rest(tcodes[tpos[t] - nbase, 0], j & 3)
-            tc[j, dst] = np.uint32(r & np.uint64(0xFFFFFFFF))
-            th[j, dst] = np.uint16(r >> np.uint64(32))
+            _put_rest(tc, th, j, dst, tcodes[tpos[t] - nbase, 0])
             dst -= 1
         for v in range(NVALUES + 1):
             offs[j, v] += tcount[v]
