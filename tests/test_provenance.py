@@ -56,6 +56,25 @@ def test_another_manifest_or_an_edited_caption_makes_another_store(tmp_path):
     assert first.meta["rows_fingerprint"] != edited.meta["rows_fingerprint"]
 
 
+def test_another_way_of_decoding_makes_another_store(tmp_path, monkeypatch):
+    """The same rows decoded otherwise (a decode setting, or DECODE_VERSION for a change no setting shows)
+    are another store, never the old one reused."""
+    import dataclasses
+
+    from ushash.data import media
+
+    m = write_manifest(tmp_path / "m", 12)
+    first = run_extract(cfg_for(tmp_path, m), splits=["train"])["train"]
+    assert run_extract(cfg_for(tmp_path, m), splits=["train"])["train"].path == first.path   # reused as it is
+    monkeypatch.setattr(media, "FILE_LIMITS", dataclasses.replace(media.FILE_LIMITS, decode_side=224))
+    reduced = run_extract(cfg_for(tmp_path, m), splits=["train"])["train"]
+    monkeypatch.setattr(media, "FILE_LIMITS", dataclasses.replace(media.FILE_LIMITS, decode_side=448))
+    monkeypatch.setattr(media, "DECODE_VERSION", media.DECODE_VERSION + 1)
+    bumped = run_extract(cfg_for(tmp_path, m), splits=["train"])["train"]
+    assert len({first.path, reduced.path, bumped.path}) == 3
+    assert first.tables["text"].ids == reduced.tables["text"].ids == bumped.tables["text"].ids
+
+
 def test_another_split_seed_makes_another_store(tmp_path):
     m = write_manifest(tmp_path / "m", 12, split_col=False)
     a = run_extract(cfg_for(tmp_path, m, "data.val_frac=0.3", "data.seed=0"), splits=["train"])["train"]

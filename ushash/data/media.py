@@ -46,6 +46,9 @@ SVG_SUFFIXES = (".svg", ".svgz")
 # SVG stamps often declare tiny intrinsic sizes (Tux Paint: ~70x110 px); rasterise them so the longer
 # side has this many pixels, which leaves encoders (224-384 px inputs) real detail to work with.
 SVG_SIZE = 512
+#: raised with any change to what decoding makes of a file that the settings (FILE_LIMITS, SVG_SIZE) do not
+#: show: it is part of every feature store's rows fingerprint (ushash.data.store.decode_identity)
+DECODE_VERSION = 1
 _WHITE = (255, 255, 255)
 
 # MediaError.code: what went wrong, for programs (failure reports, a cache's 4xx). Each with the short

@@ -47,14 +47,30 @@ def encoder_meta(encoder, config: dict | None = None) -> dict:
 def rows_fingerprint(rows) -> str:
     """16 hex digits over every row's modality, id, group, labels and source, in order: a caption by its
     text, a file by its path and size (a member of a container, `tar:...#m` or `hf:...#m`, by the
-    container's path and size). Another manifest, another split seed or fraction, an edited caption or a
-    replaced image give another fingerprint, so a feature store is never reused for other rows."""
+    container's path and size), and over how a file is decoded (`decode_identity`). Another manifest,
+    another split seed or fraction, an edited caption, a replaced image or a change to decoding give
+    another fingerprint, so a feature store is never reused for other rows or other pixels."""
     h = hashlib.sha256()
+    h.update(decode_identity().encode() + b"\n")
     sizes: dict[str, object] = {}
     for r in rows:
         h.update(f"{r.modality}\0{r.id}\0{r.group}\0{'|'.join(r.labels)}\0".encode("utf-8", "surrogatepass"))
         h.update(_source_key(r, sizes).encode("utf-8", "surrogatepass") + b"\n")
     return h.hexdigest()[:16]
+
+
+def decode_identity() -> str:
+    """What turns a row's file into the encoder's input, as text: the dataset loaders' decode settings
+    (`media.FILE_LIMITS`: e.g. `decode_side`, which reduces large images) and the SVG raster size, with
+    `media.DECODE_VERSION` for a change to decoding that no setting shows. (A store made before decoding
+    reduced large images was once reused after that change: 9 of Tux Paint's 950 images then had other
+    features than the code gives.)"""
+    import dataclasses
+
+    from ushash.data import media
+
+    return json.dumps({"version": media.DECODE_VERSION, "file_limits": dataclasses.asdict(media.FILE_LIMITS),
+                       "svg_size": media.SVG_SIZE}, sort_keys=True)
 
 
 def _source_key(row, sizes: dict) -> str:
