@@ -6,11 +6,12 @@ Per data set: `python -m ushash.extract data=<d> encoder=<e>` (train, val and te
 reused), `python -m ushash.train data=<d> encoder=<e>` (no other override: bits, seed and the recipe are
 the defaults of configs/ and ushash/config.py), then `python -m ushash.export` of its best.ckpt to
 exports/budget-<d>-<e> (a stable name the benchmarks read). The run's folder is named after a hash of the
-resolved training config (checkpoints/budget-<d>-<e>-<bits>b-s<seed>-<hash>), so
+resolved training config and of the content of the train and val stores (`content_digest`)
+(checkpoints/budget-<d>-<e>-<bits>b-s<seed>-<hash>), so
 
-- a rerun with the same defaults skips a finished run and resumes an interrupted one (its last.ckpt);
-- a rerun after the defaults changed trains a new head in a new folder (never resumes the old one's
-  weights), and the export is replaced by it.
+- a rerun with the same defaults and features skips a finished run and resumes an interrupted one (its last.ckpt);
+- a rerun after the defaults or the features changed (a store made again after a change to decoding) trains a
+  new head in a new folder (never resumes the old one's weights), and the export is replaced by it.
 
 A run is finished when its folder has `done.json` (written after training returns); the export is redone
 when its revision is not the one recorded there.
@@ -32,16 +33,28 @@ sys.path.insert(0, str(ROOT))
 NOT_RECIPE = ("paths", "run_name", "resume", "extract", "eval", "sweep", "logger")
 
 
-def config_key(overrides: list[str]) -> tuple[str, dict]:
-    """(12 hex digits of sha256 of the resolved training config, that config) for these overrides."""
+def config_key(overrides: list[str], stores: dict | None = None) -> tuple[str, dict]:
+    """(12 hex digits of sha256 of the resolved training config and the training features' content digests
+    `stores`, that config) for these overrides."""
     from omegaconf import OmegaConf
 
     from ushash.config import compose
 
     cfg = OmegaConf.to_container(compose("config", overrides), resolve=False)
     recipe = {k: v for k, v in cfg.items() if k not in NOT_RECIPE}
-    blob = json.dumps(recipe, sort_keys=True, default=str)
+    blob = json.dumps({**recipe, "stores": stores} if stores else recipe, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12], recipe
+
+
+def extract_stores(overrides: list[str]) -> dict:
+    """Extract (or reuse) every split's features, as `python -m ushash.extract <overrides>` does (the benchmarks
+    replay val and test); returns {split: content digest} of the train and val stores the head learns from."""
+    from ushash.config import compose
+    from ushash.data.extract import run_extract
+    from ushash.data.store import content_digest
+
+    splits = run_extract(compose("config", overrides))
+    return {sp: content_digest(splits[sp]) for sp in ("train", "val")}
 
 
 def export_name(data: str, encoder: str) -> str:
@@ -50,17 +63,17 @@ def export_name(data: str, encoder: str) -> str:
 
 def build(data: str, encoder: str) -> dict:
     overrides = [f"data={data}", f"encoder={encoder}"]
-    key, recipe = config_key(overrides)
+    stores = extract_stores(overrides)
+    key, recipe = config_key(overrides, stores)
     run = f"budget-{data}-{encoder}-{recipe['bits']}b-s{recipe['seed']}-{key}"
     run_dir = ROOT / "checkpoints" / run
     done = run_dir / "done.json"
     py = sys.executable
-    # every split's features (the benchmarks replay val and test); stores that exist are reused
-    subprocess.run([py, "-m", "ushash.extract", *overrides], cwd=ROOT, check=True)
     if not done.exists():
         print(f"[budget_heads] train {run}", flush=True)
         subprocess.run([py, "-m", "ushash.train", *overrides, f"run_name={run}"], cwd=ROOT, check=True)
-        done.write_text(json.dumps({"overrides": overrides, "config_key": key, "recipe": recipe}, indent=1) + "\n")
+        done.write_text(json.dumps({"overrides": overrides, "config_key": key, "stores": stores, "recipe": recipe},
+                                   indent=1) + "\n")
     else:
         print(f"[budget_heads] {run}: trained (done.json)", flush=True)
     state = json.loads(done.read_text())

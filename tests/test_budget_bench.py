@@ -104,3 +104,8 @@ def test_head_runs_are_named_after_the_resolved_recipe():
     assert heads.config_key(["data=emoji", "encoder=offline"])[0] != a
     # where things go and whether to resume do not change the head
     assert heads.config_key(["data=tuxpaint", "encoder=offline", "resume=false", "run_name=x"])[0] == a
+    # the training features are part of it: a store made again with other content is another head
+    ov = ["data=tuxpaint", "encoder=offline"]
+    stores = {"train": "0" * 16, "val": "1" * 16}
+    assert heads.config_key(ov, stores)[0] == heads.config_key(ov, dict(stores))[0] != a
+    assert heads.config_key(ov, {**stores, "val": "2" * 16})[0] != heads.config_key(ov, stores)[0]

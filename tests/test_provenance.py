@@ -75,6 +75,36 @@ def test_another_way_of_decoding_makes_another_store(tmp_path, monkeypatch):
     assert first.tables["text"].ids == reduced.tables["text"].ids == bumped.tables["text"].ids
 
 
+def test_content_digest_is_what_a_store_holds_not_its_name(tmp_path, monkeypatch):
+    """A store made again from the same pixels under another name (a bumped DECODE_VERSION) has the same content
+    digest; a changed feature value, or another row's labels, gives another (checked against a naive rehash)."""
+    import shutil
+
+    import numpy as np
+
+    from ushash.data import media
+    from ushash.data.store import content_digest, open_split
+
+    m = write_manifest(tmp_path / "m", 12)
+    first = run_extract(cfg_for(tmp_path, m), splits=["train"])["train"]
+    monkeypatch.setattr(media, "DECODE_VERSION", media.DECODE_VERSION + 1)
+    again = run_extract(cfg_for(tmp_path, m), splits=["train"])["train"]
+    assert again.path != first.path and content_digest(again) == content_digest(first)
+    copy = tmp_path / "copy"
+    shutil.copytree(first.path, copy)
+    x = np.load(copy / "text.npy")
+    x[3, 5] = np.nextafter(x[3, 5], np.float32(np.inf))  # one float32 ulp
+    np.save(copy / "text.npy", x)
+    assert content_digest(open_split(copy)) != content_digest(first)
+    shutil.rmtree(copy)
+    shutil.copytree(first.path, copy)
+    rows = (copy / "image.rows.jsonl").read_text().splitlines()
+    rec = json.loads(rows[0])
+    rec["labels"] = rec["labels"] + ["extra"]
+    (copy / "image.rows.jsonl").write_text("\n".join([json.dumps(rec), *rows[1:]]) + "\n")
+    assert content_digest(open_split(copy)) != content_digest(first)
+
+
 def test_another_split_seed_makes_another_store(tmp_path):
     m = write_manifest(tmp_path / "m", 12, split_col=False)
     a = run_extract(cfg_for(tmp_path, m, "data.val_frac=0.3", "data.seed=0"), splits=["train"])["train"]

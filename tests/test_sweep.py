@@ -92,6 +92,57 @@ def test_trained_run_resumes_from_its_checkpoint(tmp_path, caplog):
     assert mod.hparams.method == "pairwise" and mod.hparams.bits == 16
 
 
+def _perturb(split) -> None:
+    """Change one feature of a store in place, as a store made again from other pixels would differ."""
+    f = split.path / "image.npy"
+    x = np.load(f)
+    x[0, 0] += 1.0
+    np.save(f, x)
+
+
+def test_a_result_from_other_features_is_not_reused(tmp_path, caplog):
+    """The same settings over a store whose features changed: the stored result is not returned, its folder is
+    moved to stale/ (kept, out of the tables' runs) and the run is done again, recording the new stores."""
+    caplog.set_level("INFO", logger="ushash")
+    cfg = _cfg(tmp_path, "method=itq", "bits=16", "seed=0")
+    first = sweep.run_one(cfg)
+    exp = tmp_path / "experiments" / "synthetic"
+    run_dir = sweep.run_path(exp, "itq-16b-s0", first["digest"])
+    assert set(first["stores"]) == {"train", "val", "test"}
+    _perturb(sweep.open_splits(cfg)["train"])
+    second = sweep.run_one(cfg)
+    assert "done already" not in caplog.text and "used other features" in caplog.text
+    assert second["digest"] == first["digest"] and second["stores"]["train"] != first["stores"]["train"]
+    assert second["stores"]["val"] == first["stores"]["val"]
+    aside = exp / "stale" / run_dir.name
+    assert json.loads((aside / "result.json").read_text())["stores"] == first["stores"]
+    assert [r["stores"] for r in sweep.load_results(exp)] == [second["stores"]]  # the tables read the new run only
+    sweep.run_one(cfg)
+    assert "done already" in caplog.text  # and that one is reused
+
+
+def test_an_interrupted_run_over_other_features_is_not_resumed(tmp_path, caplog):
+    """A trained run cut before evaluation (no result.json) whose features changed since: trained afresh, not
+    resumed from the old features' last.ckpt. A folder from before runs recorded their stores is redone too."""
+    caplog.set_level("INFO", logger="ushash")
+    cfg = _cfg(tmp_path, "method=pairwise", "bits=16", "seed=0", "trainer.max_epochs=1")
+    first = sweep.run_one(cfg)
+    exp = tmp_path / "experiments" / "synthetic"
+    run_dir = sweep.run_path(exp, "pairwise-16b-s0", first["digest"])
+    (run_dir / "result.json").unlink()
+    _perturb(sweep.open_splits(cfg)["val"])
+    second = sweep.run_one(cfg)
+    assert "resuming from" not in caplog.text and (exp / "stale" / run_dir.name / "last.ckpt").exists()
+    assert second["stores"]["val"] != first["stores"]["val"]
+    # an old-format folder: neither file records the stores
+    for name in ("result.json", "settings.json"):
+        f = run_dir / name
+        f.write_text(json.dumps({k: v for k, v in json.loads(f.read_text()).items() if k != "stores"}))
+    caplog.clear()
+    sweep.run_one(cfg)
+    assert "not recorded" in caplog.text and (exp / "stale" / f"{run_dir.name}-1").exists()
+
+
 def test_aggregate_tables_and_plots(tmp_path):
     for method in ("lsh", "itq", "float"):
         for bits in (16, 32):

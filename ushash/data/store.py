@@ -59,6 +59,21 @@ def rows_fingerprint(rows) -> str:
     return h.hexdigest()[:16]
 
 
+def content_digest(split: "FeatureSplit") -> str:
+    """16 hex digits over what a store holds: per modality its name, the features' dtype, shape and bytes, and
+    every row's id, group and labels. What a result computed from the store depends on, whatever the folder is
+    called: a store made again from the same pixels has the same digest, one with other features another."""
+    h = hashlib.sha256()
+    for m in sorted(split.tables):
+        t = split.tables[m]
+        x = np.ascontiguousarray(t.x)
+        h.update(f"{m}\0{x.dtype.str}\0{x.shape}\n".encode())
+        h.update(memoryview(x).cast("B"))
+        for rid, g, labs in zip(t.ids, t.groups, t.labels):
+            h.update(f"{rid}\0{g}\0{'|'.join(labs)}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:16]
+
+
 def decode_identity() -> str:
     """What turns a row's file into the encoder's input, as text: the dataset loaders' decode settings
     (`media.FILE_LIMITS`: e.g. `decode_side`, which reduces large images) and the SVG raster size, with

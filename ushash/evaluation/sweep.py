@@ -8,9 +8,12 @@ Every run (one method, one code length, one seed) is `run_one(cfg)`: it opens th
 if needed, or writing the synthetic one), fits a no-training method on the training split or trains a method
 with the one Lightning loop (checkpoint chosen on the validation split), and evaluates on the test split with
 `ushash.evaluation.retrieval` / `ushash.eval`. It writes
-`experiments/<name>/runs/<method>-<bits>b-s<seed>-<settings digest>/result.json`; a run whose result exists
-is skipped, so an interrupted sweep resumes (a trained run cut mid-training resumes from its last.ckpt), and
-a run with other settings gets a folder of its own. At the end of a multirun a Hydra callback aggregates
+`experiments/<name>/runs/<method>-<bits>b-s<seed>-<settings digest>/result.json`, with the content digests of
+the three stores it read (`content_digest`); a run whose result exists for the same settings and the same
+features is skipped, so an interrupted sweep resumes (a trained run cut mid-training resumes from its last.ckpt), and
+a run with other settings gets a folder of its own. A result computed from other features (a store
+made again after a change to decoding, say) is not reused: its folder is moved to `experiments/<name>/stale/`
+and the run is done again. At the end of a multirun a Hydra callback aggregates
 the runs it launched into `results.json`, `results.md` and the plots: in `experiments/<name>/` when the
 multirun is the experiment's grid as written, else (a sub-grid, another setting) in
 `experiments/<name>/variants/<overrides>-<digest>/`, so the committed tables change only when the full
@@ -33,7 +36,7 @@ from ushash.config import to_dict
 from ushash.core import metrics
 from ushash.core.codes import check_bits
 from ushash.core.io import atomic_write, write_json
-from ushash.data.store import FeatureSplit, open_split, store_path
+from ushash.data.store import FeatureSplit, content_digest, open_split, store_path
 from ushash.evaluation import report, retrieval
 from ushash.hashing import methods
 from ushash.hashing.methods.base import NotApplicable
@@ -70,6 +73,31 @@ def run_key(method: str, bits: int, seed: int) -> str:
 def run_path(exp: Path, key: str, dg: str) -> Path:
     """experiments/<name>/runs/<method>-<bits>b-s<seed>-<digest>: one folder per settings."""
     return Path(exp) / "runs" / f"{key}-{dg[:8]}"
+
+
+def recorded_stores(run_dir: Path) -> dict | None:
+    """The content digests of the stores a run folder's run read: its result.json's, else (a run cut before
+    evaluation) its settings.json's; None when neither records them (a folder from before they were)."""
+    for name in ("result.json", "settings.json"):
+        f = run_dir / name
+        if f.exists():
+            try:
+                return json.loads(f.read_text()).get("stores")
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def set_aside(run_dir: Path) -> Path:
+    """Move a stale run's folder (result and checkpoints) to experiments/<name>/stale/<folder>[-<n>]/: out of
+    the runs the tables read and out of the way of the new run's training, and not deleted."""
+    stale = run_dir.parents[1] / "stale"
+    stale.mkdir(exist_ok=True)
+    aside, n = stale / run_dir.name, 1
+    while aside.exists():
+        aside, n = stale / f"{run_dir.name}-{n}", n + 1
+    run_dir.rename(aside)
+    return aside
 
 
 def run_settings(cfg: DictConfig) -> dict:
@@ -126,15 +154,21 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     dg = digest(settings)
     run_dir = run_path(exp_dir(cfg), key, dg)  # named by its settings: a variant never replaces another's run
     result_file = run_dir / "result.json"
-    if result_file.exists():
+    splits = splits or open_splits(cfg)
+    stores = {sp: content_digest(splits[sp]) for sp in SPLITS}  # what the result is computed from
+    recorded = recorded_stores(run_dir)
+    if run_dir.exists() and recorded != stores:  # the same settings over other features (a store made again)
+        aside = set_aside(run_dir)
+        log.warning(f"{key}: the stored run used other features than the stores now give ({recorded or 'not recorded'}"
+                    f" vs {stores}); it is run again (not resumed), the old run kept in {aside}")
+    elif result_file.exists():
         done = json.loads(result_file.read_text())
         if done.get("digest") == dg:
             log.info(f"{key}: done already, skipped ({result_file})")
             return done
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / "settings.json", json.loads(json.dumps(settings, default=str)))
+    write_json(run_dir / "settings.json", json.loads(json.dumps({**settings, "stores": stores}, default=str)))
     t0 = time.perf_counter()
-    splits = splits or open_splits(cfg)
     train, test = splits["train"], splits["test"]
     extra = {}
     if spec.kind == "fitted":
@@ -143,7 +177,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
             model.fit(train, splits["val"])  # fitted on train; val only chooses the space's "auto" settings
         except NotApplicable as e:  # recorded, so the sweep goes on and the tables say why the cell is empty
             result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
-                      "digest": dg, "status": "not_applicable", "reason": str(e)}
+                      "digest": dg, "stores": stores, "status": "not_applicable", "reason": str(e)}
             write_json(result_file, result)
             log.info(f"{key}: not applicable: {e}")
             return result
@@ -181,7 +215,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
                                                    "n_database")} | curve)
         outputs[name] = {"title": title, "kind": next(iter(reps.values()))[0]}
     result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
-              "digest": dg, "entries": outputs, "dataset": test.meta["dataset"], "split": "test",
+              "digest": dg, "stores": stores, "entries": outputs, "dataset": test.meta["dataset"], "split": "test",
               "encoder": {k: test.meta["encoder"].get(k) for k in ("name", "fingerprint")},
               "fitted_on": train.meta["split"], "n_rows": {m: len(t) for m, t in test.tables.items()},
               "wall_s": round(time.perf_counter() - t0, 2), **extra, "rows": rows, "curves": curves}
