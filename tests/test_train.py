@@ -99,6 +99,30 @@ def test_resume_refuses_other_settings(tmp_path):
     assert out["val_map@10"] is not None
 
 
+def test_a_run_over_other_features_trains_afresh_and_keeps_the_old_one(tmp_path, caplog):
+    """Rerun under the same name after the features changed (a store made again): the old run is moved to
+    checkpoints/stale/ and the head is trained from its start, not resumed from the old features' weights;
+    the same features resume as before."""
+    import torch
+
+    caplog.set_level("INFO", logger="ushash")
+    sizes = {"train": 120, "val": 40, "test": 40}
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes=sizes, n_classes=4, dims={"image": 8, "text": 8})
+    first = run_train(_cfg(tmp_path, "trainer.max_epochs=2"), splits=splits)
+    prov = torch.load(first["last"], weights_only=True)["hyper_parameters"]["provenance"]
+    assert set(prov["content"]) == {"train", "val"}
+    other = synthetic.write_synthetic(tmp_path / "other", sizes=sizes, n_classes=4, dims={"image": 8, "text": 8},
+                                      centres_seed=7)
+    second = run_train(_cfg(tmp_path, "trainer.max_epochs=2"), splits=other)
+    assert "resuming from" not in caplog.text and "trained on other features" in caplog.text
+    run_dir = Path(first["run_dir"])
+    aside = run_dir.parent / "stale" / run_dir.name
+    assert (aside / "last.ckpt").exists() and Path(second["run_dir"]) == run_dir
+    assert torch.load(aside / "last.ckpt", weights_only=True)["hyper_parameters"]["provenance"] == prov
+    run_train(_cfg(tmp_path, "trainer.max_epochs=3"), splits=other)
+    assert "resuming from" in caplog.text
+
+
 def test_resume_takes_a_setting_the_checkpoint_predates_as_its_default(tmp_path):
     """A checkpoint written before an option existed (no such hyper-parameter in it) resumes under that
     option's default, and is refused under another value."""

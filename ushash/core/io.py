@@ -67,3 +67,15 @@ def exclusive(lock_path: str | os.PathLike, what: str = ""):
         yield
     finally:
         lock.release()
+
+
+def set_aside(folder: str | os.PathLike, into: str | os.PathLike) -> Path:
+    """Move `folder` to `into/<its name>[-<n>]` (the first free name) and return where it went: a run that
+    must not be reused or resumed (it was made from other features) is kept, out of the way, not deleted."""
+    folder, into = Path(folder), Path(into)
+    into.mkdir(parents=True, exist_ok=True)
+    aside, n = into / folder.name, 1
+    while aside.exists():
+        aside, n = into / f"{folder.name}-{n}", n + 1
+    folder.rename(aside)
+    return aside

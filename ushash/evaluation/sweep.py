@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ushash.config import to_dict
 from ushash.core import metrics
 from ushash.core.codes import check_bits
-from ushash.core.io import atomic_write, write_json
+from ushash.core.io import atomic_write, set_aside, write_json
 from ushash.data.store import FeatureSplit, content_digest, open_split, store_path
 from ushash.evaluation import report, retrieval
 from ushash.hashing import methods
@@ -86,18 +86,6 @@ def recorded_stores(run_dir: Path) -> dict | None:
             except json.JSONDecodeError:
                 continue
     return None
-
-
-def set_aside(run_dir: Path) -> Path:
-    """Move a stale run's folder (result and checkpoints) to experiments/<name>/stale/<folder>[-<n>]/: out of
-    the runs the tables read and out of the way of the new run's training, and not deleted."""
-    stale = run_dir.parents[1] / "stale"
-    stale.mkdir(exist_ok=True)
-    aside, n = stale / run_dir.name, 1
-    while aside.exists():
-        aside, n = stale / f"{run_dir.name}-{n}", n + 1
-    run_dir.rename(aside)
-    return aside
 
 
 def run_settings(cfg: DictConfig) -> dict:
@@ -158,7 +146,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     stores = {sp: content_digest(splits[sp]) for sp in SPLITS}  # what the result is computed from
     recorded = recorded_stores(run_dir)
     if run_dir.exists() and recorded != stores:  # the same settings over other features (a store made again)
-        aside = set_aside(run_dir)
+        aside = set_aside(run_dir, run_dir.parents[1] / "stale")  # out of runs/, which the tables read
         log.warning(f"{key}: the stored run used other features than the stores now give ({recorded or 'not recorded'}"
                     f" vs {stores}); it is run again (not resumed), the old run kept in {aside}")
     elif result_file.exists():

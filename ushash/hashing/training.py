@@ -22,8 +22,10 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from ushash.config import CONFIG_DIR, to_dict
 from ushash.core.codes import check_bits
+from ushash.core.io import set_aside
 from ushash.hashing.datamodule import FeatureDataModule
 from ushash.data.extract import relative_to_root, run_extract
+from ushash.data.store import content_digest
 from ushash.hashing.module import USHashModule
 
 log = logging.getLogger(__name__)
@@ -112,11 +114,28 @@ def _check_resumable(last: Path, hparams: dict) -> None:
     from ushash.hashing.module import USHashModule
     default = {k: p.default for k, p in inspect.signature(USHashModule.__init__).parameters.items()
                if p.default is not inspect.Parameter.empty}
+    # provenance is where the features came from (the folder, run name, data settings): the features
+    # themselves are `_trained_on_other_features`'s to judge, and the settings in it are hparams of their own
     differ = sorted(k for k in set(hp) | set(hparams)
-                    if k != "max_epochs" and _plain(hp.get(k, default.get(k))) != _plain(hparams.get(k, default.get(k))))
+                    if k not in ("max_epochs", "provenance") and _plain(hp.get(k, default.get(k))) != _plain(hparams.get(k, default.get(k))))
     if differ:
         raise ValueError(f"{last} was trained with other settings ({', '.join(differ)}); resuming it would mix "
                          f"them. Set run_name=... for a new run, or resume=false to start this one over")
+
+
+def _trained_on_other_features(last: Path, provenance: dict) -> bool:
+    """Whether the run at `last` learned from other features than `provenance` describes: the train and val
+    stores' content digests (`content_digest`), or their rows' fingerprints in a checkpoint from before those
+    were recorded. A setting that differs is `_check_resumable`'s refusal; other features are not a setting."""
+    if not last.exists():
+        return False
+    import torch
+    try:
+        theirs = (torch.load(last, map_location="cpu", weights_only=True).get("hyper_parameters") or {}).get("provenance") or {}
+    except Exception:
+        return False  # Lightning reports an unreadable checkpoint itself
+    key = "content" if "content" in theirs else "stores"
+    return theirs.get(key) != provenance.get(key)
 
 
 def _plain(v):
@@ -148,6 +167,7 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     provenance = {"dataset": train.meta["dataset"], "encoder": train.meta["encoder"],
                   "features_dir": relative_to_root(Path(train.path).parents[2], cfg.paths.root),
                   "stores": {sp: s.meta.get("rows_fingerprint") for sp, s in (("train", train), ("val", val))},
+                  "content": {sp: content_digest(s) for sp, s in (("train", train), ("val", val))},
                   "run_name": str(cfg.run_name), "seed": int(cfg.seed), "data": data_cfg if made_here else None,
                   "method": method_config(cfg), "space": _space_record(space)}
     dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
@@ -161,6 +181,10 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     if space is not None:
         module.initialise(space, prototypes)
     run_dir = Path(cfg.paths.checkpoints_dir) / str(cfg.run_name)
+    if cfg.resume and _trained_on_other_features(run_dir / "last.ckpt", provenance):
+        aside = set_aside(run_dir, run_dir.parent / "stale")
+        log.warning("%s was trained on other features than the stores now hold (a store made again); training "
+                    "afresh, the old run kept in %s", run_dir, aside)
     run_dir.mkdir(parents=True, exist_ok=True)
     best = BestOnVal(run_dir / "best.ckpt", patience=(cfg.get("early_stop") or {}).get("patience"))
     last_ckpt = ModelCheckpoint(dirpath=run_dir, save_top_k=0, save_last=True, enable_version_counter=False)
