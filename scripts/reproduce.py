@@ -37,7 +37,8 @@ STEPS = {
     "payload_tuxpaint": "python benchmarks/payload.py quality --ckpt checkpoints/demo-tuxpaint-offline-64b-s0/best.ckpt",
     "payload_synthetic": "python benchmarks/payload.py quality --synthetic",
     "payload_speed": "python benchmarks/payload.py speed",
-    "export_demo": "python -m ushash.export ckpt=checkpoints/demo-tuxpaint-offline-64b-s0/best.ckpt out=exports/demo-tux64",
+    "export_demo": "python -m ushash.export ckpt=checkpoints/demo-tuxpaint-offline-64b-s0/best.ckpt out=exports/demo-tux64 "
+                   "overwrite=true",  # the export follows the demo checkpoint, which a reproduce may train again
     "cachesim_tuxpaint": "python -m ushash.cachesim export=exports/demo-tux64 out=experiments/cachesim/demo-tuxpaint64",
     # the cache in front of a real model (docs/cache.md): heads from the shipped training defaults, then the
     # false-hit budget on val -> test, real GPTCache on the same streams, and the proxy in front of the model
