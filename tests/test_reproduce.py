@@ -1,0 +1,48 @@
+"""scripts/reproduce.py's generated blocks: the bars table is computed from the results it names."""
+
+import importlib.util
+import json
+
+from ushash.config import ROOT
+
+
+def _reproduce():
+    spec = importlib.util.spec_from_file_location("reproduce", ROOT / "scripts" / "reproduce.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _summary(values: dict) -> dict:
+    """{method: {bits: (paired, label)}} -> a sweep results.json "summary"."""
+    return {m: {str(b): {p: {"tie_map@10": {"mean": [v, 0.01, 3]}} for p, v in zip(("paired", "label"), pl)}
+                for b, pl in by_bits.items()} for m, by_bits in values.items()}
+
+
+def test_bars_table_says_met_or_missed_by_how_much(tmp_path, monkeypatch):
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "ABLATION_SETS", {"a": ("sweep_a64", "a-64b")})
+    monkeypatch.setattr(r, "BITS_SETS", {"a": ("sweep_a", "a-bits")})
+    exp = tmp_path / "experiments"
+    for folder, summ in (("a-64b", {"ushash": {64: (0.30, 0.50)}, "itq": {64: (0.25, 0.52)}, "float": {64: (0.32, 0.6)}}),
+                         ("a-bits", {"ushash": {16: (0.2, 0.4), 32: (0.2, 0.4), 128: (0.3, 0.5)},
+                                     "itq": {16: (0.2003, 0.3), 32: (0.1, 0.3), 128: (0.3, 0.5)}})):
+        (exp / folder).mkdir(parents=True)
+        (exp / folder / "results.json").write_text(json.dumps({"summary": _summary(summ)}))
+    key = exp / "cachesim" / "cachekey-a64"
+    key.mkdir(parents=True)
+    key.joinpath("results.json").write_text(json.dumps({"rows": [
+        {"method": "LSH 64-bit codes of z only", "false_hit_rate": 0.001, "hit_rate": 0.9},
+        {"method": "US-HASH 64-bit codes only", "false_hit_rate": 0.0035, "hit_rate": 0.95}]}))
+    rows = {line.split(" | ")[1]: line for line in r.bars_body().splitlines() if line.startswith("| a |")}
+    assert rows["64 bits, paired >= ITQ + 0.03"].endswith("(+0.050) | met |")
+    assert rows["64 bits, paired >= 0.9 x float space"].endswith("0.300 of 0.320 (0.94x) | met |")
+    assert rows["64 bits, label >= ITQ"].endswith("(-0.020) | **missed by 0.020** |")
+    assert rows["16 bits, paired >= ITQ"].endswith("(-0.0003) | **missed by 0.0003** |")  # not shown as 0.000
+    assert rows["128 bits, label >= ITQ"].endswith("(+0.000) | met |")  # a tie meets a >= bar
+    assert "**missed by 0.0025**" in rows["cache key, radius 2, codes only: false hits / request <= LSH codes of z"]
+    # a set without results is left out, and nothing at all gives no block
+    monkeypatch.setattr(r, "ABLATION_SETS", {"b": ("sweep_b64", "b-64b")})
+    monkeypatch.setattr(r, "BITS_SETS", {"b": ("sweep_b", "b-bits")})
+    assert r.bars_body() is None
