@@ -59,7 +59,7 @@ def rows_fingerprint(rows) -> str:
     return h.hexdigest()[:16]
 
 
-def content_digest(split: "FeatureSplit") -> str:
+def content_digest(split: FeatureSplit) -> str:
     """16 hex digits over what a store holds: per modality its name, the features' dtype, shape and bytes, and
     every row's id, group and labels. What a result computed from the store depends on, whatever the folder is
     called: a store made again from the same pixels has the same digest, one with other features another."""
