@@ -332,8 +332,8 @@ def test_one_entry_record_for_l1_and_redis():
               revision="r1", created=1.5, expires=math.inf, compute_s=0.25, id="abc")
     t = EntryTable(8, payload_bytes=2)
     slot = t.alloc()
-    t.write(slot, e, tenant=0, modality=0, revision=0)
-    assert t.read(slot, ["image"], ["r1"]) == e
+    t.write(slot, e, tenant=0, modality=0)
+    assert t.read(slot, ["image"], "r1") == e
     pairs = to_hash(e)
     row = [v if isinstance(v, bytes) else str(v).encode() for v in pairs[1::2]]   # what HMGET returns
     assert pairs[0::2] == [name for name, _, _ in REDIS_FIELDS.values()]

@@ -43,23 +43,23 @@ def test_table_hits_equal_hit_of_each_entry_read():
     field, for one slot and for many, NaN cosines as None, with each entry's compute seconds."""
     rng = np.random.default_rng(0)
     t = EntryTable(8, payload_bytes=6)
-    mods, revs = ["image", "text"], ["r1"]
+    mods, rev = ["image", "text"], "r1"
     es = _entries(rng, 40)
     slots = []
     for e in es:
         s = t.alloc()
-        t.write(s, e, tenant=0, modality=mods.index(e.modality), revision=0)
+        t.write(s, e, tenant=0, modality=mods.index(e.modality))
         slots.append(s)
     for pick in ([slots[7]], slots[::3], list(reversed(slots))):
         dists = [int(d) for d in rng.integers(0, 9, len(pick))]
         cos = [float("nan") if k % 2 else float(np.float32(rng.random())) for k in range(len(pick))]
-        got, cs = t.hits(pick, dists, cos, "l1", mods, revs)
-        want = [Hit.of(t.read(s, mods, revs), d, None if c != c else c, "l1", False, f"l1:{s}")
+        got, cs = t.hits(pick, dists, cos, "l1", mods, rev)
+        want = [Hit.of(t.read(s, mods, rev), d, None if c != c else c, "l1", False, f"l1:{s}")
                 for s, d, c in zip(pick, dists, cos)]
         assert got == want
         assert [type(getattr(h, f)) for h in got for f in ("distance", "created", "expires")] == \
                [type(getattr(h, f)) for h in want for f in ("distance", "created", "expires")]
-        assert cs == [t.read(s, mods, revs).compute_s for s in pick]
+        assert cs == [t.read(s, mods, rev).compute_s for s in pick]
 
 
 def test_value_offsets_widen_at_their_limit():
@@ -73,7 +73,7 @@ def test_value_offsets_widen_at_their_limit():
     for step, e in enumerate(_entries(rng, 120)):
         for t in (small, ref):
             s = t.alloc()
-            t.write(s, e, tenant=0, modality=0, revision=0)
+            t.write(s, e, tenant=0, modality=0)
         live[s] = e
         if step % 3 == 2:   # removals make garbage, and the arena compacts
             gone = int(rng.choice(list(live)))
@@ -107,15 +107,27 @@ def test_narrow_columns_widen_before_a_value_they_cannot_hold():
             t.release(gone)
             del live[gone]
     assert (t.tenant.dtype, t.modality.dtype, t.vlen.dtype) == (np.uint32, np.int16, np.uint32)
-    mods, revs = [f"m{k}" for k in range(200)], ["r1"]
+    mods, rev = [f"m{k}" for k in range(200)], "r1"
     for s, (e, ten, mod) in live.items():
         assert (int(t.tenant[s]), int(t.modality[s])) == (ten, mod)
-        assert t.read(s, mods, revs) == dataclasses.replace(e, modality=mods[mod])
+        assert t.read(s, mods, rev) == dataclasses.replace(e, modality=mods[mod])
     for bad in ({"tenant": -1, "modality": 0}, {"tenant": 0, "modality": -1}):
         with pytest.raises(ValueError, match=">= 0"):
             t.write(t.alloc(), e, **bad)
-    with pytest.raises(ValueError, match="one revision"):
-        t.write(t.alloc(), e, tenant=0, modality=0, revision=1)
+
+
+def test_an_l1_refuses_a_batch_holding_an_entry_of_another_revision_before_writing_any():
+    """An L1 holds one revision (the entries' is not stored): a batch with an entry of another revision is
+    refused with its name, and none of the batch is stored (not the entries before it either)."""
+    c = SemanticCache(LSHHead({"image": 8}, bits=64, dim=8, seed=0), {"bloom": False}, clock=FakeClock())
+    rev = c.revision
+    good = [dataclasses.replace(e, modality="image", payload=b"", revision=rev)
+            for e in _entries(np.random.default_rng(5), 3)]
+    with pytest.raises(ValueError, match="revision 'old'"):
+        c.l1.put_many("t", [good[0], dataclasses.replace(good[1], revision="old"), good[2]])
+    assert len(c) == 0
+    assert c.l1.put_many("t", good) == [True, True, True] and len(c) == 3
+    assert {c.table.read(s, ["image"], rev).revision for s in c.table.live_slots().tolist()} == {rev}
 
 
 def test_expiry_records_drop_only_the_entry_they_were_made_for():
@@ -241,14 +253,14 @@ def test_freed_large_arrays_give_heap_pages_back():
               expires=math.inf, compute_s=0.0)
     n0 = heap.trims
     for _ in range(1000):
-        t.write(t.alloc(), e, 0, 0, 0)
+        t.write(t.alloc(), e, 0, 0)
     assert heap.trims == n0   # columns of ~60 KB
     old = heap.TRIM_MIN_BYTES
     heap.TRIM_MIN_BYTES = 4096
     try:
         cap = t._cap
         while t._cap == cap:
-            t.write(t.alloc(), e, 0, 0, 0)
+            t.write(t.alloc(), e, 0, 0)
         assert heap.trims == n0 + 1
     finally:
         heap.TRIM_MIN_BYTES = old

@@ -311,14 +311,12 @@ class EntryTable:
         self.voff[live] = new_off
         self._top = self._live_bytes = total
 
-    def write(self, slot: int, e: Entry, tenant: int, modality: int, revision: int = 0) -> None:
-        """Store entry `e` in `slot` (tenant, modality and revision as the L1's interned ids; a table
-        holds one revision, 0)."""
+    def write(self, slot: int, e: Entry, tenant: int, modality: int) -> None:
+        """Store entry `e` in `slot` (tenant and modality as the L1's interned ids; the table's one revision
+        is the L1's, so an entry's is not stored)."""
         np_ = len(e.payload)
         if np_ > self.payload_bytes:
             raise ValueError(f"payload record of {np_} bytes; this table's rows hold {self.payload_bytes}")
-        if revision != 0:
-            raise ValueError(f"a table holds the entries of one revision (id 0); got revision id {revision}")
         if tenant > self._max["tenant"] or tenant < 0:
             self._widen("tenant", tenant)
         if modality > self._max["modality"] or modality < 0:
@@ -345,31 +343,31 @@ class EntryTable:
         """The value in `slot` as it was stored (decode_value)."""
         return decode_value(VALUE_KINDS[self.kind[slot]], self.value_of(slot))
 
-    def read(self, slot: int, modalities: list[str], revisions: list[str]) -> Entry:
-        """The entry in `slot` (modalities / revisions: the L1's interned names)."""
+    def read(self, slot: int, modalities: list[str], revision: str) -> Entry:
+        """The entry in `slot` (modalities: the L1's interned names; revision: the L1's, every entry's)."""
         return Entry(code=self.code[slot].tobytes(), payload=self.payload_of(slot), modality=modalities[self.modality[slot]],
-                     value=self.value_of(slot), kind=VALUE_KINDS[self.kind[slot]], revision=revisions[0],
+                     value=self.value_of(slot), kind=VALUE_KINDS[self.kind[slot]], revision=revision,
                      created=float(self.created[slot]), expires=float(self.expires[slot]),
                      compute_s=float(self.compute_s[slot]), id=self.l2id.get(slot))
 
-    def read_many(self, slots: list[int], modalities: list[str], revisions: list[str]) -> list[Entry]:
+    def read_many(self, slots: list[int], modalities: list[str], revision: str) -> list[Entry]:
         """`read` of each slot, the columns gathered once for all (the same Entries, field for field)."""
         if len(slots) == 1:
-            return [self.read(slots[0], modalities, revisions)]
+            return [self.read(slots[0], modalities, revision)]
         ix = np.asarray(slots, np.int64)
         cb, pw = self.code_bytes, self.payload_bytes
         codes, pays = self.code[ix].tobytes(), self.payload[ix].tobytes()
         plen, voff, vlen = self.plen[ix].tolist(), self.voff[ix].tolist(), self.vlen[ix].tolist()
-        mod, kind, rev = self.modality[ix].tolist(), self.kind[ix].tolist(), revisions[0]
+        mod, kind = self.modality[ix].tolist(), self.kind[ix].tolist()
         created, expires, cs = self.created[ix].tolist(), self.expires[ix].tolist(), self.compute_s[ix].tolist()
         arena, l2id = self.arena, self.l2id
         return [Entry(code=codes[i * cb:(i + 1) * cb], payload=pays[i * pw:i * pw + plen[i]],
                       modality=modalities[mod[i]], value=arena[voff[i]:voff[i] + vlen[i]].tobytes(),
-                      kind=VALUE_KINDS[kind[i]], revision=rev, created=created[i], expires=expires[i],
+                      kind=VALUE_KINDS[kind[i]], revision=revision, created=created[i], expires=expires[i],
                       compute_s=cs[i], id=l2id.get(s)) for i, s in enumerate(slots)]
 
     def hits(self, slots: list[int], dists: list[int], cosines: list[float], tier: str, modalities: list[str],
-             revisions: list[str]) -> tuple[list[Hit], list[float]]:
+             revision: str) -> tuple[list[Hit], list[float]]:
         """The served view (`Hit`, refresh False, entry "<tier>:<slot>") of the entry in each slot, with its
         distance and cosine (NaN: not checked), and the entries' compute seconds (for the caller's XFetch):
         `Hit.of(read(slot), ...)` field for field, without the Entry, the columns gathered once for all."""
@@ -378,15 +376,15 @@ class EntryTable:
             s, c = slots[0], cosines[0]
             o = int(self.voff[s])
             return [_hit(decode_value(VALUE_KINDS[self.kind[s]], arena[o:o + int(self.vlen[s])].tobytes()), dists[0],
-                         None if c != c else c, tier, modalities[self.modality[s]], revisions[0],
+                         None if c != c else c, tier, modalities[self.modality[s]], revision,
                          float(self.created[s]), float(self.expires[s]), False, f"{tier}:{s}")], \
                 [float(self.compute_s[s])]
         ix = np.array(slots, np.int64)
         voff, vlen, kind = self.voff[ix].tolist(), self.vlen[ix].tolist(), self.kind[ix].tolist()
-        mod, rev = self.modality[ix].tolist(), revisions[0]
+        mod = self.modality[ix].tolist()
         created, expires = self.created[ix].tolist(), self.expires[ix].tolist()
         return [_hit(decode_value(VALUE_KINDS[k], arena[o:o + n].tobytes()), d, None if c != c else c, tier,
-                     modalities[m], rev, cr, ex, False, f"{tier}:{s}")
+                     modalities[m], revision, cr, ex, False, f"{tier}:{s}")
                 for s, d, c, k, o, n, m, cr, ex in zip(slots, dists, cosines, kind, voff, vlen, mod, created, expires)], \
             self.compute_s[ix].tolist()
 

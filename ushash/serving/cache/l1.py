@@ -193,7 +193,7 @@ class L1Tier:
         self._tenant_live: dict[int, int] = {}
         self._free_tenant_ids: list[int] = []
         self._modalities: list[str] = []
-        self._revisions: list[str] = [str(revision)]   # every L1 entry is of this revision (reload: a new tier)
+        self._revision = str(revision)   # every L1 entry is of this revision (reload: a new tier)
         self._expiry = ExpiryHeap()
         self.bloom = None
         if c.bloom and c.l2 is not None:   # its "no entry" matters only for the L2 behind (an L1 alone has searched)
@@ -300,7 +300,7 @@ class L1Tier:
                     out[i] = skip
             hits = [i for i, c in enumerate(chosen) if c >= 0]
             if hits:
-                entries = self.table.read_many([chosen[i] for i in hits], self._modalities, self._revisions)
+                entries = self.table.read_many([chosen[i] for i in hits], self._modalities, self._revision)
                 for i, e in zip(hits, entries):
                     cs = cos[i]
                     out[i] = found(e, dist[i], None if cs != cs else cs, f"l1:{chosen[i]}", nearest[i])
@@ -328,7 +328,7 @@ class L1Tier:
             cs_l: list = []
             if hit_idx:
                 made, cs_l = self.table.hits([chosen[i] for i in hit_idx], [dist[i] for i in hit_idx],
-                                             [cos[i] for i in hit_idx], self.name, self._modalities, self._revisions)
+                                             [cos[i] for i in hit_idx], self.name, self._modalities, self._revision)
                 for i, h in zip(hit_idx, made):
                     hits[i] = h
         return hits, nearest, skipped, hit_idx, cs_l
@@ -376,7 +376,7 @@ class L1Tier:
 
     def _current(self, revision: str) -> bool:
         """Is `revision` the one of every entry here (the one the tier was made for)?"""
-        return revision == self._revisions[0]
+        return revision == self._revision
 
     def _candidates(self, queries, backend, codes: bytes, revision: str):
         """One index search of the batch and `_gather`'s columns of its candidates."""
@@ -426,7 +426,7 @@ class L1Tier:
         if len(slots) == 0:
             out[0] = Found(nearest=nearest)
             return out
-        t, mods, revs = self.table, list(self._modalities), self._revisions
+        t, mods, rev = self.table, list(self._modalities), self._revision
         qmod, has_z, qz = _query_columns([q], mods, None)
         ranked = check.select_top(qz, has_z, qmod, mods, self._batch(qlims, slots, dists, cur, exp, mod, hasp), now,
                                   trusted=True, k=k)
@@ -436,8 +436,8 @@ class L1Tier:
         (c0, cs0), rest = ranked[0], ranked[1:]
         slot = int(slots[c0])
         self.policy.access(slot)
-        more = tuple((t.read(int(slots[j]), mods, revs), int(dists[j]), cs, f"l1:{int(slots[j])}") for j, cs in rest)
-        out[0] = Found(t.read(slot, mods, revs), int(dists[c0]), cs0, f"l1:{slot}", nearest, more=more)
+        more = tuple((t.read(int(slots[j]), mods, rev), int(dists[j]), cs, f"l1:{int(slots[j])}") for j, cs in rest)
+        out[0] = Found(t.read(slot, mods, rev), int(dists[c0]), cs0, f"l1:{slot}", nearest, more=more)
         return out
 
     def _fused_params(self, check):
@@ -500,6 +500,9 @@ class L1Tier:
         admission; the same (tenant, modality, code, payload) stored again replaces the older entry (a
         later one of the batch replaces an earlier one). One index search finds the entries replaced, one
         index add takes the batch."""
+        other = next((e.revision for e in entries if e.revision != self._revision), None)
+        if other is not None:  # before any write: a batch is stored whole or not at all
+            raise ValueError(f"an entry of revision {other!r} put into the L1 of revision {self._revision!r}")
         m = self.metrics
         cap = self.config.capacity_bytes
         out = [False] * len(entries)
@@ -533,7 +536,7 @@ class L1Tier:
                     self._remove(old, None)  # the same request stored again: replace its value
                     added.pop(old, None)
                 slot = t.alloc()
-                t.write(slot, e, ti, mi, self._revisions.index(e.revision))
+                t.write(slot, e, ti, mi)
                 self._tenant_live[ti] += 1
                 admitted = True
                 for s in self.policy.insert(slot, e.nbytes):
