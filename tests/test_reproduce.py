@@ -66,3 +66,24 @@ def test_cache_bars_table_is_computed_from_the_runs(tmp_path, monkeypatch):
     assert "**missed** by 5.0 points: 55.0%" in rows["headroom captured >= 60 %"]
     assert ("**missed** by 0.0050: GPTCache 0.9750 (cos >= 0.990, chosen on test) against ushash 0.9700"
             in rows["hit rate >= real GPTCache's at the same false-hit rate, export z"])
+
+
+def test_every_block_publish_writes_is_marked_once_in_its_file():
+    """publish leaves a file as it is when a block's markers are missing (it says so and goes on), so a
+    renamed or deleted marker would silently freeze that table: every block it writes is marked exactly once."""
+    r = _reproduce()
+    for doc, name in r.blocks():
+        text = (ROOT / doc).read_text(encoding="utf-8")
+        assert text.count(f"<!-- reproduce:{name} -->") == 1 and text.count(f"<!-- /reproduce:{name} -->") == 1, (doc, name)
+
+
+def test_every_step_runs_a_module_or_script_that_exists():
+    r = _reproduce()
+    for step, line in r.STEPS.items():
+        words = line.split()
+        assert words[0] == "python", step
+        if words[1] == "-m":
+            assert (ROOT / (words[2].replace(".", "/") + ".py")).exists(), (step, words[2])
+        else:
+            assert (ROOT / words[1]).exists(), (step, words[1])
+    assert set(r.NEEDS) <= set(r.STEPS) and {n for ns in r.NEEDS.values() for n in ns} <= set(r.STEPS)
