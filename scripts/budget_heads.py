@@ -6,7 +6,7 @@ Per data set: `python -m ushash.extract data=<d> encoder=<e>` (train, val and te
 reused), `python -m ushash.train data=<d> encoder=<e>` (no other override: bits, seed and the recipe are
 the defaults of configs/ and ushash/config.py), then `python -m ushash.export` of its best.ckpt to
 exports/budget-<d>-<e> (a stable name the benchmarks read). The run's folder is named after a hash of the
-resolved training config and of the content of the train and val stores (`content_digest`)
+resolved training config and of the content of the train and val stores (`FeatureSplit.content`)
 (checkpoints/budget-<d>-<e>-<bits>b-s<seed>-<hash>), so
 
 - a rerun with the same defaults and features skips a finished run and resumes an interrupted one (its last.ckpt);
@@ -51,10 +51,8 @@ def extract_stores(overrides: list[str]) -> dict:
     replay val and test); returns {split: content digest} of the train and val stores the head learns from."""
     from ushash.config import compose
     from ushash.data.extract import run_extract
-    from ushash.data.store import content_digest
-
     splits = run_extract(compose("config", overrides))
-    return {sp: content_digest(splits[sp]) for sp in ("train", "val")}
+    return {sp: splits[sp].content for sp in ("train", "val")}
 
 
 def export_name(data: str, encoder: str) -> str:

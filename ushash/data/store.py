@@ -17,6 +17,7 @@ identity: dataset, split, encoder) is said once, by `store_identity`; meta.json 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -153,6 +154,11 @@ class FeatureSplit:
     @property
     def report(self) -> dict:
         return json.loads((self.path / "report.json").read_text(encoding="utf-8"))
+
+    @functools.cached_property
+    def content(self) -> str:
+        """`content_digest` of this opened store, computed once (a sweep's run and its training share it)."""
+        return content_digest(self)
 
 
 def open_split(path: str | Path, check_finite: bool = True) -> FeatureSplit:

@@ -9,7 +9,7 @@ if needed, or writing the synthetic one), fits a no-training method on the train
 with the one Lightning loop (checkpoint chosen on the validation split), and evaluates on the test split with
 `ushash.evaluation.retrieval` / `ushash.eval`. It writes
 `experiments/<name>/runs/<method>-<bits>b-s<seed>-<settings digest>/result.json`, with the content digests of
-the three stores it read (`content_digest`); a run whose result exists for the same settings and the same
+the three stores it read (`FeatureSplit.content`); a run whose result exists for the same settings and the same
 features is skipped, so an interrupted sweep resumes (a trained run cut mid-training resumes from its last.ckpt), and
 a run with other settings gets a folder of its own. A result computed from other features (a store
 made again after a change to decoding, say) is not reused: its folder is moved to `experiments/<name>/stale/`
@@ -36,7 +36,7 @@ from ushash.config import to_dict
 from ushash.core import metrics
 from ushash.core.codes import check_bits
 from ushash.core.io import atomic_write, set_aside, write_json
-from ushash.data.store import FeatureSplit, content_digest, open_split, store_path
+from ushash.data.store import FeatureSplit, open_split, store_path
 from ushash.evaluation import report, retrieval
 from ushash.hashing import methods
 from ushash.hashing.methods.base import NotApplicable
@@ -75,17 +75,12 @@ def run_path(exp: Path, key: str, dg: str) -> Path:
     return Path(exp) / "runs" / f"{key}-{dg[:8]}"
 
 
-def recorded_stores(run_dir: Path) -> dict | None:
-    """The content digests of the stores a run folder's run read: its result.json's, else (a run cut before
-    evaluation) its settings.json's; None when neither records them (a folder from before they were)."""
-    for name in ("result.json", "settings.json"):
-        f = run_dir / name
-        if f.exists():
-            try:
-                return json.loads(f.read_text()).get("stores")
-            except json.JSONDecodeError:
-                continue
-    return None
+def _read_record(f: Path) -> dict | None:
+    """A run's result.json or settings.json; None when absent or unreadable (an interrupted write)."""
+    try:
+        return json.loads(f.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def run_settings(cfg: DictConfig) -> dict:
@@ -143,17 +138,17 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     run_dir = run_path(exp_dir(cfg), key, dg)  # named by its settings: a variant never replaces another's run
     result_file = run_dir / "result.json"
     splits = splits or open_splits(cfg)
-    stores = {sp: content_digest(splits[sp]) for sp in SPLITS}  # what the result is computed from
-    recorded = recorded_stores(run_dir)
+    stores = {sp: splits[sp].content for sp in SPLITS}  # what the result is computed from
+    # the stores the folder's run read: its result's, else (a run cut before evaluation) its settings'
+    done = _read_record(result_file)
+    recorded = (done or _read_record(run_dir / "settings.json") or {}).get("stores")
     if run_dir.exists() and recorded != stores:  # the same settings over other features (a store made again)
         aside = set_aside(run_dir, run_dir.parents[1] / "stale")  # out of runs/, which the tables read
         log.warning(f"{key}: the stored run used other features than the stores now give ({recorded or 'not recorded'}"
                     f" vs {stores}); it is run again (not resumed), the old run kept in {aside}")
-    elif result_file.exists():
-        done = json.loads(result_file.read_text())
-        if done.get("digest") == dg:
-            log.info(f"{key}: done already, skipped ({result_file})")
-            return done
+    elif done is not None and done.get("digest") == dg:
+        log.info(f"{key}: done already, skipped ({result_file})")
+        return done
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "settings.json", json.loads(json.dumps({**settings, "stores": stores}, default=str)))
     t0 = time.perf_counter()

@@ -25,7 +25,6 @@ from ushash.core.codes import check_bits
 from ushash.core.io import set_aside
 from ushash.hashing.datamodule import FeatureDataModule
 from ushash.data.extract import relative_to_root, run_extract
-from ushash.data.store import content_digest
 from ushash.hashing.module import USHashModule
 
 log = logging.getLogger(__name__)
@@ -96,14 +95,21 @@ class BestOnVal(Callback):
             os.replace(tmp, self.path)
 
 
-def _check_resumable(last: Path, hparams: dict) -> None:
-    """Refuse to resume a run trained with other settings (another method, bits, loss weights, data...):
-    only max_epochs may change between a run and its resumption."""
+def _saved_hparams(last: Path) -> dict | None:
+    """The hyper-parameters a checkpoint was saved with; None when there is none or it is unreadable
+    (Lightning reports an unreadable checkpoint itself when it resumes)."""
+    if not last.exists():
+        return None
     import torch
     try:
-        hp = torch.load(last, map_location="cpu", weights_only=True).get("hyper_parameters") or {}
+        return torch.load(last, map_location="cpu", weights_only=True).get("hyper_parameters") or {}
     except Exception:
-        return  # Lightning reports an unreadable checkpoint itself
+        return None
+
+
+def _check_resumable(last: Path, hp: dict, hparams: dict) -> None:
+    """Refuse to resume the run at `last` (saved with hyper-parameters `hp`) trained with other settings
+    (another method, bits, loss weights, data...): only max_epochs may change between a run and its resumption."""
     from ushash.hashing import methods
     theirs = methods.get(hp.get("method", "ushash")).name
     if theirs != methods.get(hparams.get("method", "ushash")).name:
@@ -123,17 +129,12 @@ def _check_resumable(last: Path, hparams: dict) -> None:
                          f"them. Set run_name=... for a new run, or resume=false to start this one over")
 
 
-def _trained_on_other_features(last: Path, provenance: dict) -> bool:
-    """Whether the run at `last` learned from other features than `provenance` describes: the train and val
-    stores' content digests (`content_digest`), or their rows' fingerprints in a checkpoint from before those
-    were recorded. A setting that differs is `_check_resumable`'s refusal; other features are not a setting."""
-    if not last.exists():
-        return False
-    import torch
-    try:
-        theirs = (torch.load(last, map_location="cpu", weights_only=True).get("hyper_parameters") or {}).get("provenance") or {}
-    except Exception:
-        return False  # Lightning reports an unreadable checkpoint itself
+def _trained_on_other_features(hp: dict, provenance: dict) -> bool:
+    """Whether a run saved with hyper-parameters `hp` learned from other features than `provenance`
+    describes: the train and val stores' content digests (`FeatureSplit.content`), or their rows' fingerprints
+    in a checkpoint from before those were recorded. A setting that differs is `_check_resumable`'s refusal;
+    other features are not a setting."""
+    theirs = hp.get("provenance") or {}
     key = "content" if "content" in theirs else "stores"
     return theirs.get(key) != provenance.get(key)
 
@@ -167,7 +168,7 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     provenance = {"dataset": train.meta["dataset"], "encoder": train.meta["encoder"],
                   "features_dir": relative_to_root(Path(train.path).parents[2], cfg.paths.root),
                   "stores": {sp: s.meta.get("rows_fingerprint") for sp, s in (("train", train), ("val", val))},
-                  "content": {sp: content_digest(s) for sp, s in (("train", train), ("val", val))},
+                  "content": {sp: s.content for sp, s in (("train", train), ("val", val))},
                   "run_name": str(cfg.run_name), "seed": int(cfg.seed), "data": data_cfg if made_here else None,
                   "method": method_config(cfg), "space": _space_record(space)}
     dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
@@ -181,10 +182,13 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     if space is not None:
         module.initialise(space, prototypes)
     run_dir = Path(cfg.paths.checkpoints_dir) / str(cfg.run_name)
-    if cfg.resume and _trained_on_other_features(run_dir / "last.ckpt", provenance):
+    last = run_dir / "last.ckpt"
+    saved = _saved_hparams(last) if cfg.resume else None
+    if saved is not None and _trained_on_other_features(saved, provenance):
         aside = set_aside(run_dir, run_dir.parent / "stale")
         log.warning("%s was trained on other features than the stores now hold (a store made again); training "
                     "afresh, the old run kept in %s", run_dir, aside)
+        saved = None
     run_dir.mkdir(parents=True, exist_ok=True)
     best = BestOnVal(run_dir / "best.ckpt", patience=(cfg.get("early_stop") or {}).get("patience"))
     last_ckpt = ModelCheckpoint(dirpath=run_dir, save_top_k=0, save_last=True, enable_version_counter=False)
@@ -192,10 +196,9 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     # logs/version_<n>/: a resumed run logs beside the first part instead of deleting its metrics
     logger = (TensorBoardLogger if kind == "tensorboard" else CSVLogger)(save_dir=str(run_dir), name="logs")
     trainer = pl.Trainer(**to_dict(cfg.trainer), callbacks=[best, last_ckpt], logger=logger, default_root_dir=str(run_dir))
-    last = run_dir / "last.ckpt"
     resume = str(last) if cfg.resume and last.exists() else None
-    if resume:
-        _check_resumable(last, dict(module.hparams))
+    if resume and saved is not None:
+        _check_resumable(last, saved, dict(module.hparams))
         log.info("resuming from %s", resume)
     trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
     return {"run_dir": str(run_dir), "best": str(best.path if best.path.exists() else last), "last": str(last),
