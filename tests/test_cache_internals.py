@@ -149,6 +149,48 @@ def test_expiry_records_drop_only_the_entry_they_were_made_for():
     assert c.lookup(c.query_from_code("image", codes[1]), "t") is None and len(c) == 0
 
 
+def test_expiry_heap_pops_what_heapq_pops():
+    """The array heap against heapq on (expires, slot) tuples, seeded: the same records come due in the same
+    order (equal expiries by slot, repeated records included), infinite expiries are never held, and
+    replace keeps exactly the records it is given."""
+    import heapq
+
+    from ushash.serving.cache.freshness import ExpiryHeap
+
+    rng = np.random.default_rng(0)
+    popped = 0
+    for _ in range(100):
+        h, ref = ExpiryHeap(), []
+        for _ in range(300):
+            r = rng.random()
+            if r < 0.6:
+                k = int(rng.integers(1, 6))
+                e = rng.integers(0, 20, k).astype(float)   # few distinct expiries and slots: many ties
+                e[rng.random(k) < 0.1] = math.inf
+                s = rng.integers(0, 8, k)
+                h.push_many(e, s) if k > 1 else h.push(float(e[0]), int(s[0]))
+                for a, b in zip(e.tolist(), s.tolist()):
+                    if math.isfinite(a):
+                        heapq.heappush(ref, (a, b))
+            elif r < 0.95:
+                now = float(rng.integers(0, 20))
+                want = []
+                while ref and ref[0][0] <= now:
+                    e, s = heapq.heappop(ref)
+                    want.append((s, e))
+                assert list(h.due(now)) == want
+                popped += len(want)
+            else:
+                keep = [x for x in ref if x[1] % 2 == 0]
+                h.replace([x[0] for x in keep] + [math.inf], [x[1] for x in keep] + [3])
+                ref = keep
+                heapq.heapify(ref)
+            assert len(h) == len(ref)
+    assert popped > 1000
+    with pytest.raises(ValueError, match="slots"):
+        ExpiryHeap().push(1.0, 1 << 31)
+
+
 def test_wtinylfu_sizes_widen_at_their_limit():
     """Entry sizes are held as uint16 until one reaches its limit, then as uint32, then as int64 (one
     insert may skip a step): the evictions are those of a policy that held int64 sizes from the start."""

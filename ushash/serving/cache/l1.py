@@ -520,6 +520,8 @@ class L1Tier:
             lims, same_code, _ = backend.search_many(codes, 0)
             placed: dict[tuple, int] = {}   # (modality, code, payload) -> slot, for this batch
             added: dict[int, None] = {}     # slots written by this batch, in order
+            exp_at: list[float] = []         # expiry records (expires, slot) of the admitted entries (finite ones kept)
+            exp_slots: list[int] = []
             self._tenant_live[ti] += 1      # hold the tenant while the batch evicts
             for j, i in enumerate(fits):
                 e = entries[i]
@@ -550,11 +552,14 @@ class L1Tier:
                 if admitted:
                     placed[key] = slot
                     added[slot] = None
-                    self._expiry.push(e.expires, slot)
+                    exp_at.append(e.expires)
+                    exp_slots.append(slot)
                     if self.bloom is not None:
                         self.bloom.add(ti, e.code)
                     m.puts.inc()
                     out[i] = True
+            if exp_at:   # pushed together: the same records, popped in the same order, as one by one
+                self._expiry.push_many(exp_at, exp_slots)
             live = np.array([s for s in added if t.alive[s]], np.int64)
             if len(live):
                 backend.add_many(live, t.code[live])
