@@ -26,7 +26,7 @@ from ushash.core.jit import njit
 
 from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found, found
 from ushash.serving.cache.freshness import ExpiryHeap
-from ushash.serving.cache.hitcheck import _CHECK, _EXPIRED, _MODALITY, _NO_PAYLOAD, _REVISION, _SERVABLE, Batch, HitCheck
+from ushash.serving.cache.hitcheck import _CHECK, _SERVABLE, Batch, HitCheck
 from ushash.serving.cache.mindex import _NO_IDS, _NO_OFFS, _NO_TC, _NO_TH, _search
 from ushash.serving.payload.format import int4_group_cosine
 from ushash.serving.cache.policies import make_policy
