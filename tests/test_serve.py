@@ -455,3 +455,64 @@ def test_workers_set_tcp_nodelay_on_each_connection():
         return seen
 
     assert asyncio.run(main()) == [1]
+
+
+def test_features_lookups_on_the_fast_path_answer_as_the_route_does(export_dir, monkeypatch):
+    """POST /v1/lookup with features and Content-Type application/json is answered by `_FeaturesLookup`
+    (the route's own model, token check and answer, without FastAPI's routing); the same requests sent as
+    application/vnd.x+json (JSON to FastAPI, not to the fast path) reach the route. Over two caches given the
+    same stores, every answer is the same bytes and status: hits, misses, other tenants, wrong and scoped
+    tokens, bodies the model refuses, malformed JSON, bad features, a text request."""
+    from ushash.serving import service
+
+    seen = []
+
+    class Counting(service.LookupBody):
+        @classmethod
+        def model_validate(cls, obj, **kw):
+            seen.append(obj)
+            return super().model_validate(obj, **kw)
+
+    scoped = "acme-only-0123456789"
+    rng = np.random.default_rng(11)
+    stored = [rng.normal(size=16).round(3).tolist() for _ in range(6)]
+    answers = {}
+    for ctype in ("application/json", "application/vnd.x+json"):
+        cache = SemanticCache.from_export(export_dir, {"radius": 4, "tenants": ["default", "acme"]})
+        monkeypatch.setattr(service, "LookupBody", Counting)
+        with TestClient(create_app(cache, token=TOKEN, tokens={scoped: ["acme"]})) as c:
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            for i, f in enumerate(stored):
+                assert c.post("/v1/store", json={"modality": "image", "features": f, "value": {"i": i},
+                                                 "tenant": ["default", "acme"][i % 2]}, headers=auth).json()["stored"]
+            near = [[x + 0.001 for x in f] for f in stored]
+            bodies = [{"modality": "image", "features": f} for f in stored + near] + [
+                {"modality": "image", "features": f, "tenant": "acme"} for f in stored] + [
+                {"modality": "image", "features": stored[0], "tenant": "initech"},
+                {"modality": "image", "features": stored[0], "text": None, "data_b64": None},
+                {"modality": "image", "features": [1.0, 2.0]},
+                {"modality": "video", "features": stored[0]},
+                {"modality": "image", "features": stored[0], "surprise": 1},
+                {"modality": "text", "text": "a cat"},
+                {"modality": "image", "features": [1e39] * 16},
+                [1, 2]]
+            out = []
+            for headers in (auth, {"Authorization": f"Bearer {scoped}"}, {"Authorization": "Bearer wrong-0123456789abc"}, {}):
+                for b in bodies:
+                    raw = service.json.dumps(b).encode()
+                    r = c.post("/v1/lookup", content=raw, headers={"content-type": ctype, **headers})
+                    out.append((r.status_code, r.content))
+                r = c.post("/v1/lookup", content=b'{"modality": "image", "features": [1,', headers={"content-type": ctype, **headers})
+                out.append((r.status_code, r.content))
+            answers[ctype] = out
+        monkeypatch.undo()
+        if ctype == "application/json":
+            assert len(seen) >= len(bodies), "the fast path was not taken"
+            seen.clear()
+        else:
+            assert not seen, "a +json body reached the fast path"
+    fast, route = answers.values()
+    assert fast == route
+    statuses = {s for s, _ in fast}
+    assert {200, 400, 401, 403, 404, 422} <= statuses, statuses
+    assert sum(b'"hit":true' in body for _, body in fast) >= 12

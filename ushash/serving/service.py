@@ -42,12 +42,13 @@ from typing import Any, Dict, List, Optional
 import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security.utils import get_authorization_scheme_param
 from omegaconf import DictConfig
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ushash.config import to_dict
@@ -278,6 +279,63 @@ class _ServerFaults:
             await _send_json(send, 500, {"error": "internal error (logged by the server)"})
 
 
+class _FeaturesLookup:
+    """ASGI middleware: POST /v1/lookup with a JSON body of precomputed features, answered without FastAPI's
+    routing, dependency solving and request and response machinery (most of the server's time per
+    features lookup; docs/benchmarks.md). The body is parsed by orjson and validated by the route's own
+    model (`LookupBody`), the token checked and the lookup answered by the route's own functions
+    (`answer`: a Response, or None for a request that is not a features lookup). Anything else, and every
+    refusal (malformed JSON, an invalid body, a wrong token, a tenant not allowed or unknown, bad
+    features), goes on to the app with the body replayed, so every error is the app's own answer; a
+    refusal comes before the cache is asked, so nothing is counted twice."""
+
+    PATH = "/v1/lookup"
+
+    def __init__(self, app, answer):
+        self.app, self.answer = app, answer
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.PATH:
+            return await self.app(scope, receive, send)
+        header = content_type = None
+        for k, v in scope["headers"]:   # the first of each, as Starlette's headers.get reads them
+            if k == b"content-type" and content_type is None:
+                content_type = v
+            elif k == b"authorization" and header is None:
+                header = v.decode("latin-1")
+        json_body = content_type is not None and content_type.split(b";", 1)[0].strip().lower() == b"application/json"
+        if not json_body:   # FastAPI reads other content types differently: its answer
+            return await self.app(scope, receive, send)
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # client went away
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        out = None
+        try:
+            out = self.answer(LookupBody.model_validate(orjson.loads(body)), header)
+        except (orjson.JSONDecodeError, ValidationError, AuthError, Forbidden, RequestError, UnknownTenant):
+            out = None
+        if out is None:
+            sent = False
+
+            async def replay():
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            return await self.app(scope, replay, send)
+        if not isinstance(out, Response):   # a value orjson does not take: the route's generic path
+            out = SafeJSONResponse(jsonable_encoder(out))
+        await out(scope, receive, send)
+
+
 class _FastJSONRequest(Request):
     """A request whose JSON body is parsed by orjson (a 1,000-row lookup_batch body: ~0.8 ms against
     json.loads' ~3.7 ms). What orjson refuses and json.loads takes (NaN, integers beyond 64 bits, lone
@@ -318,14 +376,12 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     keys = [(token.encode(), None)] if token is not None else []
     keys += [(t.encode(), ts) for t, ts in scoped.items()]
 
-    async def auth(request: Request) -> Optional[frozenset]:
-        """The tenants this caller may use (None: every tenant). A coroutine: a few compares are not worth
-        a trip through the thread pool (FastAPI runs plain-function dependencies there). The header is
-        read as fastapi.security.HTTPBearer(auto_error=False) reads it (scheme case-insensitive, the
-        credentials stripped), without that class's own dependency level."""
+    def allowed_by(header: Optional[str]) -> Optional[frozenset]:
+        """The tenants a caller with this Authorization header may use (None: every tenant); AuthError for a
+        missing or wrong token. The header is read as fastapi.security.HTTPBearer(auto_error=False) reads it
+        (scheme case-insensitive, the credentials stripped), without that class's own dependency level."""
         if not keys:
             return None
-        header = request.headers.get("Authorization")
         scheme, credentials = get_authorization_scheme_param(header)
         bearer = bool(header and scheme and credentials) and scheme.lower() == "bearer"
         given = credentials.encode("utf-8", "surrogateescape") if bearer else b""
@@ -336,6 +392,11 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         if not ok:
             raise AuthError()
         return allowed
+
+    async def auth(request: Request) -> Optional[frozenset]:
+        """`allowed_by` as a route dependency. A coroutine: a few compares are not worth a trip through the
+        thread pool (FastAPI runs plain-function dependencies there)."""
+        return allowed_by(request.headers.get("Authorization"))
 
     def guarded(endpoint):
         """`endpoint`, whose `allowed` parameter is `Depends(auth)`, as the route's function: with a token
@@ -403,7 +464,9 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
             raise RequestError(f"give exactly one of text, data_b64, features; got {given or 'none'}")
         if body.features is not None:
             import numpy as np
-            return cache.query(body.modality, features=np.asarray(body.features, np.float32))
+            with np.errstate(over="ignore", invalid="ignore"):   # beyond float32: the query's own 400
+                f = np.asarray(body.features, np.float32)
+            return cache.query(body.modality, features=f)
         if body.text is not None:
             if body.modality != "text":
                 raise RequestError(f"'text' is for modality text; send {body.modality} as data_b64")
@@ -484,6 +547,13 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     def stats():
         return cache.stats()
 
+    def features_lookup(body: LookupBody, header: Optional[str]):
+        """The /v1/lookup route's answer to a features request (as the route gives it), for `_FeaturesLookup`."""
+        if body.features is None or body.text is not None or body.data_b64 is not None:
+            return None
+        return _lookup(body, allowed_by(header))
+
+    app.add_middleware(_FeaturesLookup, answer=features_lookup)
     app.add_middleware(_ServerFaults)
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     return app
