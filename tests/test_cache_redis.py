@@ -98,10 +98,10 @@ def test_bloom_filter_never_hides_a_hit_and_its_guard_skips_l2_trips(redis_serve
         l2 = cache._serving[1][1]
         asked[name] = 0
 
-        def find(*a, _find=l2.find, _name=name, **kw):
-            asked[_name] += 1
-            return _find(*a, **kw)
-        l2.find = find
+        def find_many(queries, *a, _find=l2.find_many, _name=name, **kw):
+            asked[_name] += len(queries)
+            return _find(queries, *a, **kw)
+        l2.find_many = find_many
     base = rng.integers(0, 256, size=(200, 8), dtype=np.uint8)
     for i, c in enumerate(base):
         for cache in caches.values():
@@ -114,6 +114,41 @@ def test_bloom_filter_never_hides_a_hit_and_its_guard_skips_l2_trips(redis_serve
     skips = caches["on"].metrics.value("cache_bloom_skips_total")
     assert skips > 100 and caches["guard"].metrics.value("cache_bloom_skips_total") == skips
     assert asked["on"] == asked["off"] > 0 and asked["guard"] == asked["on"] - skips
+
+
+def test_lookup_many_asks_the_l2_once_per_batch_and_answers_as_lookup_does(redis_server):
+    """A batch's L1 misses go to the L2 in two round trips (the probe buckets, then the candidates'
+    entries); the answers are those of `lookup` of each query on a cache with the same L1 and L2: the
+    same values and distances, and the same entries promoted into L1, for hits, near hits, misses and
+    queries repeated within the batch."""
+    rng = np.random.default_rng(8)
+    writer = _cache(redis_server, l2={"prefix": "many"})
+    base = rng.integers(0, 256, size=(60, 8), dtype=np.uint8)
+    for i, c in enumerate(base):
+        writer.store(writer.query_from_code("text", c), {"i": i})
+    picks = [base[rng.integers(60)].tobytes() if rng.random() < 0.6 else rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+             for _ in range(80)]
+    codes = [np.frombuffer(_flip(c, rng.integers(0, 64, size=rng.integers(0, 4))), np.uint8) for c in picks]
+    codes += codes[:5]   # repeats within the batch
+    batch, single = _cache(redis_server, l2={"prefix": "many"}), _cache(redis_server, l2={"prefix": "many"})
+    for c in base[:10]:   # some entries in both L1s already
+        for cache in (batch, single):
+            cache.l1.put("default", writer.l1.table.read(int(writer.l1._backends[0].search(c, 0)[0][0]),
+                                                         writer.l1._modalities, writer.revision))
+    l2 = batch._serving[1][1]
+    calls = []
+    real = l2._call
+    l2._call = lambda op, fn: calls.append(op) or real(op, fn)
+    got = batch.lookup_many([batch.query_from_code("text", c) for c in codes])
+    assert [op for op in calls if op != "watermark"] == ["lookup", "fetch"], calls
+    want = [single.lookup(single.query_from_code("text", c)) for c in codes]
+    # the tier may differ: one by one, an entry promoted by an earlier query is an L1 hit for a later one;
+    # a batch's L1 is searched once, before its misses go to the L2
+    assert [(h.value, h.distance) if h else None for h in got] == [(h.value, h.distance) if h else None for h in want]
+    assert all(g.tier == "l2" for g, w in zip(got, want) if g is not None and w.tier == "l2")
+    tiers = [h.tier for h in got if h is not None]
+    assert tiers.count("l2") >= 20 and tiers.count("l1") >= 3 and sum(h is None for h in got) >= 10
+    assert len(batch.l1.table.live_slots()) == len(single.l1.table.live_slots())
 
 
 def test_replicas_share_entries_through_l2(redis_server):

@@ -34,7 +34,7 @@ from ushash.serving.calibration import Calibration
 from ushash.serving.cache.api import CheckStore
 from ushash.serving.cache.budget import PairBudget
 from ushash.serving.cache.config import CacheConfig
-from ushash.serving.cache.entries import Entry, Found, Hit, decode_value, encode_value, valid_tenant
+from ushash.serving.cache.entries import Entry, Found, Hit, encode_value, valid_tenant
 from ushash.serving.cache.freshness import Freshness, RevisionWatermark, revision_rank
 from ushash.serving.cache.hitcheck import HitCheck
 from ushash.serving.cache.l1 import L1Tier
@@ -260,7 +260,8 @@ class SemanticCache(CheckStore):
 
     def lookup_many(self, queries: list[Query], tenant: str = DEFAULT_TENANT, count: bool = True) -> list[Hit | None]:
         """The hit (or None) for each Query: L1 answers the batch with one index search and one
-        vectorised hit check; its misses go to the L2 one by one. Same answers as `lookup` of each. Only
+        vectorised hit check; its misses go to the L2 together (`find_many`: two round trips to Redis for the
+        batch). Same answers as `lookup` of each. Only
         entries of the revision that encoded a query are served, while that is the one served: a query
         encoded before a reload() misses, and a hit found while one happened is not served."""
         t0 = time.perf_counter()
@@ -295,10 +296,11 @@ class SemanticCache(CheckStore):
                     h = l1_hits[j]
                     h.refresh = fresh.should_refresh(now, h.expires, cs)
                     l1_pairs.append((qs[j].modality, h.modality))
-            else:   # query by query: the L2 trips (and the clock read before each) come in between
+            else:   # the L1's misses asked of the L2 together: two round trips for the batch
                 tiers = ["l1"] * n
                 skip_next = set(skip_next)
                 k = 0
+                ask = []
                 for j, i in enumerate(live):
                     h = l1_hits[j]
                     if h is not None:
@@ -307,9 +309,13 @@ class SemanticCache(CheckStore):
                         l1_pairs.append((queries[i].modality, h.modality))
                     elif j not in skip_next:
                         tiers[i] = l2.name
-                        now = self.clock()
-                        f2 = l2.find(queries[i], tenant, rev, self.hit_check, now) if self.tracer is None else \
-                            self._traced_find(l2, queries[i], tenant, rev, now)
+                        ask.append(i)
+                if ask:
+                    now = self.clock()
+                    q2 = [queries[i] for i in ask]
+                    found2 = l2.find_many(q2, tenant, rev, self.hit_check, now) if self.tracer is None else \
+                        self._traced_find_many(l2, q2, tenant, rev, now)
+                    for i, f2 in zip(ask, found2):
                         if f2.nearest is not None and (nearest[i] < 0 or f2.nearest < nearest[i]):
                             nearest[i] = f2.nearest
                         if f2.entry is not None and self._serving[0] is l1:
@@ -652,13 +658,17 @@ class SemanticCache(CheckStore):
             span.set_attribute("cache.distance", int(found.distance))
             span.set_attribute("cache.ttl.remaining_ms", (e.expires - now) * 1e3 if e.expires != float("inf") else -1.0)
 
-    def _traced_find(self, t, q: Query, tenant: str, rev: str, now: float):
+    def _traced_find_many(self, t, queries: list[Query], tenant: str, rev: str, now: float) -> list[Found]:
         name = "ushash.search" if t is self.l1 else "ushash.l2"
         with self.tracer.start_as_current_span(name) as span:
-            found = t.find(q, tenant, rev, self.hit_check, now)
+            found = t.find_many(queries, tenant, rev, self.hit_check, now)
             span.set_attribute("cache.strategy", t.name)
             span.set_attribute("cache.tenant", tenant)
-            self._hit_attributes(span, q, found, now)
+            span.set_attribute("cache.batch_size", len(queries))
+            if len(queries) == 1:
+                self._hit_attributes(span, queries[0], found[0], now)
+            else:
+                span.set_attribute("cache.hits", sum(f.entry is not None for f in found))
         return found
 
     def track_hot_keys(self, window_s: float = 60.0, buckets: int = 6, max_keys: int = 10_000, top: int = 10,

@@ -272,10 +272,20 @@ class RedisStore:
     def find(self, q, tenant: str, revision: str, check, now: float, k: int = 1) -> Found:
         """The entry to serve from the L2 (the hit check on its candidates within `radius`), or a miss; a
         failed or skipped call is a miss (counted)."""
+        return self.find_many([q], tenant, revision, check, now, k)[0]
+
+    def find_many(self, queries: list, tenant: str, revision: str, check, now: float, k: int = 1) -> list[Found]:
+        """`find` of each query, the batch in two round trips (`lookup_many`); a failed or skipped call is
+        a miss for every query of the batch (counted once)."""
         try:
-            entries, dists = self.lookup(tenant, revision, q.code, self.radius)
+            looked = self.lookup_many(tenant, revision, [q.code for q in queries], self.radius)
         except L2Unavailable:
-            return MISS
+            return [MISS] * len(queries)
+        return [self._choose(q, entries, dists, revision, check, now, k) for q, (entries, dists) in zip(queries, looked)]
+
+    @staticmethod
+    def _choose(q, entries: list[Entry], dists: list[int], revision: str, check, now: float, k: int) -> Found:
+        """The hit check's choice among one query's candidates."""
         if not entries:
             return MISS
         cands = Candidates(ids=[e.id for e in entries], dists=dists, modalities=[e.modality for e in entries],
@@ -291,43 +301,68 @@ class RedisStore:
     def lookup(self, tenant: str, revision: str, code: bytes, radius: int) -> tuple[list[Entry], list[int]]:
         """Entries of `revision` within `radius` and their distances, by (distance, id), at most
         max_candidates; raises L2Unavailable on failure. Expired entries are not returned."""
-        keys = self.probe_keys(tenant, revision, code, radius)
-        members = self._call("lookup", lambda: self.r.sunion(keys))
-        if not members:
-            return [], []
-        q = int.from_bytes(code, "little")
-        cands = []
-        for mem in members:
-            hexcode, _, eid = mem.decode().partition(":")
-            d = (int.from_bytes(bytes.fromhex(hexcode), "little") ^ q).bit_count()
-            if d <= radius:
-                cands.append((d, eid, hexcode))
-        if not cands:
-            return [], []
-        cands.sort()
-        cands = cands[: self.max_candidates]
+        return self.lookup_many(tenant, revision, [code], radius)[0]
+
+    def lookup_many(self, tenant: str, revision: str, codes: list[bytes], radius: int) -> list[tuple[list[Entry], list[int]]]:
+        """`lookup` of each code in two round trips for all: the probe buckets' SUNION of every code (one
+        pipeline), then the entries of all their candidates within `radius` (one pipelined HMGET each,
+        an entry that is a candidate of several codes fetched once)."""
+        probes = [self.probe_keys(tenant, revision, code, radius) for code in codes]
+
+        def union():
+            if len(probes) == 1:
+                return [self.r.sunion(probes[0])]
+            pipe = self.r.pipeline(transaction=False)
+            for keys in probes:
+                pipe.sunion(keys)
+            return pipe.execute()
+
+        per_code = []
+        need: dict[str, str] = {}   # entry id -> its code (hex), in first-seen order
+        for code, members in zip(codes, self._call("lookup", union)):
+            q = int.from_bytes(code, "little")
+            cands = []
+            for mem in members:
+                hexcode, _, eid = mem.decode().partition(":")
+                d = (int.from_bytes(bytes.fromhex(hexcode), "little") ^ q).bit_count()
+                if d <= radius:
+                    cands.append((d, eid, hexcode))
+            cands.sort()
+            cands = cands[: self.max_candidates]
+            for _, eid, hexcode in cands:
+                need.setdefault(eid, hexcode)
+            per_code.append(cands)
+        if not need:
+            return [([], []) for _ in codes]
 
         def fetch():
             pipe = self.r.pipeline(transaction=False)
-            for _, eid, _ in cands:
+            for eid in need:
                 pipe.hmget(self.entry_key(tenant, eid), _HASH_FIELDS)
             return pipe.execute()
 
-        rows = self._call("fetch", fetch)
-        out, dists, gone = [], [], []
+        rows = dict(zip(need, self._call("fetch", fetch)))
+        gone = [(eid, hexcode) for eid, hexcode in need.items() if rows[eid][0] is None]
         now = self.clock()
-        for (d, eid, hexcode), row in zip(cands, rows):
-            if row[0] is None:
-                gone.append((eid, hexcode))
-                continue
-            e = from_hash(eid, row)
-            if e.expires <= now:
-                continue
-            out.append(e)
-            dists.append(d)
+        made: dict[str, Entry] = {}
+        out = []
+        for cands in per_code:
+            entries, dists = [], []
+            for d, eid, _ in cands:
+                row = rows[eid]
+                if row[0] is None:
+                    continue
+                e = made.get(eid)
+                if e is None:
+                    e = made[eid] = from_hash(eid, row)
+                if e.expires <= now:
+                    continue
+                entries.append(e)
+                dists.append(d)
+            out.append((entries, dists))
         if gone:
             self._forget(tenant, revision, gone)
-        return out, dists
+        return out
 
     def _forget(self, tenant: str, revision: str, gone: list[tuple[str, str]]) -> None:
         """Drop bucket members whose entry hash no longer exists (expired or evicted by Redis)."""
