@@ -20,7 +20,7 @@ cache has loaded the compiled kernels: their fixed cost is printed apart); then 
 process memory per entry of a default-capacity (256 MiB) cache holding `--small` entries.
 
     python benchmarks/cache_lookup.py [--sizes 100000 1000000] [--queries 20000] [--codes uniform] [--batch 1000]
-                                      [--backend auto]
+                                      [--backend auto] [--ttl-s 0]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def warm_up(head, cfg: dict, codes, payloads) -> int:
 
 
 def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: int = 5, batch: int = 1000,
-          backend: str = "auto") -> dict:
+          backend: str = "auto", ttl_s: float = 0.0) -> dict:
     from ushash.serving.cache import SemanticCache
     from ushash.serving.cache.lsh import LSHHead
     from ushash.serving.payload import PayloadCodec
@@ -99,7 +99,7 @@ def bench(n: int, n_queries: int, kind: str, policy: str = "wtinylfu", rounds: i
     head = LSHHead({"image": DIM}, bits=BITS, dim=DIM, payload=codec)
     caches = {}
     # capacity: room for every entry (no eviction during the measurement), sized like a real deployment
-    cfg = {"capacity_bytes": n * 160, "radius": RADIUS, "backend": backend, "ttl_s": 0, "policy": policy,
+    cfg = {"capacity_bytes": n * 160, "radius": RADIUS, "backend": backend, "ttl_s": ttl_s, "policy": policy,
            "payload_threshold": -1.0}
     warm = warm_up(head, cfg, codes, payloads)
     values = [int(i) for i in range(n)]   # made before the baseline: this list is the benchmark's, not the cache's
@@ -212,6 +212,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1000)
     ap.add_argument("--backend", default="auto", help="the cache's L1 backend (auto = mindex, mih, flat, faiss)")
     ap.add_argument("--small", type=int, default=2500)
+    ap.add_argument("--ttl-s", type=float, default=0.0,
+                    help="the large caches' ttl_s (0: no expiry; the default config's is 3600: an expiry record per entry)")
     ap.add_argument("--one", nargs=2, metavar=("CODES", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:  # one configuration in a fresh process, so its memory growth is its own
@@ -219,13 +221,14 @@ def main():
             print(json.dumps(small(int(args.one[1]), args.policy)))
         else:
             print(json.dumps(bench(int(args.one[1]), args.queries, args.one[0], args.policy, batch=args.batch,
-                                   backend=args.backend)))
+                                   backend=args.backend, ttl_s=args.ttl_s)))
         return
     print(f"# cache_lookup  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, faiss {faiss.__version__}")
     print(f"# {BITS}-bit codes, radius {RADIUS}, int4 payload of {DIM}-d z (72 B), 8-byte values; "
           f"latency per single-query lookup in µs; policy {args.policy}")
-    print(f"# cache backend {args.backend}; ratios against bare faiss MIH measured in the same run, interleaved")
+    print(f"# cache backend {args.backend}, ttl_s {args.ttl_s:g}; ratios against bare faiss MIH measured in the same run, "
+          f"interleaved")
     print("| entries | codes | bare faiss MIH p50 / p99 | bare index p50 / p99 | cache p50 / p99 | ratio p50 / p99 | "
           "cache + payload check p50 / p99 | ratio p50 / p99 | faiss flat k=1 p50 | hits | bytes/entry accounted | "
           "RSS bytes/entry | index bytes/entry | fill s | lookup_many /s (batch) | bare faiss MIH batch /s | "
@@ -234,7 +237,8 @@ def main():
     for kind in args.codes:
         for n in args.sizes:
             out = subprocess.run([sys.executable, __file__, "--one", kind, str(n), "--queries", str(args.queries),
-                                  "--policy", args.policy, "--backend", args.backend, "--batch", str(args.batch)],
+                                  "--policy", args.policy, "--backend", args.backend, "--batch", str(args.batch),
+                                  "--ttl-s", str(args.ttl_s)],
                                  capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             f50, f99 = r["faiss_mih"]
