@@ -91,6 +91,7 @@ class USHashModule(pl.LightningModule):
         self.model = USHash(in_dims, bits=bits, dim=dim, hidden=hidden, layers=layers, dropout=dropout)
         # contrastive scales exp(logit_scale) = 1 / temperature, learned as CLIP's when learn_temperature; they are
         # training state only, not part of the export
+        self.last_val: tuple[float, float] | None = None   # the last validation's (score, paired mAP@10)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / temperature)), requires_grad=bool(learn_temperature))
         self.float_logit_scale = nn.Parameter(torch.tensor(math.log(1 / temperature)),
                                               requires_grad=bool(learn_temperature))
@@ -191,8 +192,12 @@ class USHashModule(pl.LightningModule):
     def on_validation_epoch_end(self):
         from ushash.evaluation import retrieval
         score, rows = self.val_scores()
+        paired = retrieval.mean_map(rows, "paired")
+        # the scores as computed (float64), for the checkpoint selection: the logged metrics are float32
+        # tensors, and a rounded score compared with an exact one can beat it on a tie
+        self.last_val = (score, paired)
         self.log("val/score", score, prog_bar=True)
-        self.log("val/map@10", retrieval.mean_map(rows, "paired"), prog_bar=True)
+        self.log("val/map@10", paired, prog_bar=True)
         for r in rows:
             self.log(f"val/map@10/{r['protocol']}/{r['direction']}", r["map@10"])
 

@@ -78,12 +78,13 @@ class BestOnVal(Callback):
             self._keep(trainer, score, retrieval.mean_map(rows, "paired"), epoch=0)
 
     def on_validation_end(self, trainer, module) -> None:
-        if trainer.sanity_checking or "val/score" not in trainer.callback_metrics:
+        last, module.last_val = module.last_val, None
+        if trainer.sanity_checking or last is None:
             return
-        score = float(trainer.callback_metrics["val/score"])
+        score, paired = last
         epoch = trainer.current_epoch + 1
         if self.best is None or score > self.best:
-            self._keep(trainer, score, float(trainer.callback_metrics["val/map@10"]), epoch)
+            self._keep(trainer, score, paired, epoch)
         elif self.patience and epoch - self.best_epoch >= self.patience:
             trainer.should_stop = True
 
