@@ -168,7 +168,7 @@ def test_expiry_heap_pops_what_heapq_pops():
                 e = rng.integers(0, 20, k).astype(float)   # few distinct expiries and slots: many ties
                 e[rng.random(k) < 0.1] = math.inf
                 s = rng.integers(0, 8, k)
-                h.push_many(e, s) if k > 1 else h.push(float(e[0]), int(s[0]))
+                h.push_many(e, s)
                 for a, b in zip(e.tolist(), s.tolist()):
                     if math.isfinite(a):
                         heapq.heappush(ref, (a, b))
@@ -188,7 +188,7 @@ def test_expiry_heap_pops_what_heapq_pops():
             assert len(h) == len(ref)
     assert popped > 1000
     with pytest.raises(ValueError, match="slots"):
-        ExpiryHeap().push(1.0, 1 << 31)
+        ExpiryHeap().push_many([1.0], [1 << 31])
 
 
 def test_wtinylfu_sizes_widen_at_their_limit():

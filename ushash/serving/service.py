@@ -193,16 +193,21 @@ class _BodyLimit:
             chunks.append(body)
             if not msg.get("more_body", False):
                 break
-        sent = False
+        await self.app(scope, _replaying(b"".join(chunks), receive), send)
 
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
 
-        await self.app(scope, replay, send)
+def _replaying(body: bytes, receive):
+    """An ASGI receive that hands on `body`, already read, as the request's one message, then `receive`'s."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 async def _send_json(send, status: int, obj: dict) -> None:
@@ -321,16 +326,7 @@ class _FeaturesLookup:
         except (orjson.JSONDecodeError, ValidationError, AuthError, Forbidden, RequestError, UnknownTenant):
             out = None
         if out is None:
-            sent = False
-
-            async def replay():
-                nonlocal sent
-                if not sent:
-                    sent = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()
-
-            return await self.app(scope, replay, send)
+            return await self.app(scope, _replaying(body, receive), send)
         if not isinstance(out, Response):   # a value orjson does not take: the route's generic path
             out = SafeJSONResponse(jsonable_encoder(out))
         await out(scope, receive, send)

@@ -97,10 +97,10 @@ def _push_many(exp, slot, n, new_exp, new_slot):
 
 @njit(cache=True, nogil=True)
 def _pop_due(exp, slot, n, now, out_exp, out_slot):
-    """Pop the records with expires <= now, soonest first, into out_* (as long as the heap); returns
-    (records popped, new n)."""
+    """Pop the records with expires <= now, soonest first, into out_* until they are full; returns (records
+    popped, new n)."""
     k = 0
-    while n > 0 and exp[0] <= now:
+    while n > 0 and k < len(out_exp) and exp[0] <= now:
         out_exp[k], out_slot[k] = exp[0], slot[0]
         k += 1
         n -= 1
@@ -131,10 +131,13 @@ class ExpiryHeap:
     heapq list of (float, int) tuples), sifted by compiled code; the same records come due in the same
     order as from heapq."""
 
+    DUE_BATCH = 256   # records popped per compiled call (the buffers are the heap's own, made once)
+
     def __init__(self):
         self._exp = np.zeros(16, np.float64)
         self._slot = np.zeros(16, np.int32)
         self._n = 0
+        self._out_exp, self._out_slot = np.empty(self.DUE_BATCH, np.float64), np.empty(self.DUE_BATCH, np.int32)
 
     def _room(self, k: int) -> None:
         if self._n + k <= len(self._exp):
@@ -145,9 +148,6 @@ class ExpiryHeap:
         freed = self._exp.nbytes + self._slot.nbytes
         self._exp, self._slot = exp, slot
         heap.replaced(freed)
-
-    def push(self, expires: float, slot: int) -> None:
-        self.push_many([expires], [slot])
 
     def push_many(self, expires, slots) -> None:
         """Push a record per (expires, slot) with a finite expiry (slots in [0, 2^31))."""
@@ -168,23 +168,13 @@ class ExpiryHeap:
 
     def replace(self, expires, slots) -> None:
         """Keep only these records (the live entries'): drops those of evicted or replaced entries."""
-        e = np.asarray(expires, np.float64).reshape(-1)
-        s = np.asarray(slots, np.int64).reshape(-1)
-        keep = np.isfinite(e)
-        e, s = e[keep], s[keep]
-        order = np.lexsort((s, e))   # sorted by (expires, slot): a valid heap
-        self._exp, self._slot = np.zeros(16, np.float64), np.zeros(16, np.int32)
-        self._n = 0
-        self._room(len(e))
-        self._exp[: len(e)], self._slot[: len(e)] = e[order], s[order]
-        self._n = len(e)
+        self._exp, self._slot, self._n = np.zeros(16, np.float64), np.zeros(16, np.int32), 0
+        self.push_many(expires, slots)
 
     def due(self, now: float) -> Iterator[tuple[int, float]]:
-        if not self._n or not self._exp[0] <= now:
-            return
-        out_e, out_s = np.empty(self._n, np.float64), np.empty(self._n, np.int32)
-        k, self._n = _pop_due(self._exp, self._slot, self._n, float(now), out_e, out_s)
-        yield from zip(out_s[:k].tolist(), out_e[:k].tolist())
+        while self._n and self._exp[0] <= now:
+            k, self._n = _pop_due(self._exp, self._slot, self._n, float(now), self._out_exp, self._out_slot)
+            yield from zip(self._out_slot[:k].tolist(), self._out_exp[:k].tolist())
 
 
 def revision_rank(head) -> float | None:
