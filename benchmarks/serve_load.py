@@ -39,64 +39,25 @@ from pathlib import Path
 
 import numpy as np
 
+from ushash.serving.localhost import Connection, request_bytes, run_loop
+
 HOST = "127.0.0.1"  # loopback only
 ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
 
 
 # ---------------------------------------------------------------------------------------------- client
-class _Conn:
-    """One keep-alive HTTP/1.1 connection sending prepared request bytes and reading each response by its
-    Content-Length: the same few microseconds of client work for every phase, so that the server, not the
-    load generator, sets the request rate (an httpx client spent 0.5-0.7 ms of CPU per request, more than
-    the server, and more for a JSON POST than for a GET)."""
-
-    def __init__(self, reader, writer):
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def open(cls, url: str) -> "_Conn":
-        host, port = url.split("://", 1)[1].rsplit(":", 1)
-        return cls(*await asyncio.open_connection(host, int(port)))
-
-    async def request(self, raw: bytes) -> int:
-        """Send one request; returns the response's status code (its body read and dropped)."""
-        self.writer.write(raw)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head[9:12])
-        length = None
-        for line in head.split(b"\r\n")[1:]:
-            if line[:15].lower() == b"content-length:":
-                length = int(line[15:])
-                break
-        if length is None:
-            raise RuntimeError(f"response without Content-Length: {head[:200]!r}")
-        await self.reader.readexactly(length)
-        return status
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def _raw(method: str, path: str, body: bytes = b"") -> bytes:
-    """The bytes of one request (keep-alive; a JSON body when given)."""
-    head = f"{method} {path} HTTP/1.1\r\nHost: {HOST}\r\n"
-    if body:
-        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    return head.encode() + b"\r\n" + body
-
-
 def _requests(kind: str, n: int, feats: list, batch: int) -> list[bytes]:
     """The phase's requests, made before it is timed (at most n, cycling)."""
     if kind == "healthz":
-        return [_raw("GET", "/healthz")]
+        return [request_bytes("GET", "/healthz")]
     if kind == "batch":
         starts = [(i * batch) % max(1, len(feats) - batch) for i in range(n)]
-        return [_raw("POST", "/v1/lookup_batch", json.dumps({"modality": "image", "features": feats[s:s + batch]}).encode())
+        return [request_bytes("POST", "/v1/lookup_batch", json.dumps({"modality": "image", "features": feats[s:s + batch]}).encode())
                 for s in starts]
     if kind == "lookup":
-        return [_raw("POST", "/v1/lookup", json.dumps({"modality": "image", "features": f}).encode())
+        return [request_bytes("POST", "/v1/lookup", json.dumps({"modality": "image", "features": f}).encode())
                 for f in feats[:max(1, min(n, len(feats)))]]
-    return [_raw("POST", "/v1/lookup", json.dumps({"modality": "text", "text": f"a small red fox number {i}"}).encode())
+    return [request_bytes("POST", "/v1/lookup", json.dumps({"modality": "text", "text": f"a small red fox number {i}"}).encode())
             for i in range(min(n, 500))]
 
 
@@ -105,7 +66,7 @@ async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, 
     lat: list[float] = []
     errors = 0
     reqs = _requests(kind, n, feats, batch)
-    conns = [await _Conn.open(url) for _ in range(concurrency)]
+    conns = [await Connection.open(url) for _ in range(concurrency)]
     counter = iter(range(n))
 
     async def worker(conn):
@@ -114,7 +75,7 @@ async def _phase(url: str, kind: str, n: int, concurrency: int, seconds: float, 
             if time.perf_counter() > deadline:
                 return
             t0 = time.perf_counter()
-            status = await conn.request(reqs[i % len(reqs)])
+            status, _, _ = await conn.request(reqs[i % len(reqs)])
             lat.append(time.perf_counter() - t0)
             errors += status != 200
 
@@ -154,15 +115,6 @@ def _summary(runs: list[dict]) -> dict:
             "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "rounds": len(runs)}
 
 
-def _run(coro):
-    """asyncio.run on uvloop where it is installed (as the server runs)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def client_main(args) -> None:
     feats = json.loads(Path(args.features).read_text())
     kinds = ("healthz", "lookup", "text", "batch")
@@ -173,7 +125,7 @@ def client_main(args) -> None:
             for kind in kinds:
                 n = max(1, args.requests // 20) if kind == "batch" else args.requests
                 conc = min(args.concurrency, 2) if kind == "batch" else args.concurrency
-                runs[sv["label"], kind].append(_run(_phase(
+                runs[sv["label"], kind].append(run_loop(_phase(
                     sv["url"], kind, max(1, n // args.rounds), conc, args.seconds / args.rounds, feats, args.batch,
                     _descendants(sv["pids"]))))
     print(json.dumps([{"server": label, **_summary(r)} for (label, _), r in runs.items()]))
