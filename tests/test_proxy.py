@@ -5,6 +5,7 @@ and the 4xx answers."""
 import base64
 import hashlib
 import json
+import re
 
 import httpx
 import numpy as np
@@ -40,7 +41,7 @@ class Upstream:
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"".join(chunks) + b"data: [DONE]\n\n")
         if body.get("fail"):
             return httpx.Response(500, json={"error": "boom"})
-        return httpx.Response(200, json={"answer": n})
+        return httpx.Response(200, json={"answer": n}, headers={"Server-Timing": "model;dur=7"})
 
 
 @pytest.fixture
@@ -70,8 +71,11 @@ def test_miss_is_forwarded_and_stored_then_hits(setup):
     client, up, _ = setup
     r = client.post("/v1/chat/completions", json=chat("what is a frog"), headers=H())
     assert r.status_code == 200 and r.json() == {"answer": 1} and r.headers["x-cache"] == "miss"
+    # the proxy's own timings, then the upstream's
+    assert re.fullmatch(r"lookup;dur=\d+\.\d{3}, upstream;dur=\d+\.\d{3}, model;dur=7", r.headers["server-timing"])
     r = client.post("/v1/chat/completions", json=chat("what is a frog"), headers=H())
     assert r.json() == {"answer": 1} and r.headers["x-cache"] == "hit" and len(up.calls) == 1
+    assert re.fullmatch(r"lookup;dur=\d+\.\d{3}", r.headers["server-timing"])
     assert "authorization" not in up.calls[0][2]          # the client's token never reaches the upstream
     # another tenant, model, path or revision never shares the answer
     for kw in ({"headers": H("b")}, {"json": {**chat("what is a frog"), "model": "m2"}},
@@ -119,6 +123,8 @@ def test_errors_and_auth(setup):
     assert client.post("/v1/chat/completions", json=chat("q"), headers=H("z")).status_code == 401
     assert client.post("/v1/chat/completions", content=b"{not json", headers=H()).status_code == 400
     assert client.post("/v1/chat/completions", content=b"[1, 2]", headers=H()).status_code == 400
+    deep = b"[" * 2000 + b"]" * 2000   # deeper than Python's recursion limit, under max_body_bytes
+    assert client.post("/v1/chat/completions", content=deep, headers=H()).status_code == 400
     assert client.post("/v1/chat/completions", content=b"x" * 5000, headers=H()).status_code == 413
     r = client.post("/v1/chat/completions", json={**chat("q"), "fail": True}, headers=H())
     assert r.status_code == 500 and r.headers["x-cache"] == "miss"

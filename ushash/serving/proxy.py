@@ -10,7 +10,9 @@ the URL path, `stream` and the gateway's `X-Model-Revision` header are exact fil
 another model, endpoint or revision is never served. A hit is answered from the cache (a streamed
 answer replayed as it was streamed); a miss is forwarded, streamed through as it arrives, and a 200
 answer is stored. `Cache-Control: no-cache` skips the lookup (the fresh answer is stored), `no-store`
-skips storing. `X-Cache: hit | miss | bypass` says which.
+skips storing. `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took
+(`lookup;dur=` in ms: encoding the request, the search and the check) and, on a forwarded request, the
+upstream (`upstream;dur=`: until its answer's headers).
 
 Tenants: `tokens` maps a bearer token to a tenant; with a map, a request without a known token is 401.
 Without one, `token` (or USHASH_PROXY_TOKEN) is the one accepted token, required when the proxy binds
@@ -21,19 +23,19 @@ not JSON, 401, 404 for an unknown tenant, 413 over `max_body_bytes`, 502 when th
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
-import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
-from ushash.serving.messages import content_parts, decode_data_url
+from ushash.serving.messages import content_parts, decode_base64, decode_data_url
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +113,10 @@ def extract_request(body: dict, text_path: str | None = None, image_path: str | 
     img = _at(body, image_path) if image_path else None
     image = None
     if isinstance(img, str):
-        image = decode_data_url(img) if img.startswith("data:") else _b64(img)
+        image = decode_data_url(img) if img.startswith("data:") else decode_base64(img)
     if not isinstance(text, str) and image is None:
         return None
     return Extracted(text if isinstance(text, str) else "", image)
-
-
-def _b64(s: str) -> Optional[bytes]:
-    try:
-        return base64.b64decode(s, validate=True)
-    except ValueError:
-        return None
 
 
 def _digest(s: str) -> str:
@@ -168,8 +163,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                                 headers={"WWW-Authenticate": "Bearer"})
         raw = await request.body()
         try:
-            body = json.loads(raw)
-        except ValueError:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
             return err(400, "the request body is not JSON")
         if not isinstance(body, dict):
             return err(400, "the request body must be a JSON object")
@@ -179,40 +174,51 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         stream = bool(body.get("stream"))
         fwd_headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP and k.lower() != "authorization"}
         if req is None:   # nothing to key: pass through
-            return await forward(path, raw, fwd_headers, stream, None, "bypass")
+            return await forward(path, raw, fwd_headers, stream, None, "bypass", "")
         meta = {"model": str(body.get("model", "")), "path": path, "stream": stream,
                 "revision": request.headers.get("x-model-revision", ""),
                 "text": _digest(req.text) if req.image is not None else ""}
         modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
         if modality not in cache.head.modalities:
-            return await forward(path, raw, fwd_headers, stream, None, "bypass")
+            return await forward(path, raw, fwd_headers, stream, None, "bypass", "")
         try:
-            q = await asyncio.to_thread(cache.query, modality, data)
+            q, spent = await asyncio.to_thread(timed, cache.query, modality, data)
         except RequestError as e:
             return err(400, str(e))
         key = (q, tenant, meta)
         if not no_cache:
+            t0 = time.perf_counter()
             try:
                 hits = cache.check_query(q, filters=meta, tenant=tenant)
             except UnknownTenant as e:
                 return err(404, str(e))
+            spent += time.perf_counter() - t0
             if hits:
                 h = hits[0]
                 ans = h["response"]
                 headers = {"X-Cache": "hit", "X-Cache-Distance": str(h["hamming_distance"]),
-                           "Content-Type": ans["content_type"]}
+                           "Content-Type": ans["content_type"], "Server-Timing": f"lookup;dur={spent * 1e3:.3f}"}
                 return Response(ans["body"].encode(), status_code=200, headers=headers)
         return await forward(path, raw, fwd_headers, stream, None if no_store else key,
-                             "bypass" if no_cache else "miss")
+                             "bypass" if no_cache else "miss", f"lookup;dur={spent * 1e3:.3f}, ")
 
-    async def forward(path, raw, headers, stream, key, label):
+    def timed(fn, *args):
+        """fn(*args) and the seconds it took (run in the worker thread: the thread hop is not the lookup's)."""
+        t0 = time.perf_counter()
+        return fn(*args), time.perf_counter() - t0
+
+    async def forward(path, raw, headers, stream, key, label, timing):
+        t0 = time.perf_counter()
         try:
             up = await client.send(client.build_request("POST", "/" + path, content=raw, headers=headers),
                                    stream=True)
         except httpx.HTTPError as e:
             return err(502, f"upstream failed: {type(e).__name__}")
-        out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP}
+        out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP | {"x-cache", "server-timing"}}
         out_headers["X-Cache"] = label
+        # the upstream's own Server-Timing metrics, if any, after the proxy's
+        out_headers["Server-Timing"] = ", ".join([f"{timing}upstream;dur={(time.perf_counter() - t0) * 1e3:.3f}",
+                                                  *up.headers.get_list("server-timing")])
         ctype = up.headers.get("content-type", "application/json")
 
         def keep(body: bytes):

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import orjson
+import pybase64
 from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
@@ -470,7 +471,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         if body.modality == "text":
             raise RequestError("send text as 'text', not data_b64")
         try:
-            data = base64.b64decode(body.data_b64, validate=True)
+            data = pybase64.b64decode(body.data_b64, validate=True)
         except (binascii.Error, ValueError):
             raise RequestError("data_b64 is not valid base64") from None
         return cache.query(body.modality, data)
