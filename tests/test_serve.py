@@ -2,6 +2,7 @@
 
 import base64
 import io
+import os
 import socket
 import subprocess
 import sys
@@ -297,6 +298,7 @@ def test_without_a_token_any_authorization_header_is_ignored(export_dir):
             assert got["results"][0]["value"] == 1
             assert c.get("/metrics", headers=headers).status_code == 200
             assert c.get("/v1/stats", headers=headers).status_code == 200
+        assert c.get("/v1/stats").json()["pid"] == os.getpid()   # the process that answered
         assert c.post("/v1/lookup", json={"modality": "image", "features": f, "allowed": None}).status_code == 422
 
 

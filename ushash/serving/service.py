@@ -22,7 +22,9 @@ not use, 404 unknown tenant, 413 body too large, 422 malformed JSON. A fault of 
 
 `workers=N` (N > 1) runs uvicorn's own multi-worker mode: N processes accept on the one port, each with
 the export loaded and its own L1, over the L2 they share (`cache=redis`, required: without it an entry
-stored through one worker would not be found through another).
+stored through one worker would not be found through another). GET /metrics and /v1/stats then answer
+for the worker that took the request (its L1, its counters; /v1/stats names it by `pid`): to scrape every
+worker, run N services of `workers=1` on their own ports behind the balancer instead.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route annotations at runtime.
@@ -542,7 +544,8 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
 
     @app.get("/v1/stats", dependencies=token_checked)
     def stats():
-        return cache.stats()
+        # `pid`: which process answered (with workers > 1, each has its own L1, stats and metrics)
+        return {**cache.stats(), "pid": os.getpid()}
 
     def features_lookup(body: LookupBody, header: Optional[str]):
         """The /v1/lookup route's answer to a features request (as the route gives it), for `_FeaturesLookup`."""
