@@ -409,6 +409,8 @@ def test_several_workers_start_share_the_l2_and_answer(export_dir, tmp_path):
             if "l2" in tiers:
                 break
         assert "l2" in tiers   # the worker that did not store it found it in Redis
+        pids = {httpx.get(f"{url}/v1/stats").json()["pid"] for _ in range(100)}   # each worker answers for itself
+        assert pids <= set(workers) and pids, (pids, workers)
         assert httpx.post(f"{url}/v1/lookup", json={"modality": "image", "features": [0.5] * 16}).json() == {"hit": False}
     finally:
         proc.terminate()
