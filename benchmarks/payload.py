@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ushash.serving.payload import PayloadCodec, PayloadFormat, describe
+from ushash.serving.payload import PayloadCodec, describe
 
 SETTINGS = {  # name -> settings for every modality (None: the modality-aware defaults)
     "fp32": {"kind": "fp32"},

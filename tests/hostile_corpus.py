@@ -74,13 +74,13 @@ def svg_entity_bomb(levels=6, fan=10) -> bytes:
     ents = ['<!ENTITY e0 "' + "x" * 50 + '">']
     for i in range(1, levels):
         ents.append(f'<!ENTITY e{i} "' + f"&e{i - 1};" * fan + '">')
-    return (f'<?xml version="1.0"?>\n<!DOCTYPE svg [\n' + "\n".join(ents) + f"\n]>\n"
+    return ('<?xml version="1.0"?>\n<!DOCTYPE svg [\n' + "\n".join(ents) + f"\n]>\n"
             f'<svg {SVG_NS} width="10" height="10"><text>&e{levels - 1};</text></svg>').encode()
 
 
 def svg_flat_entity_bomb(copies=20000) -> bytes:
     """Plain internal entities (the kind the decoder expands itself) referenced many times."""
-    return (f'<?xml version="1.0"?>\n<!DOCTYPE svg [\n<!ENTITY big "' + "y" * 1000 + '">\n]>\n'
+    return ('<?xml version="1.0"?>\n<!DOCTYPE svg [\n<!ENTITY big "' + "y" * 1000 + '">\n]>\n'
             f'<svg {SVG_NS} width="10" height="10"><text>' + "&big;" * copies + "</text></svg>").encode()
 
 

@@ -2,7 +2,6 @@
 experiments against the fixed alternatives (ushash/sim/policies.py): values checked by hand."""
 
 import math
-import random
 
 import pytest
 

@@ -11,7 +11,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ushash.serving.cache import SemanticCache
-from ushash.serving.cache.hotkeys import HotKeys
 from ushash.serving.cache.lsh import LSHHead
 from ushash.serving.cache.telemetry import SLOCollector, SLOWindow, configure_tracing, key_hash
 

@@ -71,7 +71,7 @@ def root(tmp_path_factory):
     (r / "train").mkdir(parents=True)
     (r / "validation").mkdir()
     train = [k for s in range(3) for k in write_shard(r / "train", f"{s:05d}", 14, 10000 * s)]
-    test = write_shard(r / "validation", "00000", 13, 100000)
+    write_shard(r / "validation", "00000", 13, 100000)
     (r / "Train_GCC-training.tsv").write_text("".join(f"caption {k}\thttp://x/{k}.jpg\n" for k in train))
     return r
 

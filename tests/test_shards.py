@@ -10,7 +10,7 @@ from PIL import Image
 from ushash.data import shards
 from ushash.encoders import build_encoder
 from ushash.data.extract import extract
-from ushash.data.store import FeatureStoreError, open_split
+from ushash.data.store import FeatureStoreError
 from ushash.data.rows import Row
 
 

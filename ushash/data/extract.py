@@ -18,7 +18,6 @@ with the same pieces, defined here once:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os

@@ -448,5 +448,5 @@ def run_sweep(cfg: DictConfig) -> dict | None:
     except ValueError:  # called outside Hydra (tests)
         multirun = False
     if not multirun:
-        log.info(f"one run; tables of a grid come from a multirun (python -m ushash.sweep -m experiment=...)")
+        log.info("one run; tables of a grid come from a multirun (python -m ushash.sweep -m experiment=...)")
     return result

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, open_dict
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
-from ushash.config import CONFIG_DIR, to_dict
+from ushash.config import to_dict
 from ushash.core.codes import check_bits
 from ushash.core.io import set_aside
 from ushash.hashing.datamodule import FeatureDataModule

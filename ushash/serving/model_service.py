@@ -75,7 +75,7 @@ def create_model_app(classifier: Classifier, max_body_bytes: int = 8 << 20) -> F
 
         try:
             label, secs = await asyncio.to_thread(classifier, req.image)
-        except Exception as e:  # noqa: BLE001: an undecodable image is the client's fault
+        except Exception as e:  # noqa: BLE001 (an undecodable image is the client's fault)
             return JSONResponse({"error": f"cannot classify the image: {type(e).__name__}"}, status_code=400)
         app.state.calls += 1
         app.state.model_seconds += secs
