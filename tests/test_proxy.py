@@ -125,6 +125,12 @@ def test_errors_and_auth(setup):
     assert client.post("/v1/chat/completions", content=b"[1, 2]", headers=H()).status_code == 400
     deep = b"[" * 2000 + b"]" * 2000   # deeper than Python's recursion limit, under max_body_bytes
     assert client.post("/v1/chat/completions", content=deep, headers=H()).status_code == 400
+    # JSON that orjson refuses and Python's json reads is forwarded as it was (the upstream judges it); text
+    # with a lone surrogate escape has no UTF-8 to key it by: passed through
+    for odd, label in ((b'{"messages": [{"role": "user", "content": "nan q"}], "temperature": NaN}', "miss"),
+                       (b'{"messages": [{"role": "user", "content": "surrogate q \\ud800"}]}', "bypass")):
+        r = client.post("/v1/chat/completions", content=odd, headers=H())
+        assert r.status_code == 200 and r.headers["x-cache"] == label, odd
     assert client.post("/v1/chat/completions", content=b"x" * 5000, headers=H()).status_code == 413
     r = client.post("/v1/chat/completions", json={**chat("q"), "fail": True}, headers=H())
     assert r.status_code == 500 and r.headers["x-cache"] == "miss"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import time
@@ -95,7 +96,18 @@ def _at(body, path: str):
 
 
 def extract_request(body: dict, text_path: str | None = None, image_path: str | None = None) -> Optional[Extracted]:
-    """The text and first image of a request body (None: nothing to key it by)."""
+    """The text and first image of a request body (None: nothing to key it by, which includes text that
+    is not valid Unicode: a lone surrogate escape has no UTF-8 to encode or digest)."""
+    req = _extract(body, text_path, image_path)
+    if req is not None:
+        try:
+            req.text.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+    return req
+
+
+def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optional[Extracted]:
     msgs = body.get("messages")
     if isinstance(msgs, list) and not (text_path or image_path):
         texts, images = [], []
@@ -165,7 +177,10 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            return err(400, "the request body is not JSON")
+            try:   # what orjson refuses and json takes (NaN, lone surrogate escapes) is forwarded as before
+                body = json.loads(raw)
+            except (ValueError, RecursionError):   # nested past the recursion limit: 400, not 500
+                return err(400, "the request body is not JSON")
         if not isinstance(body, dict):
             return err(400, "the request body must be a JSON object")
         cc = request.headers.get("cache-control", "").lower()
