@@ -77,13 +77,11 @@ class Connection:
         self.writer.close()
 
 
-def request_bytes(method: str, path: str, body: bytes = b"", headers: dict | None = None,
-                  host: str = "127.0.0.1") -> bytes:
-    """The bytes of one keep-alive request: a JSON body when given, and any extra `headers`."""
+def request_bytes(method: str, path: str, body: bytes = b"", host: str = "127.0.0.1") -> bytes:
+    """The bytes of one keep-alive request (a JSON body when given)."""
     head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
     if body:
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     return head.encode() + b"\r\n" + body
 
 
