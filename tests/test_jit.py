@@ -26,6 +26,27 @@ def test_the_digest_covers_every_kernel_source_and_nothing_else(tmp_path):
     assert d1 != d0                                                  # a callee's edit restamps every kernel
     (root / "a/search.py").rename(root / "a/other.py")               # the same text under another name
     assert jit.kernel_sources_digest.__wrapped__(root) not in (d0, d1)
+    (root / "d/numba_direct.py").parent.mkdir()
+    (root / "d/numba_direct.py").write_text("from numba import njit\n")   # numba's own njit: a kernel source too
+    d2 = jit.kernel_sources_digest.__wrapped__(root)
+    (root / "d/numba_direct.py").write_text("from numba import njit\n# edited\n")
+    assert jit.kernel_sources_digest.__wrapped__(root) != d2
+
+
+def test_every_kernel_source_of_the_package_is_in_the_digest(tmp_path):
+    """An edit to any ushash file that compiles a kernel restamps them all (mindex.py, whose search
+    l1._find_fused compiles in, was once left out: an edit to it kept the old kernels cached). Checked on a
+    copy of the package's sources."""
+    sources = [p for p in sorted(jit.PACKAGE.rglob("*.py")) if b"@njit" in p.read_bytes() and p.name != "jit.py"]
+    assert any(p.name == "mindex.py" for p in sources)
+    root = _tree(tmp_path, {str(p.relative_to(jit.PACKAGE)): p.read_text() for p in sources})
+    d0 = jit.kernel_sources_digest.__wrapped__(root)
+    assert d0 == jit.kernel_sources_digest.__wrapped__(jit.PACKAGE)   # the copy holds every kernel source
+    for p in sources:
+        copy = root / p.relative_to(jit.PACKAGE)
+        copy.write_text(p.read_text() + "\n# edited\n")
+        assert jit.kernel_sources_digest.__wrapped__(root) != d0, p
+        copy.write_text(p.read_text())
 
 
 def test_ushash_kernels_are_stamped_by_the_digest_and_others_keep_numbas_locators():

@@ -27,12 +27,14 @@ PACKAGE = Path(__file__).resolve().parents[1]
 
 @functools.lru_cache(maxsize=None)
 def kernel_sources_digest(root: Path = PACKAGE) -> bytes:
-    """sha256 over the path and content of every .py file under `root` that uses this module's njit (read once
-    per process: a source changed while a process runs is that process's own concern, as with imports)."""
+    """sha256 over the path and content of every .py file under `root` that compiles kernels: any that names
+    njit, this module's or numba's (every kernel under the package is stamped with this digest, so a file
+    left out would serve its old kernels after an edit). Read once per process: a source changed while a
+    process runs is that process's own concern, as with imports."""
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         text = path.read_bytes()
-        if b"ushash.core.jit import" in text and path.name != "jit.py":
+        if b"njit" in text and path.name != "jit.py":
             h.update(str(path.relative_to(root)).encode() + b"\0" + text + b"\0")
     return h.digest()
 

@@ -33,9 +33,10 @@ from __future__ import annotations
 from itertools import combinations
 
 import numpy as np
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
 
+from ushash.core.jit import njit
 from ushash.serving.cache import heap
 
 CHUNK_BITS = 16
