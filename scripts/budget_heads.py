@@ -6,12 +6,13 @@ Per data set: `python -m ushash.extract data=<d> encoder=<e>` (train, val and te
 reused), `python -m ushash.train data=<d> encoder=<e>` (no other override: bits, seed and the recipe are
 the defaults of configs/ and ushash/config.py), then `python -m ushash.export` of its best.ckpt to
 exports/budget-<d>-<e> (a stable name the benchmarks read). The run's folder is named after a hash of the
-resolved training config and of the content of the train and val stores (`FeatureSplit.content`)
+resolved training config, of the code and numerical packages that train it (`ushash.core.provenance.made_by`)
+and of the content of the train and val stores (`FeatureSplit.content`)
 (checkpoints/budget-<d>-<e>-<bits>b-s<seed>-<hash>), so
 
 - a rerun with the same defaults and features skips a finished run and resumes an interrupted one (its last.ckpt);
-- a rerun after the defaults or the features changed (a store made again after a change to decoding) trains a
-  new head in a new folder (never resumes the old one's weights), and the export is replaced by it.
+- a rerun after the defaults, the code, a numerical package or the features changed (a store made again after a
+  change to decoding) trains a new head in a new folder (never resumes the old one's weights), and the export is replaced by it.
 
 A run is finished when its folder has `done.json` (written after training returns); the export is redone
 when its revision is not the one recorded there.
@@ -40,9 +41,13 @@ def config_key(overrides: list[str], stores: dict | None = None) -> tuple[str, d
 
     from ushash.config import compose
 
+    from ushash.core.provenance import made_by
+
     cfg = OmegaConf.to_container(compose("config", overrides), resolve=False)
     recipe = {k: v for k, v in cfg.items() if k not in NOT_RECIPE}
-    blob = json.dumps({**recipe, "stores": stores} if stores else recipe, sort_keys=True, default=str)
+    # the code and numerical packages that train the head are part of what made it (provenance.made_by)
+    blob = json.dumps({**recipe, "made_by": made_by(), **({"stores": stores} if stores else {})}, sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12], recipe
 
 

@@ -153,22 +153,13 @@ def machine() -> str:
 
 
 #: the packages whose versions the published numbers depend on (linear algebra, training, search)
-VERSIONED = ("torch", "numpy", "scipy", "faiss-cpu", "pytorch-lightning")
-
-
 def versions() -> str:
-    """The installed versions of VERSIONED, e.g. "torch 2.14.1, numpy 2.4.6, ..." (a package not installed is left
-    out): the same code gives other numbers under another numpy or scipy (GCCA's eigensolver, ITQ's
-    iterations), so each table says what it was made with."""
-    from importlib import metadata
+    """The installed versions of provenance.VERSIONED, e.g. "torch 2.14.1, numpy 2.4.6, ..." (a package not
+    installed is left out): the same code gives other numbers under another numpy or scipy (GCCA's
+    eigensolver, ITQ's iterations), so each table says what it was made with."""
+    from ushash.core.provenance import package_versions
 
-    out = []
-    for name in VERSIONED:
-        try:
-            out.append(f"{name.removesuffix('-cpu').replace('pytorch-', '')} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            continue
-    return ", ".join(out)
+    return ", ".join(f"{name.removesuffix('-cpu').replace('pytorch-', '')} {v}" for name, v in package_versions().items())
 
 
 def argv_of(command: str) -> list[str]:

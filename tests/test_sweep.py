@@ -39,6 +39,36 @@ def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, caplog):
     assert changed["digest"] != res["digest"] and f.exists()  # in a folder of its own: the first run is kept
 
 
+def test_a_run_of_other_code_or_packages_is_made_again(tmp_path, caplog, monkeypatch):
+    """The settings digest covers the code and the numerical packages (provenance.made_by): a stored run made
+    by other training code, or under another numpy, is not served as this one's."""
+    caplog.set_level("INFO", logger="ushash")
+    cfg = _cfg(tmp_path, "method=itq", "bits=16", "seed=0")
+    res = sweep.run_one(cfg)
+    assert sweep.run_settings(cfg)["made_by"]["code"] == sweep.made_by()["code"]
+    real = sweep.made_by()
+    for other in ({**real, "code": "0" * 16}, {**real, "versions": {**real["versions"], "numpy": "0.0"}}):
+        monkeypatch.setattr(sweep, "made_by", lambda other=other: other)
+        caplog.clear()
+        again = sweep.run_one(cfg)
+        assert "done already" not in caplog.text and again["digest"] != res["digest"]
+
+
+def test_the_code_digest_follows_the_sources_results_depend_on(tmp_path):
+    from ushash.core import provenance
+
+    for rel in ("hashing/a.py", "serving/cache/b.py", "sim/c.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    d0 = provenance.code_digest.__wrapped__(tmp_path)
+    (tmp_path / "serving/cache/b.py").write_text("x = 2\n")   # the cache runtime: no result reads it
+    (tmp_path / "sim/c.py").write_text("x = 2\n")
+    assert provenance.code_digest.__wrapped__(tmp_path) == d0
+    (tmp_path / "hashing/a.py").write_text("x = 2\n")         # training code: another digest
+    assert provenance.code_digest.__wrapped__(tmp_path) != d0
+    assert set(provenance.package_versions()) <= set(provenance.VERSIONED) and "numpy" in provenance.package_versions()
+
+
 def test_fitted_baseline_never_sees_the_test_split(tmp_path, monkeypatch):
     """The sweep hands a no-training method the training split only, and the test split is not read until
     the fit is over (a tripwire on the test tables)."""

@@ -16,11 +16,12 @@ recompiles them all on first use. Functions outside ushash (librosa's) keep numb
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 
 from numba import njit as _njit
 from numba.core import caching
+
+from ushash.core.provenance import files_digest
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -31,12 +32,7 @@ def kernel_sources_digest(root: Path = PACKAGE) -> bytes:
     njit, this module's or numba's (every kernel under the package is stamped with this digest, so a file
     left out would serve its old kernels after an edit). Read once per process: a source changed while a
     process runs is that process's own concern, as with imports."""
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        text = path.read_bytes()
-        if b"njit" in text and path.name != "jit.py":
-            h.update(str(path.relative_to(root)).encode() + b"\0" + text + b"\0")
-    return h.digest()
+    return files_digest(root, lambda path, text: b"njit" in text and path.name != "jit.py")
 
 
 def _ours(py_file: str) -> bool:

@@ -9,8 +9,9 @@ if needed, or writing the synthetic one), fits a no-training method on the train
 with the one Lightning loop (checkpoint chosen on the validation split), and evaluates on the test split with
 `ushash.evaluation.retrieval` / `ushash.eval`. It writes
 `experiments/<name>/runs/<method>-<bits>b-s<seed>-<settings digest>/result.json`, with the content digests of
-the three stores it read (`FeatureSplit.content`); a run whose result exists for the same settings and the same
-features is skipped, so an interrupted sweep resumes (a trained run cut mid-training resumes from its last.ckpt), and
+the three stores it read (`FeatureSplit.content`); the settings digest covers the code and the numerical
+packages too (`ushash.core.provenance.made_by`), so a run whose result exists for the same settings, the same
+code and packages and the same features is skipped, so an interrupted sweep resumes (a trained run cut mid-training resumes from its last.ckpt), and
 a run with other settings gets a folder of its own. A result computed from other features (a store
 made again after a change to decoding, say) is not reused: its folder is moved to `experiments/<name>/stale/`
 and the run is done again. At the end of a multirun a Hydra callback aggregates
@@ -36,6 +37,7 @@ from ushash.config import to_dict
 from ushash.core import metrics
 from ushash.core.codes import check_bits
 from ushash.core.io import atomic_write, set_aside, write_json
+from ushash.core.provenance import made_by
 from ushash.data.store import FeatureSplit, open_split, store_path
 from ushash.evaluation import report, retrieval
 from ushash.hashing import methods
@@ -84,12 +86,15 @@ def _read_record(f: Path) -> dict | None:
 
 
 def run_settings(cfg: DictConfig) -> dict:
-    """What a run's result depends on (its digest); a trained run also depends on the network and trainer."""
+    """What a run's result depends on (its digest): its settings, the code and numerical packages that compute
+    it (`provenance.made_by`: a run of other code or under another numpy is made again, not reused); a
+    trained run also depends on the network and trainer."""
     spec = methods.get(cfg.method.name)
     s = sweep_settings(cfg)
     out = {"method": {"name": spec.name, "args": to_dict(cfg.method.get("args"))}, "bits": int(cfg.bits),
            "seed": int(cfg.seed), "data": to_dict(cfg.data), "encoder": to_dict(cfg.encoder),
-           "synthetic": s["synthetic"], "eval": {k: s[k] for k in ("k", "denominator", "protocols")}}
+           "synthetic": s["synthetic"], "eval": {k: s[k] for k in ("k", "denominator", "protocols")},
+           "made_by": made_by()}
     if s["synthetic"]:
         out.pop("data"), out.pop("encoder")
     if spec.kind == "trained":
