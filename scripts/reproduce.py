@@ -193,6 +193,8 @@ def run_readme() -> None:
         verb = words[2]
         if verb == "ushash.sweep":
             continue
+        if verb == "ushash.export":   # a rerun replaces the export the last one made (a fresh clone has none)
+            words = [*words, "overwrite=true"]
         print(f"[reproduce] readme: {' '.join(words)}", flush=True)
         if verb == "ushash.serve":
             import urllib.request
