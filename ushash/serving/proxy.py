@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -142,7 +140,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                      ttl_s: float | None = None, transport=None):
     import httpx
 
-    from ushash.serving.service import _BodyLimit
+    from ushash.serving.service import _BodyLimit, loads_json
 
     app = FastAPI(title="ushash caching proxy")
     tokens = dict(tokens or {})
@@ -175,12 +173,9 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                                 headers={"WWW-Authenticate": "Bearer"})
         raw = await request.body()
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            try:   # what orjson refuses and json takes (NaN, lone surrogate escapes) is forwarded as before
-                body = json.loads(raw)
-            except (ValueError, RecursionError):   # nested past the recursion limit: 400, not 500
-                return err(400, "the request body is not JSON")
+            body = loads_json(raw)
+        except (ValueError, RecursionError):   # nested past the recursion limit too: 400, not 500
+            return err(400, "the request body is not JSON")
         if not isinstance(body, dict):
             return err(400, "the request body must be a JSON object")
         cc = request.headers.get("cache-control", "").lower()

@@ -29,7 +29,6 @@ worker, run N services of `workers=1` on their own ports behind the balancer ins
 
 # No `from __future__ import annotations` here: FastAPI reads the route annotations at runtime.
 import base64
-import binascii
 import functools
 import hmac
 import inspect
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import orjson
-import pybase64
 from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
@@ -57,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ushash.config import to_dict
 from ushash.serving.cache import TENANT_PATTERN, RequestError, UnknownTenant
 from ushash.serving.cache.config import CacheConfig
+from ushash.serving.messages import decode_base64
 
 log = logging.getLogger(__name__)
 
@@ -343,12 +342,18 @@ class _FastJSONRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            body = await self.body()
-            try:
-                self._json = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                self._json = json.loads(body)
+            self._json = loads_json(await self.body())
         return self._json
+
+
+def loads_json(raw: bytes) -> Any:
+    """A request body's JSON: orjson's parse, or json.loads' where orjson refuses a body (NaN, integers beyond
+    64 bits, lone surrogates), so every body means what it did under json.loads; a body neither parses
+    raises json.loads' error (ValueError, or RecursionError when nested past the interpreter's limit)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
 
 
 class _FastJSONRoute(APIRoute):
@@ -472,10 +477,9 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
             return cache.query("text", body.text)
         if body.modality == "text":
             raise RequestError("send text as 'text', not data_b64")
-        try:
-            data = pybase64.b64decode(body.data_b64, validate=True)
-        except (binascii.Error, ValueError):
-            raise RequestError("data_b64 is not valid base64") from None
+        data = decode_base64(body.data_b64)
+        if data is None:
+            raise RequestError("data_b64 is not valid base64")
         return cache.query(body.modality, data)
 
     def _hit_json(hit) -> dict:
