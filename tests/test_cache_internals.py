@@ -272,16 +272,17 @@ def test_hits_many_equal_find_many(backend):
     assert nearest == [-1 if f.nearest is None else f.nearest for f in found]
 
 
-def test_mindex_tables_hold_ten_bytes_per_code_and_chunk():
-    """A table run holds a position (int32) and the other 48 bits of the code (uint32 + uint16)."""
+def test_mindex_tables_hold_eight_bytes_per_code_and_chunk():
+    """A table run holds a position (int32) and 32 more bits of the code (uint32), and nothing else."""
     from ushash.serving.cache.mindex import MultiIndex
 
     mi = MultiIndex(64, min_entries=16, tail_max=16)
     codes = np.random.default_rng(5).integers(0, 256, size=(1000, 8), dtype=np.uint8)
     mi.append(np.arange(1000), mi.words(codes))
     mi.merge()
-    assert (mi.ids.dtype, mi.tc.dtype, mi.th.dtype) == (np.int32, np.uint32, np.uint16)
-    assert mi.ids.itemsize + mi.tc.itemsize + mi.th.itemsize == 10
+    assert (mi.ids.dtype, mi.tc.dtype) == (np.int32, np.uint32)
+    assert not hasattr(mi, "th")
+    assert mi.nbytes == mi._codes.nbytes + mi.p2s.nbytes + mi.offs.nbytes + 8 * mi.nchunks * mi.ids.shape[1]
 
 
 def test_freed_large_arrays_give_heap_pages_back():

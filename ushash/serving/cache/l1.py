@@ -27,7 +27,7 @@ from ushash.core.jit import njit
 from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found, found
 from ushash.serving.cache.freshness import ExpiryHeap
 from ushash.serving.cache.hitcheck import _CHECK, _SERVABLE, Batch, HitCheck
-from ushash.serving.cache.mindex import _NO_IDS, _NO_OFFS, _NO_TC, _NO_TH, _search
+from ushash.serving.cache.mindex import _NO_IDS, _NO_OFFS, _NO_TC, _search
 from ushash.serving.payload.format import int4_group_cosine
 from ushash.serving.cache.policies import make_policy
 from ushash.serving.cache.protection import BloomGuard
@@ -75,7 +75,7 @@ def _gather(lims, slots, dists, radius, max_candidates, current, expires, modali
 
 
 @njit(cache=True, nogil=True)
-def _find_fused(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, observe_radius,
+def _find_fused(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_radius,
                 use_tables, radius,
                 max_candidates, current, expires, modality, plen, payload, qmod, has_z, qz, now,
                 cross_modal, check, thr, o_vals, length, group):
@@ -92,7 +92,7 @@ def _find_fused(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, th, mas
     while True:
         out_s = np.empty(cap, np.int64)
         out_d = np.empty(cap, np.int32)
-        m = _search(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, observe_radius,
+        m = _search(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, masks, nchunks, observe_radius,
                     use_tables, lims, out_s, out_d)
         if m <= cap:
             break
@@ -477,7 +477,7 @@ class L1Tier:
             mi.words(np.frombuffer(codes, np.uint8).reshape(nq, self.code_bytes))
         res, ccos, n_rev, n_exp, n_bad = _find_fused(
             qw, mi.codes, mi.by_slot, mi.tail_codes, mi.p2s, mi.n, mi.nbase, mi.offs if use else _NO_OFFS, mi.ids if use else _NO_IDS,
-            mi.tc if use else _NO_TC, mi.th if use else _NO_TH, masks, mi.nchunks,
+            mi.tc if use else _NO_TC, masks, mi.nchunks,
             int(min(self.observe_radius, self.bits)), use, self.radius, self.config.max_candidates,
             self._current(revision), t.expires, t.modality, t.plen, t.payload, qmod, has_z, qz, float(now), cross,
             on and qz is not _NO_Z, thr, o_vals, length, group)

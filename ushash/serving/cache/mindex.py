@@ -3,18 +3,20 @@
 Codes are cut into m = ceil(bits / 16) chunks of (at most) 16 bits. A code within distance r of a query
 agrees with it to within f = r // m bits in at least one chunk (pigeonhole), so a search probes, in each
 chunk's table, every chunk value within f bits of the query's, and checks the full distance of the codes
-found there. A table is the positions of the indexed codes sorted by that chunk's value (int32 [n]), the
-other 48 bits of their codes' first 64 beside them (the chunk itself is the run's value: uint32 [n] and
-uint16 [n], so that a probe reads contiguous runs rather than one cache line per code, and knows a 64-bit
-code's whole distance from them) and the start of each value's run (int32 [2^16 + 1]): 10 B per code and
-chunk, 40 B per 64-bit code, against faiss IndexBinaryMultiHash's ~200 B of hash tables. A code found through an earlier chunk is skipped in
-the later ones (its earlier chunk is within f bits too), so each result is reported once.
+found there. A table is the positions of the indexed codes sorted by that chunk's value (int32 [n]), 32 more
+bits of their codes' first 64 beside them (uint32 [n]: the low 32 of the other 48, `_rest`), and the start
+of each value's run (int32 [2^16 + 1]): 8 B per code and chunk, 32 B per 64-bit code, against faiss
+IndexBinaryMultiHash's ~200 B of hash tables. A probe reads contiguous runs, and the 48 bits it knows there
+(the chunk is the run's value) bound each code's distance from below, so only the codes that pass that
+bound are read in full (a random access each: a few per query at the radii a cache uses, against one per
+code in the runs). A code found through an earlier chunk is skipped in
+the later ones (its earlier chunk is within f bits too), so each result is reported once; chunks 0 and 1
+are among the 32 bits a run holds for the later chunks, so most of those repeats are skipped unread.
 
 The codes themselves are either the index's own (by position) or, given a `codes` source, the caller's
 array of codes by slot (the cache's entry table: one copy of each code in the process, 8 B per 64-bit
 code less), read through the position's slot; the tail's codes are then copied into a small array of
-their own, so that a scan of the tail reads contiguous rows either way. A 64-bit search through the
-tables reads no code at all (a run holds the 48 bits beside the chunk).
+their own, so that a scan of the tail reads contiguous rows either way.
 
 The tables are built for the codes at positions [0, nbase); codes added since (the tail, at most
 `tail_max` of them) are scanned; when the tail is full it is merged into the tables in place, one
@@ -79,11 +81,9 @@ def _rest(w, c):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put_rest(tc, th, j, at, w):
-    """Table entry `at` of chunk j's tables: word w's other 48 bits (`_rest`), the low 32 in tc, the high 16 in th."""
-    r = _rest(w, j & 3)
-    tc[j, at] = np.uint32(r & np.uint64(0xFFFFFFFF))
-    th[j, at] = np.uint16(r >> np.uint64(32))
+def _put_rest(tc, j, at, w):
+    """Table entry `at` of chunk j's tables: the low 32 of word w's other 48 bits (`_rest`)."""
+    tc[j, at] = np.uint32(_rest(w, j & 3) & np.uint64(0xFFFFFFFF))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -136,7 +136,7 @@ def _sort_run(out_s, out_d, a, b):
 
 
 @njit(cache=True, nogil=True)
-def _search(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, th, masks, nchunks, radius, use_tables, lims,
+def _search(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, masks, nchunks, radius, use_tables, lims,
             out_s, out_d):
     """Every live code within `radius` of each query into (lims [B + 1], out_s, out_d), each query's sorted
     by (distance, slot); returns the number of results, which may exceed the buffers' length (then
@@ -144,45 +144,51 @@ def _search(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, th, masks, 
     code at position pos is row p2s[pos] of codes when by_slot, else row pos; tcodes: the tail's,
     position pos >= nbase at row pos - nbase; positions
     [0, nbase) through the tables (when use_tables), the rest scanned; masks: the chunk-value flips to
-    probe (popcount <= radius // nchunks). A table run holds the other 48 bits of its codes' first words
-    inline (tc: the low 32, th: the high 16; `_rest`), so a probe reads contiguous runs, and the position's
-    columns only for the codes that pass. (The buffers are the caller's: an array reassigned inside the
-    loop would cost reference counting per code.)"""
+    probe (popcount <= radius // nchunks). A table run holds 32 more bits of its codes' first words inline
+    (tc, `_rest`), so a probe reads contiguous runs and bounds each code's distance from below by the 48
+    bits it knows; only a code within the radius by that bound is read in full (its position's columns and
+    its row of codes). (The buffers are the caller's: an array reassigned inside the loop would cost
+    reference counting per code.)"""
     nq, nwords = q.shape
     cap = len(out_s)
     f = radius // nchunks
     m = 0
     scan_from = nbase if use_tables else 0
+    low32 = np.uint64(0xFFFFFFFF)
     for qi in range(nq):
         start = m
         if use_tables:
             for j in range(nchunks):
                 qv = _chunk(qi, q, j)
-                c = j & 3
-                qr = _rest(q[qi, 0], c)
+                qr = _rest(q[qi, 0], j & 3) & low32
                 for t in range(len(masks)):
                     v = qv ^ masks[t]
                     dm = np.int64(_ctpop(np.uint64(masks[t])))   # the distance in chunk j itself
                     for k in range(offs[j, v], offs[j, v + 1]):
-                        r = np.uint64(tc[j, k]) | (np.uint64(th[j, k]) << np.uint64(32))
-                        d = dm + np.int64(_ctpop(r ^ qr))   # word 0's distance (the whole one for nwords 1)
-                        if d > radius:
+                        # a lower bound: the chunk and 32 of the other bits of word 0
+                        r = np.uint64(tc[j, k])
+                        if dm + np.int64(_ctpop(r ^ qr)) > radius:
                             continue
                         pos = ids[j, k]
+                        row = -1
                         dup = False
                         for i in range(j):   # found through an earlier chunk already
-                            # chunk i < j <= 3 sits where it does in the word; beyond word 0, read the code
-                            ci = np.int64((r >> np.uint64(16 * i)) & np.uint64(0xFFFF)) if j < 4 else \
-                                _chunk(_row(p2s, pos, by_slot), codes, i)
+                            if j < 4 and i < 2:   # chunks 0 and 1 sit where they do in r (`_rest`)
+                                ci = np.int64((r >> np.uint64(16 * i)) & np.uint64(0xFFFF))
+                            else:
+                                if row < 0:
+                                    row = _row(p2s, pos, by_slot)
+                                ci = _chunk(row, codes, i)
                             if _ctpop(ci ^ _chunk(qi, q, i)) <= f:
                                 dup = True
                                 break
                         if dup:
                             continue
-                        if nwords > 1:
-                            d = _dist(codes, _row(p2s, pos, by_slot), q, qi, nwords)
-                            if d > radius:
-                                continue
+                        if row < 0:
+                            row = _row(p2s, pos, by_slot)
+                        d = _dist(codes, row, q, qi, nwords)
+                        if d > radius:
+                            continue
                         m = _emit(out_s, out_d, m, p2s[pos], d)
         for pos in range(scan_from, nbase):   # (a scan instead of the tables: wide radii)
             slot = p2s[pos]
@@ -204,8 +210,8 @@ def _search(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, th, masks, 
 def _build(codes, by_slot, p2s, n, nchunks, cap):
     """Tables for the live codes at positions [0, n) (the code of position pos: row p2s[pos] of codes when
     by_slot, else row pos): offs int32 [nchunks, 2^16 + 1], ids int32 [nchunks, cap]
-    (positions sorted by the chunk's value, the first `live` of each row used), tc uint32 and th uint16
-    [nchunks, cap] (the other 48 bits of their codes' first words, `_rest`). Returns (offs, ids, tc, th, live)."""
+    (positions sorted by the chunk's value, the first `live` of each row used) and tc uint32 [nchunks, cap]
+    (the low 32 of the other 48 bits of their codes' first words, `_rest`). Returns (offs, ids, tc, live)."""
     live = 0
     for pos in range(n):
         if p2s[pos] >= 0:
@@ -214,7 +220,6 @@ def _build(codes, by_slot, p2s, n, nchunks, cap):
     offs = np.zeros((nchunks, NVALUES + 1), np.int32)
     ids = np.zeros((nchunks, cap), np.int32)    # zeros: pages not yet written cost no memory
     tc = np.zeros((nchunks, cap), np.uint32)
-    th = np.zeros((nchunks, cap), np.uint16)
     fill = np.empty(NVALUES, np.int32)
     for j in range(nchunks):
         for pos in range(n):
@@ -228,13 +233,13 @@ def _build(codes, by_slot, p2s, n, nchunks, cap):
                 row = p2s[pos] if by_slot else pos
                 v = _chunk(row, codes, j)
                 ids[j, fill[v]] = pos
-                _put_rest(tc, th, j, fill[v], codes[row, 0])
+                _put_rest(tc, j, fill[v], codes[row, 0])
                 fill[v] += 1
-    return offs, ids, tc, th, live
+    return offs, ids, tc, live
 
 
 @njit(cache=True, nogil=True)
-def _merge(tcodes, p2s, nbase, n, offs, ids, tc, th, ntab, nchunks):
+def _merge(tcodes, p2s, nbase, n, offs, ids, tc, ntab, nchunks):
     """Merge the live codes of the tail [nbase, n) (tcodes: theirs, position pos at row pos - nbase) into
     the tables in place (ids / tc have room for them):
     per chunk one backward pass that moves each old entry at most once, so that each value's run is its
@@ -271,11 +276,10 @@ def _merge(tcodes, p2s, nbase, n, offs, ids, tc, th, ntab, nchunks):
             while src >= lim:
                 ids[j, dst] = ids[j, src]
                 tc[j, dst] = tc[j, src]
-                th[j, dst] = th[j, src]
                 src -= 1
                 dst -= 1
             ids[j, dst] = tpos[t]
-            _put_rest(tc, th, j, dst, tcodes[tpos[t] - nbase, 0])
+            _put_rest(tc, j, dst, tcodes[tpos[t] - nbase, 0])
             dst -= 1
         for v in range(NVALUES + 1):
             offs[j, v] += tcount[v]
@@ -312,8 +316,8 @@ class MultiIndex:
         self.p2s = np.full(16, -1, np.int32)   # slots < 2^31 (checked by the backend)
         self.n = 0          # positions used (live + tombstones)
         self.nbase = 0      # positions covered by the tables
-        self.offs = self.ids = self.tc = self.th = None
-        self.ntab = 0       # table entries used (ids / tc / th have room for more)
+        self.offs = self.ids = self.tc = None
+        self.ntab = 0       # table entries used (ids / tc have room for more)
         self._masks: dict[int, np.ndarray] = {}
 
     @property
@@ -373,20 +377,19 @@ class MultiIndex:
 
     def merge(self) -> None:
         if self.offs is None:   # room for a tail beyond the codes there are; more by doubling when needed
-            self.offs, self.ids, self.tc, self.th, self.ntab = _build(self.codes, self.by_slot, self.p2s, self.n,
+            self.offs, self.ids, self.tc, self.ntab = _build(self.codes, self.by_slot, self.p2s, self.n,
                                                                       self.nchunks, self.n + self.tail_max)
         else:
             need = self.ntab + (self.n - self.nbase)
             if need > self.ids.shape[1]:   # room by doubling: few reallocations, so little heap fragmentation
                 cap = max(2 * self.ids.shape[1], need)
-                ids, tc, th = (heap.zeros((self.nchunks, cap), dt) for dt in (np.int32, np.uint32, np.uint16))
+                ids, tc = (heap.zeros((self.nchunks, cap), dt) for dt in (np.int32, np.uint32))
                 ids[:, : self.ntab] = self.ids[:, : self.ntab]
                 tc[:, : self.ntab] = self.tc[:, : self.ntab]
-                th[:, : self.ntab] = self.th[:, : self.ntab]
-                freed = self.ids.nbytes + self.tc.nbytes + self.th.nbytes
-                self.ids, self.tc, self.th = ids, tc, th
+                freed = self.ids.nbytes + self.tc.nbytes
+                self.ids, self.tc = ids, tc
                 heap.replaced(freed)
-            self.ntab = _merge(self.tail_codes, self.p2s, self.nbase, self.n, self.offs, self.ids, self.tc, self.th,
+            self.ntab = _merge(self.tail_codes, self.p2s, self.nbase, self.n, self.offs, self.ids, self.tc,
                                self.ntab, self.nchunks)
         self.nbase = self.n
 
@@ -405,7 +408,7 @@ class MultiIndex:
         self.p2s[: len(live)] = slots
         self.p2s[len(live) : self.n] = -1
         self.n = len(live)
-        self.offs = self.ids = self.tc = self.th = None
+        self.offs = self.ids = self.tc = None
         self.nbase = self.ntab = 0
         if self.n >= self.min_entries:
             self.merge()
@@ -432,7 +435,7 @@ class MultiIndex:
         masks, use = self.plan(radius, live)
         args = (qwords, self.codes, self.by_slot, self.tail_codes, self.p2s, self.n, self.nbase,
                 self.offs if use else _NO_OFFS,
-                self.ids if use else _NO_IDS, self.tc if use else _NO_TC, self.th if use else _NO_TH, masks,
+                self.ids if use else _NO_IDS, self.tc if use else _NO_TC, masks,
                 self.nchunks, int(radius), use)
         lims = np.zeros(len(qwords) + 1, np.int64)
         cap = max(64, 16 * len(qwords))
@@ -447,11 +450,10 @@ class MultiIndex:
     def nbytes(self) -> int:
         """Bytes held by the positions' columns (the own codes, or the tail's) and the tables (capacity
         included); a by-slot source's codes are the caller's."""
-        t = 0 if self.offs is None else self.offs.nbytes + self.ids.nbytes + self.tc.nbytes + self.th.nbytes
+        t = 0 if self.offs is None else self.offs.nbytes + self.ids.nbytes + self.tc.nbytes
         return self._codes.nbytes + self.p2s.nbytes + t
 
 
 _NO_OFFS = np.zeros((1, 2), np.int32)
 _NO_IDS = np.zeros((1, 0), np.int32)
 _NO_TC = np.zeros((1, 0), np.uint32)
-_NO_TH = np.zeros((1, 0), np.uint16)

@@ -14,7 +14,7 @@ with tombstones: a removed entry stays in the index, is filtered out of results,
 rebuilt from the live codes once tombstones outnumber live entries (amortised O(1) per removal).
 faiss's binary `range_search` is strict (distance < radius), so radius + 1 is passed (see ushash.core.index).
 
-- "mindex" (and "auto", the default): this package's multi-index (mindex.py): sorted chunk tables, 40 B
+- "mindex" (and "auto", the default): this package's multi-index (mindex.py): sorted chunk tables, 32 B
   per 64-bit code beside its slot (and the code, unless the caller lends its own codes by slot), searched in one numba call per batch, a popcount scan
   while small or when cheaper; exact for every radius. No faiss.
 - "flat": `IndexBinaryFlat`, a scan of every code; best for small caches.
