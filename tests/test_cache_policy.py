@@ -302,3 +302,44 @@ def test_wtinylfu_compiled_access_equals_the_python_one(bound):
             assert a.sketch.additions == b.sketch.additions
     assert aged
     assert a.used_bytes == b.used_bytes <= 4000
+
+
+def test_sketch_two_counters_per_byte_equal_one_counter_per_byte():
+    """The sketch's packed 4-bit counters (Python and compiled increments) hold exactly what a naive sketch of
+    one saturating counter per byte holds, under a seeded stream of few idents (counters reach 15) that ages
+    the sketch several times; frequencies alike."""
+    import numpy as np
+
+    from ushash.serving.cache.policies.wtinylfu import _nb_increment, _Sketch
+
+    class Naive:   # the same hashing, a byte per counter
+        def __init__(self, width):
+            self.width, self.table, self.additions = width, np.zeros(width, np.int64), 0
+
+        def increment(self, ident):
+            for i in _Sketch(self.width)._index(ident):
+                self.table[i] = min(15, self.table[i] + 1)
+            self.additions += 1
+            if self.additions >= 10 * self.width:
+                self.table >>= 1
+                self.additions //= 2
+
+    rng = np.random.default_rng(3)
+    sk, ref = _Sketch(128), Naive(128)
+    assert sk.table.nbytes == 64
+    idents = [int(x) for x in rng.integers(0, 1 << 63, 40)]
+    ages = 0
+    for step in range(6000):
+        ident = idents[int(rng.zipf(1.3)) % len(idents)]
+        before = sk.additions
+        if step % 2:
+            sk.increment(ident)
+        else:
+            sk.additions = int(_nb_increment(sk.table, np.uint64(ident), sk.additions))
+        ref.increment(ident)
+        ages += sk.additions < before
+        assert sk.additions == ref.additions
+        if step % 97 == 0:
+            assert [sk.counter(j) for j in range(128)] == ref.table.tolist()
+            assert all(sk.frequency(i) == min(ref.table[j] for j in sk._index(i)) for i in idents)
+    assert ages >= 3 and ref.table.max() == 15

@@ -9,8 +9,9 @@ layout of Caffeine) with a capacity in bytes, its state in numpy arrays:
   sketch counts the candidate more often than the victim, else the candidate is dropped. Ties keep the
   victim. No random admission (Caffeine admits warm candidates at random against hash flooding): a
   replay of the same calls gives the same evictions.
-- the frequency sketch: a count-min sketch of 4-bit saturating counters (4 hashes), halved every
-  10 x width increments (aging); its width follows the number of entries held (a power of two >= 2x the
+- the frequency sketch: a count-min sketch of 4-bit saturating counters (4 hashes), two to a byte (counter
+  j in the low nibble of byte j // 2 for even j, the high one for odd j), halved every 10 x width
+  increments (aging); its width follows the number of entries held (a power of two >= 2x the
   entries, reset when it grows), not the configured capacity, so a small cache in a large budget stays
   small. It counts an entry's `ident`: bound to an entry table (`bind_idents`, what the L1 does), the
   ident is derived from the slot's row when needed, `request_ident` of its code and tenant (so a request
@@ -18,7 +19,7 @@ layout of Caffeine) with a capacity in bytes, its state in numpy arrays:
   held (8 B per entry), or the key when none is given.
 
 Per entry: two int32 links, a segment byte and its size (uint16 while entries are under 64 KiB), ~11 B
-(+ 8 B of ident when unbound), plus 2-4 B of sketch.
+(+ 8 B of ident when unbound), plus 1-2 B of sketch.
 Entries of any size up to the capacity are stored.
 """
 
@@ -57,7 +58,8 @@ def _nb_ident(ident, codes, tenant, bound, k):
 # arithmetic as the Python methods below (uint64 wraps as the masked Python ints do).
 @njit(cache=True, nogil=True)
 def _nb_increment(table, ident, additions):
-    width = np.uint64(len(table))
+    """`_Sketch.increment`: the same counters (two to a byte) and the same aging, compiled."""
+    width = np.uint64(2 * len(table))
     h = ident * _M1 + _M2
     h ^= h >> np.uint64(29)
     h = h * _M3
@@ -66,12 +68,14 @@ def _nb_increment(table, ident, additions):
     w = width - np.uint64(1)
     for i in range(4):
         j = (h + np.uint64(i) * step) & w
-        if table[j] < 15:
-            table[j] += 1
+        b = j >> np.uint64(1)
+        sh = np.uint8(4 * (j & np.uint64(1)))
+        if (table[b] >> sh) & np.uint8(15) < 15:
+            table[b] += np.uint8(1) << sh
     additions += 1
-    if additions >= 10 * len(table):
-        for j in range(len(table)):
-            table[j] >>= 1
+    if additions >= 10 * 2 * len(table):
+        for b in range(len(table)):
+            table[b] = (table[b] >> np.uint8(1)) & np.uint8(0x77)   # each nibble halved
         additions //= 2
     return additions
 
@@ -129,11 +133,12 @@ _NO_IDENT, _NO_CODES, _NO_TENANT = np.zeros(1, np.uint64), np.zeros((1, 1), np.u
 
 
 class _Sketch:
-    """Count-min sketch, 4 rows folded into one uint8 table, counters saturating at 15."""
+    """Count-min sketch, 4 rows folded into one table of `width` 4-bit counters (two to a byte: counter j
+    in byte j // 2, the low nibble for even j), saturating at 15."""
 
     def __init__(self, width: int = 64):
         self.width = int(width)
-        self.table = np.zeros(self.width, np.uint8)
+        self.table = np.zeros(self.width // 2, np.uint8)
         self.additions = 0
 
     def _index(self, ident: int) -> list[int]:
@@ -145,24 +150,27 @@ class _Sketch:
         w = self.width - 1
         return [(h + i * step) & w for i in range(4)]
 
+    def counter(self, j: int) -> int:
+        return (int(self.table[j >> 1]) >> (4 * (j & 1))) & 15
+
     def frequency(self, ident: int) -> int:
-        t = self.table
-        return min(int(t[i]) for i in self._index(ident))
+        return min(self.counter(i) for i in self._index(ident))
 
     def increment(self, ident: int) -> None:
         t = self.table
         for i in self._index(ident):
-            if t[i] < 15:
-                t[i] += 1
+            if self.counter(i) < 15:
+                t[i >> 1] += 1 << (4 * (i & 1))
         self.additions += 1
         if self.additions >= 10 * self.width:
-            self.table >>= 1
+            t >>= 1
+            t &= 0x77   # each nibble halved
             self.additions //= 2
 
     def ensure(self, entries: int) -> None:
         if 2 * entries > self.width:
             self.width = 1 << max(6, (2 * entries - 1).bit_length())
-            self.table = heap.zeros(self.width, np.uint8)
+            self.table = heap.zeros(self.width // 2, np.uint8)
             self.additions = 0
 
 
