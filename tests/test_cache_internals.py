@@ -34,8 +34,24 @@ def _entries(rng, n, payload_bytes=6):
                          payload=rng.integers(0, 256, int(rng.integers(0, payload_bytes + 1)), dtype=np.uint8).tobytes(),
                          modality=["image", "text"][i % 2], value=value, kind=kind, revision="r1",
                          created=float(rng.random() * 1e9), expires=math.inf if i % 4 else float(rng.random() * 2e9),
-                         compute_s=float(np.float32(rng.random())), id=None))
+                         compute_s=float(np.float16(rng.random() * 90)), id=None))
     return out
+
+
+def test_table_holds_compute_seconds_to_three_digits_and_clamps_beyond_float16():
+    """The compute seconds column is float16: a value reads back within float16's rounding (relative 2^-11),
+    and a compute longer than float16's range reads back as its largest value (65,504 s), finite, not inf
+    (XFetch would then refresh on every hit)."""
+    t = EntryTable(8)
+    mods, rev = ["image"], "r1"
+    for cs in (0.0, 0.001234, 0.25, 1.7, 3600.5, 65504.0, 1e6, math.inf):
+        s = t.alloc()
+        t.write(s, Entry(code=bytes(8), payload=b"", modality="image", value=b"v", kind="b", revision=rev,
+                         created=1.0, expires=math.inf, compute_s=cs), tenant=0, modality=0)
+        got = t.read(s, mods, rev).compute_s
+        assert math.isfinite(got)
+        assert got == (65504.0 if cs >= 65504.0 else float(np.float16(cs)))
+        assert abs(got - min(cs, 65504.0)) <= 2 ** -11 * min(cs, 65504.0)
 
 
 def test_table_hits_equal_hit_of_each_entry_read():

@@ -185,6 +185,7 @@ def _hit(value, distance, cosine, tier, modality, revision, created, expires, re
 
 # ---------------------------------------------------------------------------------------------- L1 columns
 VALUE_KINDS = ("b", "s", "j")   # encode_value's tags, stored as their index
+COMPUTE_S_MAX = float(np.finfo(np.float16).max)   # the compute seconds column's largest value
 
 
 class EntryTable:
@@ -195,7 +196,9 @@ class EntryTable:
     entries shared with an L2 have one). Every entry of a table is of one revision (an L1 serves one
     head: a new revision is a new tier), so the revision has no column. Columns are as narrow as their
     values allow: `plen` as its rows' width needs; tenant and modality ids and value lengths start at one
-    or two bytes and the column is widened (`WIDEN`) before a value it cannot hold is written.
+    or two bytes and the column is widened (`WIDEN`) before a value it cannot hold is written. The compute
+    seconds, which only weigh XFetch's early refresh, are held as float16 (three significant digits; a
+    compute beyond float16's range, ~18 hours, is held as 65,504 s).
 
     The arena is append-only; a removed value's bytes are garbage until the arena is compacted, which
     happens when garbage outweighs the live bytes (amortised O(1) per removal)."""
@@ -203,7 +206,7 @@ class EntryTable:
     # a value is < 4 GiB (checked in write); voff is uint32 until the arena holds VOFF_LIMIT bytes, then
     # int64 (`_arena_put` widens it)
     NUMERIC = {"tenant": np.uint8, "modality": np.int8, "kind": np.int8,
-               "created": np.float64, "expires": np.float64, "compute_s": np.float32,
+               "created": np.float64, "expires": np.float64, "compute_s": np.float16,
                "alive": np.bool_, "plen": np.uint8, "voff": np.uint32, "vlen": np.uint8}
     #: the dtypes a column is widened through, narrowest first (its NUMERIC dtype is the first)
     WIDEN = {"tenant": (np.uint8, np.uint16, np.uint32, np.int64), "modality": (np.int8, np.int16, np.int32),
@@ -327,7 +330,8 @@ class EntryTable:
         self.plen[slot] = np_
         self.tenant[slot], self.modality[slot] = tenant, modality
         self.kind[slot] = VALUE_KINDS.index(e.kind)
-        self.created[slot], self.expires[slot], self.compute_s[slot] = e.created, e.expires, e.compute_s
+        self.created[slot], self.expires[slot] = e.created, e.expires
+        self.compute_s[slot] = min(e.compute_s, COMPUTE_S_MAX)
         if e.id is not None:
             self.l2id[slot] = e.id
         self._arena_put(slot, e.value)
