@@ -306,3 +306,26 @@ def test_redis_cluster_layout(tmp_path):
         for _, p in nodes:
             p.terminate()
             p.wait(5)
+
+
+def test_a_traced_l2_lookup_has_its_own_span(redis_server):
+    """With a tracer, an L1 miss asked of the L2 is an `ushash.l2` span (strategy l2, the tenant, the batch
+    size, and for a single lookup the hit and its distance) beside the L1's `ushash.search`."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from ushash.serving.cache.telemetry import configure_tracing
+
+    writer, reader = _cache(redis_server, l2={"prefix": "traced"}), _cache(redis_server, l2={"prefix": "traced"})
+    code = np.random.default_rng(2).integers(0, 256, 8, dtype=np.uint8)
+    writer.store(writer.query_from_code("text", code), "v")
+    exporter = InMemorySpanExporter()
+    reader.trace(configure_tracing(exporter=exporter))
+    hit = reader.lookup(reader.query_from_code("text", np.frombuffer(_flip(code.tobytes(), [5]), np.uint8)))
+    assert hit is not None and hit.value == "v" and hit.tier == "l2"
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {"ushash.search", "ushash.l2"} <= set(spans)
+    s = spans["ushash.l2"]
+    assert s.attributes["cache.strategy"] == "l2" and s.attributes["cache.tenant"] == "default"
+    assert s.attributes["cache.batch_size"] == 1 and s.attributes["cache.hit"] is True
+    assert s.attributes["cache.distance"] == 1
+    reader.trace(None)

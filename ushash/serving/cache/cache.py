@@ -314,7 +314,7 @@ class SemanticCache(CheckStore):
                     now = self.clock()
                     q2 = [queries[i] for i in ask]
                     found2 = l2.find_many(q2, tenant, rev, self.hit_check, now) if self.tracer is None else \
-                        self._traced_find_many(l2, q2, tenant, rev, now)
+                        self._traced_l2_find_many(l2, q2, tenant, rev, now)
                     for i, f2 in zip(ask, found2):
                         if f2.nearest is not None and (nearest[i] < 0 or f2.nearest < nearest[i]):
                             nearest[i] = f2.nearest
@@ -658,9 +658,9 @@ class SemanticCache(CheckStore):
             span.set_attribute("cache.distance", int(found.distance))
             span.set_attribute("cache.ttl.remaining_ms", (e.expires - now) * 1e3 if e.expires != float("inf") else -1.0)
 
-    def _traced_find_many(self, t, queries: list[Query], tenant: str, rev: str, now: float) -> list[Found]:
-        name = "ushash.search" if t is self.l1 else "ushash.l2"
-        with self.tracer.start_as_current_span(name) as span:
+    def _traced_l2_find_many(self, t, queries: list[Query], tenant: str, rev: str, now: float) -> list[Found]:
+        """The L2's `find_many` in an `ushash.l2` span (the L1's lookups have theirs: `_traced_hits_many`)."""
+        with self.tracer.start_as_current_span("ushash.l2") as span:
             found = t.find_many(queries, tenant, rev, self.hit_check, now)
             span.set_attribute("cache.strategy", t.name)
             span.set_attribute("cache.tenant", tenant)
