@@ -155,8 +155,10 @@ def test_one_input_under_two_classes_is_not_a_false_hit(head):
     assert list(pool.source_ids()) == [0, 0, 1]
     stream = np.array([0, 1, 1, 2, 0, 2])
     cal = _cal(head, {"text>text": PairPoint(True, 64, 0.0)})
-    res = measure(head, pool, stream, calibration=cal)
+    served = []
+    res = measure(head, pool, stream, calibration=cal, served=served)
     assert res["hits"] == 5 and res["false_hits"] == 2          # request 2 served item 0's entry, twice
+    assert served == [-1, 0, 0, 0, 0, 0]                        # the one entry, stored by the first request
     from ushash.sim.calibrate import encode_pool, offline_counts, payload_cosines
     enc = encode_pool(head, pool)
     n, bad = offline_counts(enc, payload_cosines(head, enc), stream, np.array([0.0]), np.array([64]))["text>text"]

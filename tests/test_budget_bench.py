@@ -67,6 +67,50 @@ def test_emulation_matches_gptcaches_rule(compare):
     assert rows[-1]["false_hits"] > 0
 
 
+def test_emulation_records_what_it_served(compare):
+    """emulate's per-request record (served=) is the member GPTCache's rule serves each request (-1: a miss):
+    its hits are the row's, each served entry is an earlier request of the same cache at cosine >= the
+    threshold and its nearest stored one; the thresholds not asked for record nothing."""
+    rng = np.random.default_rng(1)
+    n = 60
+    x = rng.normal(size=(n, 8))
+    x[n // 2:] = x[: n // 2] + 0.3 * rng.normal(size=(n // 2, 8))   # near pairs
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    group = np.zeros(n, np.int64)
+    cls = np.arange(n) % (n // 2)
+    stream = rng.integers(0, n, 300)
+    served = {0.9: []}
+    rows = compare.emulate({0: x}, group, cls, stream, [0.95, 0.9], served=served)
+    got = np.asarray(served[0.9])
+    assert set(served) == {0.9} and len(got) == len(stream) and (got >= 0).sum() == rows[1]["hits"] > 0
+    stored = []
+    for q, e in zip(stream.tolist(), got.tolist()):
+        if e >= 0:
+            sims = x[stored] @ x[q]
+            assert e in stored and float(x[e] @ x[q]) >= 0.9 and float(x[e] @ x[q]) == pytest.approx(float(sims.max()))
+        elif q not in stored:
+            stored.append(q)
+
+
+def test_gains_count_each_caches_own_answers_by_pair_and_distance(compare):
+    """`gains`: the requests only one cache answered, the other's by (pair, Hamming distance of the codes)
+    with their z cosines, checked against a hand count."""
+    class Enc:
+        modality = np.array(["text", "text", "image", "image"])
+        codes = np.array([[0b0000_0000], [0b0000_0111], [0b1000_0000], [0b1000_0001]], np.uint8)
+        z = np.eye(4, dtype=np.float32)
+    Enc.z[1] = [0.6, 0.8, 0, 0]
+    Enc.z[3] = [0, 0, 0.8, 0.6]
+    stream = np.array([0, 1, 2, 3, 1, 3])
+    ours = [-1, -1, -1, -1, 1, 2]        # ushash: a repeat of 1, and 3 answered by 2
+    theirs = [-1, 0, -1, 2, 0, -1]       # GPTCache: 1 by 0 (d=3), 3 by 2 (d=1), the repeat of 1 by 0
+    g = compare.gains(Enc, stream, ours, theirs)
+    assert (g["theirs_only"], g["ours_only"]) == (2, 1)
+    assert g["by_pair_distance"] == [
+        {"pair": "image>image", "distance": 1, "requests": 1, "cos_min": pytest.approx(0.8), "cos_max": pytest.approx(0.8)},
+        {"pair": "text>text", "distance": 3, "requests": 1, "cos_min": pytest.approx(0.6), "cos_max": pytest.approx(0.6)}]
+
+
 def test_threshold_is_chosen_on_val_within_the_bound(compare):
     rows = compare.with_bounds([
         {"cosine": 0.99, "hits": 400, "false_hits": 0, "hit_rate": 0.40},

@@ -77,11 +77,12 @@ def embeddings(kind: str, enc, pool) -> tuple[dict[int, np.ndarray], np.ndarray]
 
 
 def emulate(xs: dict[int, np.ndarray], group: np.ndarray, cls: np.ndarray, stream: np.ndarray,
-            cosines, src: np.ndarray | None = None) -> list[dict]:
+            cosines, src: np.ndarray | None = None, served: dict | None = None) -> list[dict]:
     """GPTCache's decision (top_k 1, SearchDistanceEvaluation) replayed per cosine threshold: the nearest
     stored member of the request's group is served when its cosine >= the threshold; a miss stores the
     request. A hit is false when the entry is of another class and another source input (`src`, as
-    ushash.sim.calibrate counts). Returns one row per threshold: hits, false hits."""
+    ushash.sim.calibrate counts). Returns one row per threshold: hits, false hits. served: {cosine: list}
+    for the thresholds whose answers are wanted: per request, the member served (-1: a miss)."""
     n = len(group)
     sims = np.full((n, n), -np.inf, np.float32)
     for g, x in xs.items():
@@ -94,11 +95,16 @@ def emulate(xs: dict[int, np.ndarray], group: np.ndarray, cls: np.ndarray, strea
         best = np.full(n, -np.inf, np.float32)     # each member's highest cosine with a stored entry
         arg = np.full(n, -1, np.int64)              # ... and which entry (the earliest stored on ties)
         hits = false = 0
+        out = (served or {}).get(float(c))
         for q in stream.tolist():
             if arg[q] >= 0 and best[q] >= c:
                 hits += 1
                 false += int(cls[arg[q]] != cls[q] and src[arg[q]] != src[q])
+                if out is not None:
+                    out.append(int(arg[q]))
                 continue
+            if out is not None:
+                out.append(-1)
             col = sims[:, q]
             better = col > best
             best[better] = col[better]
@@ -118,6 +124,22 @@ def select_on_val(val_rows: list[dict], budget: float) -> dict | None:
     """The grid point with the highest val hit rate whose upper bound is within the budget."""
     ok = [r for r in val_rows if r["upper"] <= budget]
     return max(ok, key=lambda r: (r["hit_rate"], r["cosine"])) if ok else None
+
+
+def gains(enc, stream: np.ndarray, ours: list[int], theirs: list[int]) -> dict:
+    """Request by request on the same stream: how many requests each cache serves that the other does not,
+    and GPTCache's gains by (request modality > entry modality, Hamming distance between the request's code
+    and the entry's): count and the range of their z cosines (what a payload threshold would have to admit)."""
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    only = np.flatnonzero((theirs >= 0) & (ours < 0))
+    rows: dict[tuple, list[float]] = {}
+    for i in only.tolist():
+        q, e = int(stream[i]), int(theirs[i])
+        d = int(np.unpackbits(enc.codes[q] ^ enc.codes[e]).sum())
+        rows.setdefault((f"{enc.modality[q]}>{enc.modality[e]}", d), []).append(float(enc.z[q] @ enc.z[e]))
+    return {"theirs_only": int(len(only)), "ours_only": int(((ours >= 0) & (theirs < 0)).sum()),
+            "by_pair_distance": [{"pair": k[0], "distance": k[1], "requests": len(v), "cos_min": min(v),
+                                  "cos_max": max(v)} for k, v in sorted(rows.items())]}
 
 
 def real_gptcache(py: Path, xs, group, cls, src, stream, thresholds) -> list[dict]:
@@ -144,6 +166,7 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
     out = {"dataset": ds, "revision": head.revision, "val_requests": n_val, "test_requests": n_test,
            "embeddings": {}, "ushash": {}}
     ref = None
+    ours: dict[str, list[int]] = {}   # per budget: the member ushash served each test request (-1: a miss)
     for b in budgets:
         f = Path(calibrations) / f"{ds}-{b}.calibration.json" if calibrations else None
         cal = Calibration.load(f) if f and f.exists() else None
@@ -152,7 +175,7 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
                   "(rerun benchmarks/false_hit_budget.py)", flush=True)
             cal = None
         if cal is not None:
-            r = measure(head, test, st, calibration=cal, enc=et)
+            r = measure(head, test, st, calibration=cal, enc=et, served=ours.setdefault(str(b), []))
             r.pop("pairs")
             out["ushash"][str(b)] = r
             ref = ref or r
@@ -161,7 +184,8 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
         xv, gv = embeddings(kind, ev, val)
         xt, gt = embeddings(kind, et, test)
         vrows = with_bounds(emulate(xv, gv, val.cls, sv, COSINES, ev.src))
-        trows = with_bounds(emulate(xt, gt, test.cls, st, COSINES, et.src))
+        theirs = {float(c): [] for c in COSINES}
+        trows = with_bounds(emulate(xt, gt, test.cls, st, COSINES, et.src, served=theirs))
         res = {"groups": len(xv), "sweep": [{"cosine": a["cosine"], "val_hit_rate": a["hit_rate"],
                                              "val_false_per_hit": a["false_per_hit"], "val_upper": a["upper"],
                                              "test_hit_rate": c["hit_rate"], "test_false_per_hit": c["false_per_hit"]}
@@ -190,7 +214,9 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
             u = out["ushash"].get(str(b))
             if u is not None:   # GPTCache at no more false hits per hit than ushash had on this test stream
                 same = [r for r in trows if r["false_per_hit"] <= u["false_per_hit"]]
-                entry["test_at_ushash_false_rate"] = max(same, key=lambda r: r["hit_rate"]) if same else None
+                entry["test_at_ushash_false_rate"] = like = max(same, key=lambda r: r["hit_rate"]) if same else None
+                if like is not None:
+                    entry["gains_at_ushash_false_rate"] = gains(et, st, ours[str(b)], theirs[like["cosine"]])
             res["budgets"][str(b)] = entry
         res["seconds"] = round(time.perf_counter() - t0, 1)
         out["embeddings"][kind] = res
@@ -231,6 +257,20 @@ def markdown(results: list[dict], meta: dict) -> str:
                              f"{t['false_per_hit']:.4f} ({t.get('upper', float('nan')):.4f}) | "
                              f"{'-' if hd is None else f'{hd:.3f}'} | {'-' if match is None else ('yes' if match else 'NO')} | "
                              f"{best} | {same} |")
+    gained = [(r["dataset"], b, kind, x["test_at_ushash_false_rate"], x["gains_at_ushash_false_rate"])
+              for r in results for kind, e in r["embeddings"].items() for b, x in sorted(e["budgets"].items())
+              if x.get("gains_at_ushash_false_rate")]
+    if gained:
+        lines += ["", "Request by request on the test stream, GPTCache at its like-for-like threshold (the last column above) "
+                  "against ushash: the requests each serves that the other does not, and GPTCache's gains by pair and "
+                  "by the Hamming distance between the request's code and the entry's (with their z cosines):", "",
+                  "| data | budget | cache | served by GPTCache only | by ushash only | GPTCache's gains: pair, distance: requests (cos) |",
+                  "|---|---|---|---|---|---|"]
+        for ds, b, kind, like, g in gained:
+            parts = "; ".join(f"{x['pair']} d={x['distance']}: {x['requests']} ({x['cos_min']:.3f}-{x['cos_max']:.3f})"
+                              for x in g["by_pair_distance"]) or "-"
+            lines.append(f"| {ds} | {b} | GPTCache, {'export z' if kind == 'z' else 'raw encoder features'}, "
+                         f"cos >= {like['cosine']:.3f} | {g['theirs_only']} | {g['ours_only']} | {parts} |")
     return "\n".join(lines) + "\n"
 
 

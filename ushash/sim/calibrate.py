@@ -515,9 +515,10 @@ def run_calibrate(cfg) -> dict:
 
 
 def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] = None, cache_cfg: dict | None = None,
-            enc: Encoded | None = None, confidence: float = 0.95) -> dict:
+            enc: Encoded | None = None, confidence: float = 0.95, served: list | None = None) -> dict:
     """Replay `stream` through a `SemanticCache` (store on a miss, no expiry) and count; a hit is false
-    when the entry is of another class and another source input (`Encoded.wrong`)."""
+    when the entry is of another class and another source input (`Encoded.wrong`). served: a list to
+    append, per request, the pool member whose entry answered it (-1: a miss)."""
     from ushash.serving.cache import Query, SemanticCache
 
     enc = enc or encode_pool(head, pool)
@@ -534,6 +535,8 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
         keys.add(enc.key[q])
         classes.add(c)
         h = cache.lookup(queries[q], TENANT)
+        if served is not None:
+            served.append(-1 if h is None else int(h.value))
         if h is None:
             cache.store(queries[q], int(q), TENANT)   # the entry's member: its class and source input
             continue
