@@ -72,8 +72,8 @@ def _chunk(row, arr, j):
 
 @njit(cache=True, nogil=True, inline="always")
 def _rest(w, c):
-    """The 48 bits of uint64 word w other than its 16-bit chunk c (0-3), in order (what a table stores
-    beside a position: the chunk is the run's value)."""
+    """The 48 bits of uint64 word w other than its 16-bit chunk c (0-3), in order (a table stores the low 32
+    of them beside a position; the chunk is the run's value)."""
     if c == 3:
         return w & np.uint64(0xFFFFFFFFFFFF)
     lo = w & ((np.uint64(1) << np.uint64(16 * c)) - np.uint64(1))
