@@ -9,8 +9,8 @@ of each value's run (int32 [2^16 + 1]): 8 B per code and chunk, 32 B per 64-bit 
 IndexBinaryMultiHash's ~200 B of hash tables. A probe reads contiguous runs, and the 48 bits it knows there
 (the chunk is the run's value) bound each code's distance from below, so only the codes that pass that
 bound are read in full (a random access each; on benchmarks/cache_lookup.py's clustered codes at radius 3,
-37 of the 112 run entries a query near stored codes probes, 19 of them within the radius, and none of a
-random query's 62). A code found through an earlier chunk is skipped in
+about a third of the run entries a query near stored codes probes, half of those within the radius, and
+none of a random query's). A code found through an earlier chunk is skipped in
 the later ones (its earlier chunk is within f bits too), so each result is reported once; chunks 0 and 1
 are among the 32 bits a run holds for the later chunks, so most of those repeats are skipped unread.
 
