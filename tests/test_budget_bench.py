@@ -97,7 +97,8 @@ def test_gains_count_each_caches_own_answers_by_pair_and_distance(compare):
     with their z cosines, checked against a hand count."""
     class Enc:
         modality = np.array(["text", "text", "image", "image"])
-        codes = np.array([[0b0000_0000], [0b0000_0111], [0b1000_0000], [0b1000_0001]], np.uint8)
+        codes = np.zeros((4, 8), np.uint8)     # 64-bit codes, the bits in their first byte
+        codes[:, 0] = [0b0000_0000, 0b0000_0111, 0b1000_0000, 0b1000_0001]
         z = np.eye(4, dtype=np.float32)
     Enc.z[1] = [0.6, 0.8, 0, 0]
     Enc.z[3] = [0, 0, 0.8, 0.6]

@@ -82,9 +82,15 @@ def _rest(w, c):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _rest32(w, j):
+    """What chunk j's table keeps of word w: the low 32 of its other 48 bits (`_rest`)."""
+    return _rest(w, j & 3) & np.uint64(0xFFFFFFFF)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _put_rest(tc, j, at, w):
-    """Table entry `at` of chunk j's tables: the low 32 of word w's other 48 bits (`_rest`)."""
-    tc[j, at] = np.uint32(_rest(w, j & 3) & np.uint64(0xFFFFFFFF))
+    """Table entry `at` of chunk j's tables: `_rest32` of word w."""
+    tc[j, at] = np.uint32(_rest32(w, j))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -155,13 +161,12 @@ def _search(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, masks, nchu
     f = radius // nchunks
     m = 0
     scan_from = nbase if use_tables else 0
-    low32 = np.uint64(0xFFFFFFFF)
     for qi in range(nq):
         start = m
         if use_tables:
             for j in range(nchunks):
                 qv = _chunk(qi, q, j)
-                qr = _rest(q[qi, 0], j & 3) & low32
+                qr = _rest32(q[qi, 0], j)
                 for t in range(len(masks)):
                     v = qv ^ masks[t]
                     dm = np.int64(_ctpop(np.uint64(masks[t])))   # the distance in chunk j itself
