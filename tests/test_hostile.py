@@ -243,12 +243,16 @@ import sys, uvicorn
 from ushash.serving.cache import SemanticCache
 from ushash.serving.service import create_app
 cache = SemanticCache.from_export(sys.argv[1], {"radius": 4, "tenants": ["default", "acme"]})
-encode = cache.head.encode
+encode, encode_row = cache.head.encode, cache.head.encode_row
 def faulty(modality, x):  # an export that cannot encode: features starting with 12345 make it fail
     if float(x[0, 0]) == 12345.0:
         raise RuntimeError("the head failed")
     return encode(modality, x)
-cache.head.encode = faulty
+def faulty_row(modality, row):  # the same for one row (a single request's path)
+    if float(row[0]) == 12345.0:
+        raise RuntimeError("the head failed")
+    return encode_row(modality, row)
+cache.head.encode, cache.head.encode_row = faulty, faulty_row
 app = create_app(cache, token=sys.argv[3], tokens={sys.argv[4]: ["acme"]}, max_body_bytes=2 << 20)
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="critical", access_log=False)
 """

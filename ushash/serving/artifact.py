@@ -4,13 +4,16 @@
     codes = head.codes("image", feats)        # packed uint8 [N, bits/8], bit-identical to ushash.eval's
     z = head.embed("text", feats)             # float32 [N, dim], the shared space
     rec = head.payload.encode("image", z)     # the cache entry's payload (ushash.serving.payload)
+    code, z1 = head.encode_row("text", row)   # one row, as a cache request: compiled (ushash.serving.rowpass)
 
 An export is a directory with `manifest.json` and `weights.safetensors`, nothing else and no pickle.
 This module imports only numpy, torch, safetensors, json and the standard library, plus
-ushash.serving.payload (numpy only) and ushash.hashing.forward (torch only): no Hydra, no Lightning, no
-training code. The manifest's layer list is rebuilt into the torch modules it came from and run by the
-forward pass `USHash` runs (ushash.hashing.forward), so codes are bit-identical to `USHash.encode` on
-the same device.
+ushash.serving.payload (numpy only), ushash.hashing.forward (torch only) and ushash.serving.rowpass
+(numba): no Hydra, no Lightning, no training code. The manifest's layer list is rebuilt into the torch
+modules it came from and run by the forward pass `USHash` runs (ushash.hashing.forward), so `encode`'s
+(and `codes`', `embed`'s) numbers are bit-identical to `USHash.encode` on the same device. `encode_row`,
+what a cache's single request runs, is the same layer list compiled for one row: z to float32 rounding
+of `encode`'s, the same code unless a logit is within rounding of zero (docs/export.md).
 
 Refusals (all `ExportError`, a ValueError; the class and the message say which):
     CorruptExport       missing or unparsable manifest / weights, missing or malformed fields, wrong tensor
@@ -37,6 +40,7 @@ from ushash.core import codes as codes_lib
 from ushash.hashing import forward as fwd
 from ushash.hashing.forward import HashHead
 from ushash.serving.payload import PayloadCodec, PayloadError
+from ushash.serving.rowpass import RowPass
 
 FORMAT = "ushash-export"
 FORMAT_VERSION = 1
@@ -102,7 +106,9 @@ def revision_id(weights_sha256: str, manifest: dict) -> str:
 class ServedHead(HashHead, Protocol):
     """A head the cache can serve: a `HashHead` (bits, dim, in_dims, modalities, encode) that also says
     which model it is (`revision`, `encoder`, `manifest`), how entries store its z (`payload`), and gives
-    z and codes alone (`embed`, `codes`). `ExportedHead` and `ushash.serving.cache.lsh.LSHHead` are."""
+    z and codes alone (`embed`, `codes`). `ExportedHead` and `ushash.serving.cache.lsh.LSHHead` are. A head
+    may also offer `encode_row(modality, row) -> (code bytes, z)`, which the cache then runs for a one-row
+    request instead of `encode` (ExportedHead's compiled row pass)."""
 
     revision: str
     encoder: EncoderId
@@ -135,6 +141,16 @@ class ExportedHead:
         self._embed = {m: partial(fwd.embed, fwd.eval_steps(layers)) for m, layers in self.layers.items()}
         with torch.no_grad():
             self._unit = fwd.unit_prototypes(self.prototypes)
+        # one request row on the CPU: the same layers as compiled kernels (ushash.serving.rowpass)
+        try:
+            self._rows = ({m: RowPass(manifest["head"]["layers"][m], on_device, self._unit) for m in self.in_dims}
+                          if self.device.type == "cpu" else {})
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptExport(f"corrupt export: layer list unusable ({e})") from e
+        for m, rows in self._rows.items():
+            if rows.in_dim != self.in_dims[m]:
+                raise CorruptExport(f"corrupt export: {m}'s layers take rows of {rows.in_dim}, its in_dim is "
+                                    f"{self.in_dims[m]}")
         np_tensors = {k: v.cpu().numpy() for k, v in tensors.items() if k.startswith("payload.")}
         try:
             self.payload = PayloadCodec.from_settings(manifest["payload"], np_tensors)
@@ -166,6 +182,22 @@ class ExportedHead:
         """(packed codes uint8 [N, bits/8], z float32 [N, dim]) for raw encoder features [N, in_dim]."""
         x = self._check(modality, features)
         return fwd.encode(self._embed[modality], self.prototypes, x, self.bits, self.dim, unit=self._unit)
+
+    def encode_row(self, modality: str, row: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """(packed code bytes, z float32 [dim]) of one float32 row [in_dim] of checked, finite features: the
+        cache's single requests. On the CPU the compiled row pass (ushash.serving.rowpass: z to float32
+        rounding of `encode`'s, the same code unless a logit is within rounding of zero); on a GPU `encode`."""
+        rows = self._rows.get(modality)
+        if rows is None:
+            codes, z = self.encode(modality, row[None])
+            return codes[0].tobytes(), z[0]
+        code, z = rows(np.ascontiguousarray(row, dtype=np.float32))
+        return code.tobytes(), z
+
+    def warm_up(self) -> None:
+        """Load the row pass's compiled kernels now rather than during a first request."""
+        for rows in self._rows.values():
+            rows.warm_up()
 
     def embed(self, modality: str, features) -> np.ndarray:
         """Shared-space z, float32 [N, dim], L2-normalised: what the payload holds."""

@@ -162,6 +162,9 @@ class SemanticCache(CheckStore):
         """Load the compiled (numba) kernels of lookups and stores now, on a throwaway L1-only cache of the
         same head and settings: loading them costs ~1 s and tens of MB of code once per process, which the
         first requests would otherwise pay for (the service calls this before it starts serving)."""
+        warm_head = getattr(self.head, "warm_up", None)   # the head's one-row pass (ExportedHead's kernels)
+        if warm_head is not None:
+            warm_head()
         cfg = dataclasses.replace(self.config, l2=None, calibration=None, mih_min_entries=8, ttl_s=0,
                                   tenants=None, capacity_bytes=1 << 24)
         tmp = SemanticCache(self.head, cfg, clock=self.clock, rng=random.Random(0))

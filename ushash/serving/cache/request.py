@@ -55,6 +55,11 @@ def _unit(z) -> np.ndarray:
     return np.ascontiguousarray(z / max(float(np.sqrt(z @ z)), 1e-30))
 
 
+def _out_of_range(modality: str) -> RequestError:
+    return RequestError(f"{modality} features are out of the range the head encodes (its embedding "
+                        f"overflows or vanishes); send the encoder's features unscaled")
+
+
 def _units(z) -> list[np.ndarray]:
     """`_unit` of every row of z [B, dim], the same numbers: each row's norm taken as `_unit` takes it,
     the divisions done in one go (float32 by float32, as `_unit`'s division by a Python float is). The
@@ -169,7 +174,9 @@ class QueryEncoder:
         return self.from_feature_rows(modality, f[None])[0]
 
     def from_feature_rows(self, modality: str, features) -> list[Query]:
-        """Queries for encoder features [B, in_dim], encoded in one forward pass."""
+        """Queries for encoder features [B, in_dim], encoded in one forward pass: `head.encode`, or for one
+        row the head's `encode_row` where it has one (ExportedHead: compiled for one row, its z unit to
+        rounding as it comes)."""
         modality = self.check_modality(modality)
         f = np.asarray(features)
         want = getattr(self.head, "in_dims", {}).get(modality)
@@ -190,12 +197,17 @@ class QueryEncoder:
                 f32 = f.astype(np.float32)
             if not np.isfinite(f32).all():
                 raise RequestError(f"{modality} features must be finite float32 numbers (|x| < 3.4e38)")
+        rev = str(getattr(self.head, "revision", "")) or None
+        row = getattr(self.head, "encode_row", None) if len(f32) == 1 else None
+        if row is not None:    # one request row: the head's own pass for one (ExportedHead's compiled kernels)
+            code, z1 = row(modality, f32[0])   # z1 float32, unit to rounding (normalised in float64)
+            if not (np.isfinite(z1).all() and z1.any()):
+                raise _out_of_range(modality)
+            return [Query(modality, code, z1, rev)]
         codes, z = self.head.encode(modality, f32)
         z = np.asarray(z)
         if z.dtype != np.float32:  # float32 (every head's) is checked as it is: float64 would say the same
             z = z.astype(np.float64)
         if not np.isfinite(z).all() or not np.any(z, axis=1).all():
-            raise RequestError(f"{modality} features are out of the range the head encodes (its embedding "
-                               f"overflows or vanishes); send the encoder's features unscaled")
-        rev = str(getattr(self.head, "revision", "")) or None
+            raise _out_of_range(modality)
         return [Query(modality, codes[i].tobytes(), u, rev) for i, u in enumerate(_units(z))]
