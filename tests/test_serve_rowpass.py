@@ -70,7 +70,8 @@ def _naive(ops, tensors, unit, x):
             h = y.astype(np.float32)
         else:
             if op["approximate"] == "tanh":
-                f = [0.5 * a * (1.0 + math.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3))) for a in map(float, h)]
+                c = math.sqrt(2 / math.pi)
+                f = [0.5 * a * (1.0 + math.tanh(c * (a + 0.044715 * a ** 3))) for a in map(float, h)]
             else:
                 f = [0.5 * a * (1.0 + math.erf(a / math.sqrt(2))) for a in map(float, h)]
             h = np.array(f, np.float64).astype(np.float32)
@@ -163,7 +164,9 @@ def test_row_pass_refuses_what_it_cannot_run():
         RowPass([{"op": "linear", "weight": "w", "bias": None}], t, torch.eye(16, 8))
     rows = RowPass([{"op": "linear", "weight": "w", "bias": None}], t, unit)
     assert rows.in_dim == 4 and rows.bits == 8
-    for bad in (np.zeros(5, np.float32), np.zeros(4, np.float64), np.zeros(8, np.float32)[::2], np.zeros((1, 4), np.float32)):
+    bad_rows = (np.zeros(5, np.float32), np.zeros(4, np.float64), np.zeros(8, np.float32)[::2],
+                np.zeros((1, 4), np.float32))
+    for bad in bad_rows:
         with pytest.raises(ValueError, match=r"C-contiguous float32 \[4\]"):   # never read out of bounds
             rows(bad)
 

@@ -5,16 +5,16 @@
 
 A cache request is one row of features, where torch's per-op cost (argument parsing, dispatch, a tensor
 per op), not arithmetic, is the price: ~50 µs for the default head's five ops in a tight loop and about
-four times that between a server's other work (`./run bench row_pass`, docs/benchmarks.md). `RowPass` runs the same layer list
-(`ushash.hashing.forward.OPS`: Linear, LayerNorm, GELU), then z = the output over its L2 norm, the bit
-logits z · unit prototypes and bit = logit > 0, packed as `ushash.core.codes.pack` packs, as one numba
-kernel call per row.
+four times that between a server's other work (`./run bench row_pass`, docs/benchmarks.md). `RowPass`
+runs the same layer list (`ushash.hashing.forward.OPS`: Linear, LayerNorm, GELU), then z = the output
+over its L2 norm, the bit logits z · unit prototypes and bit = logit > 0, packed as
+`ushash.core.codes.pack` packs, in one numba call per row.
 
 The numbers are those of the float64 computation of each op, rounded to float32 at its output (the
 tensor between two ops is float32, as torch's is); a Linear's sums run in input order. Where a float32
 kernel overflows (a LayerNorm's variance or the norm's sum of squares beyond float32's range: features
-of ~1e19 and more), so does the row pass, so that such a row is refused here as in a batch. torch's float32
-kernels round otherwise, and differ between a one-row and a many-row GEMM too, so z agrees with
+of ~1e19 and more), so does the row pass, so that such a row is refused here as in a batch. torch's
+float32 kernels round otherwise, and differ between a one-row and a many-row GEMM too, so z agrees with
 `ExportedHead.encode` to float32 rounding (~1e-7) and a code bit can differ only where its logit is
 within rounding of zero (tests/test_serve_rowpass.py measures both on seeded heads). `ExportedHead.encode`
 (evaluation's bits, batches, a head on a GPU) stays torch's; the cache's one-row requests come here
@@ -34,6 +34,7 @@ _INV_SQRT2 = 0.7071067811865476          # GELU: x / sqrt(2) inside erf
 _SQRT_2_OVER_PI = 0.7978845608028654     # GELU(approximate="tanh")
 _NORM_EPS = 1e-12                        # ushash.hashing.forward.l2_normalize's eps
 _F32_MAX = float(np.finfo(np.float32).max)   # a float32 sum beyond this overflows to inf
+_LINEAR, _LAYER_NORM, _GELU, _GELU_TANH = range(4)   # a program row's op
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -54,9 +55,6 @@ def _linear(x, wt, bias):
         for j in range(n_out):
             out[j] = np.float32(acc[j])
     return out
-
-
-_LINEAR, _LAYER_NORM, _GELU, _GELU_TANH = range(4)   # a program row's op
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
