@@ -19,8 +19,7 @@ anything is timed; a mismatch stops the run.
 
     ./run bench gpu_scan [--device cuda] [--sizes 1000000 10000000 100000000] [--queries 200] [--batch 1000]
 
-On a machine with CUDA the plain command is the whole run (~1-2 minutes on a current data-centre GPU by
-the sizes' arithmetic; not yet timed on one).
+On a machine with CUDA the plain command is the whole run (not yet run on one).
 """
 
 from __future__ import annotations
