@@ -82,6 +82,8 @@ ABLATIONS = {
     "label-supervised positives (method=ushash_labels; reads labels)": "method=ushash_labels",
     "LSH start (model.prototypes_from=lsh)": "model.prototypes_from=lsh",
     "start chosen on val after training from each (model.prototypes_from=val)": "model.prototypes_from=val",
+    "heads at the prototypes' learning rate (model.head_lr=0.001)": "model.head_lr=0.001",
+    "contrastive temperature starting at 0.1 (model.temperature=0.1)": "model.temperature=0.1",
 }
 
 
