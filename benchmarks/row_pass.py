@@ -89,8 +89,9 @@ def measure(head, modality: str, rows: np.ndarray, repeats: int) -> dict:
         got = [_time(row_pass, rows, flush) for _ in range(repeats)]
         out["flush" if flush else "tight"] = (statistics.median(ref), statistics.median(got))
     codes, z = head.encode(modality, rows)                    # eval's numbers: torch, in batches
-    one_codes = np.array([np.frombuffer(head.encode_row(modality, r)[0], np.uint8) for r in rows])
-    one_z = np.stack([head.encode_row(modality, r)[1] for r in rows])
+    one = [head.encode_row(modality, r) for r in rows]
+    one_codes = np.array([np.frombuffer(code, np.uint8) for code, _ in one])
+    one_z = np.stack([z1 for _, z1 in one])
     t_one = np.concatenate([head.encode(modality, r[None])[1] for r in rows])   # torch's one-row z
     bits = codes_lib.unpack(codes, head.bits) != codes_lib.unpack(one_codes, head.bits)
     out.update(rows=len(rows), rows_differ=int(bits.any(axis=1).sum()), bits_differ=int(bits.sum()),

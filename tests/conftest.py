@@ -38,6 +38,20 @@ def write_tiny_export(out):
     return out
 
 
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    """A tiny 64-bit export (write_tiny_export), one per test module."""
+    return write_tiny_export(tmp_path_factory.mktemp("export") / "tiny-64b")
+
+
+@pytest.fixture(scope="module")
+def head(export_dir):
+    """`export_dir` loaded (ushash.serving.artifact.load_export)."""
+    from ushash.serving.artifact import load_export
+
+    return load_export(export_dir)
+
+
 def clustered_pool(rng, n_classes, members, spread, confusable):
     """A sim Pool of clustered 24-d image and text features, `members` per class and modality; `confusable`
     of the classes share a centre with another class."""

@@ -5,7 +5,6 @@ codes and z bit-identical, on seeded inputs, ties at zero logits included."""
 import numpy as np
 import pytest
 import torch
-from conftest import write_tiny_export
 from torch import nn
 from torch.nn import functional as F
 
@@ -23,16 +22,6 @@ def _reference_encode(layers: nn.Module, prototypes: torch.Tensor, x: np.ndarray
         z = F.normalize(layers(torch.from_numpy(np.array(x, dtype=np.float32))), dim=-1)
         bits = (z @ F.normalize(prototypes, dim=-1).T > 0).numpy()
     return np.packbits(bits, axis=1, bitorder="little"), z.numpy()
-
-
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    return write_tiny_export(tmp_path_factory.mktemp("export") / "tiny-64b")
-
-
-@pytest.fixture(scope="module")
-def head(export_dir):
-    return load_export(export_dir)
 
 
 def test_l2_normalize_is_f_normalize_in_values_and_gradients():

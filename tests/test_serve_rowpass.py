@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import write_tiny_export
 from torch import nn
 
 from ushash.core import codes as codes_lib
@@ -169,16 +168,6 @@ def test_row_pass_refuses_what_it_cannot_run():
     for bad in bad_rows:
         with pytest.raises(ValueError, match=r"C-contiguous float32 \[4\]"):   # never read out of bounds
             rows(bad)
-
-
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    return write_tiny_export(tmp_path_factory.mktemp("export") / "tiny-64b")
-
-
-@pytest.fixture(scope="module")
-def head(export_dir):
-    return load_export(export_dir)
 
 
 def _tensors(export_dir):

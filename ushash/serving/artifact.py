@@ -147,10 +147,6 @@ class ExportedHead:
                           if self.device.type == "cpu" else {})
         except (ValueError, TypeError, KeyError) as e:
             raise CorruptExport(f"corrupt export: layer list unusable ({e})") from e
-        for m, rows in self._rows.items():
-            if rows.in_dim != self.in_dims[m]:
-                raise CorruptExport(f"corrupt export: {m}'s layers take rows of {rows.in_dim}, its in_dim is "
-                                    f"{self.in_dims[m]}")
         np_tensors = {k: v.cpu().numpy() for k, v in tensors.items() if k.startswith("payload.")}
         try:
             self.payload = PayloadCodec.from_settings(manifest["payload"], np_tensors)
