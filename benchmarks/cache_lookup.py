@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -204,6 +203,7 @@ def small(n: int, policy: str) -> dict:
 
 
 def main():
+    from ushash.core.provenance import cpu_model
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--queries", type=int, default=20_000)
@@ -223,7 +223,7 @@ def main():
             print(json.dumps(bench(int(args.one[1]), args.queries, args.one[0], args.policy, batch=args.batch,
                                    backend=args.backend, ttl_s=args.ttl_s)))
         return
-    print(f"# cache_lookup  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}, "
+    print(f"# cache_lookup  {time.strftime('%Y-%m-%d %H:%M')}  {cpu_model()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, faiss {faiss.__version__}")
     print(f"# {BITS}-bit codes, radius {RADIUS}, int4 payload of {DIM}-d z (72 B), 8-byte values; "
           f"latency per single-query lookup in µs; policy {args.policy}")

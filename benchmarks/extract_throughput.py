@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -164,7 +163,8 @@ def main() -> None:
     ref = n / statistics.median(times["reference (bare encode loop)"])
     print(f"extract throughput: {n} images ({source}), encoder offline/image EfficientNet-Lite0 on {device}, "
           f"batch {a.batch_size}, {a.workers} decode workers, median of {a.repeats}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+    from ushash.core.provenance import cpu_model
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, torch threads "
           f"{torch.get_num_threads()}, {torch.cuda.get_device_name() if device.startswith('cuda') else 'no GPU'}; "
           f"python {sys.version.split()[0]}, torch {torch.__version__}")
     for name, ts in times.items():

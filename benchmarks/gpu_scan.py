@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
@@ -155,6 +154,7 @@ def measure(n: int, device: torch.device, n_queries: int, batch: int, radius: in
 
 
 def main(argv=None) -> list[dict]:
+    from ushash.core.provenance import cpu_model
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--sizes", type=int, nargs="+", default=None,
@@ -169,7 +169,7 @@ def main(argv=None) -> list[dict]:
     device = torch.device(args.device)
     if args.sizes is None:
         args.sizes = [1_000_000, 10_000_000, 100_000_000] if device.type == "cuda" else [100_000, 1_000_000]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     rows = [measure(n, device, args.queries, args.batch, args.radius, args.k, args.repeats) for n in args.sizes]
     print(f"# gpu_scan  {time.strftime('%Y-%m-%d %H:%M')}  device {device} ({name}), torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; 64-bit random codes, queries = stored codes with 0-3 bits flipped, radius "

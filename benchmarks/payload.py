@@ -45,16 +45,9 @@ REFERENCE = "fp32"
 
 
 def machine() -> str:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from ushash.core.provenance import cpu_model
     import torch
-    return (f"{cpu}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}, numpy {np.__version__}, "
+    return (f"{cpu_model()}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}, numpy {np.__version__}, "
             f"torch {torch.__version__}, torch threads {torch.get_num_threads()}")
 
 

@@ -207,7 +207,8 @@ def main(argv=None):
             except subprocess.TimeoutExpired:
                 pr.kill()
     n = len(stream)
-    res = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    from ushash.core.provenance import cpu_model
+    res = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()} ({cpu_model()}), {os.cpu_count()} cores",
            "command": "python benchmarks/proxy_overhead.py " + " ".join(
                f"--{k} {v}" for k, v in vars(a).items() if k not in ("out", "images", "export")) +
            f" --export {Path(a.export).name} --images <tuxpaint stamps>",

@@ -6,7 +6,7 @@ Per data set: `python -m ushash.extract data=<d> encoder=<e>` (train, val and te
 reused), `python -m ushash.train data=<d> encoder=<e>` (no other override: bits, seed and the recipe are
 the defaults of configs/ and ushash/config.py), then `python -m ushash.export` of its best.ckpt to
 exports/budget-<d>-<e> (a stable name the benchmarks read). The run's folder is named after a hash of the
-resolved training config, of the code and numerical packages that train it (`ushash.core.provenance.made_by`)
+resolved training config, of the code, numerical packages and CPU model that train it (`ushash.core.provenance.made_by`)
 and of the content of the train and val stores (`FeatureSplit.content`)
 (checkpoints/budget-<d>-<e>-<bits>b-s<seed>-<hash>), so
 
@@ -45,7 +45,7 @@ def config_key(overrides: list[str], stores: dict | None = None) -> tuple[str, d
 
     cfg = OmegaConf.to_container(compose("config", overrides), resolve=False)
     recipe = {k: v for k, v in cfg.items() if k not in NOT_RECIPE}
-    # the code and numerical packages that train the head are part of what made it (provenance.made_by)
+    # the code, numerical packages and CPU that train the head are part of what made it (provenance.made_by)
     blob = json.dumps({**recipe, "made_by": made_by(), **({"stores": stores} if stores else {})}, sort_keys=True,
                       default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12], recipe

@@ -87,3 +87,19 @@ def test_every_step_runs_a_module_or_script_that_exists():
         else:
             assert (ROOT / words[1]).exists(), (step, words[1])
     assert set(r.NEEDS) <= set(r.STEPS) and {n for ns in r.NEEDS.values() for n in ns} <= set(r.STEPS)
+
+
+def test_a_block_states_the_machine_its_runs_recorded_not_the_publishing_one(tmp_path, monkeypatch):
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "machine", lambda: "the publishing machine")
+    stamps = tmp_path / "experiments" / "reproduce"
+    stamps.mkdir(parents=True)
+    for step, machine in (("s0", "2 x86_64 cores, no GPU"), ("s1", "2 x86_64 cores, no GPU"),
+                          ("s2", "2 x86_64 cores (AMD EPYC), no GPU")):
+        (stamps / f"{step}.json").write_text(json.dumps({"command": "x", "date": "2026-12-02", "machine": machine,
+                                                         "versions": "torch 2.14.1", "wall_s": 1.0}))
+    assert r.made_on(["s0", "s1", "missing"]) == "2 x86_64 cores, no GPU, torch 2.14.1"
+    assert r.made_on(["s0", "s2"]) == ("2 x86_64 cores, no GPU, torch 2.14.1; "
+                                       "2 x86_64 cores (AMD EPYC), no GPU, torch 2.14.1")
+    assert r.made_on([]) == ""

@@ -40,14 +40,15 @@ def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, caplog):
 
 
 def test_a_run_of_other_code_or_packages_is_made_again(tmp_path, caplog, monkeypatch):
-    """The settings digest covers the code and the numerical packages (provenance.made_by): a stored run made
-    by other training code, or under another numpy, is not served as this one's."""
+    """The settings digest covers the code, the numerical packages and the CPU model (provenance.made_by): a
+    stored run made by other training code, under another numpy or on another CPU, is not served as this one's."""
     caplog.set_level("INFO", logger="ushash")
     cfg = _cfg(tmp_path, "method=itq", "bits=16", "seed=0")
     res = sweep.run_one(cfg)
     assert sweep.run_settings(cfg)["made_by"]["code"] == sweep.made_by()["code"]
     real = sweep.made_by()
-    for other in ({**real, "code": "0" * 16}, {**real, "versions": {**real["versions"], "numpy": "0.0"}}):
+    for other in ({**real, "code": "0" * 16}, {**real, "versions": {**real["versions"], "numpy": "0.0"}},
+                  {**real, "cpu": "another CPU"}):
         monkeypatch.setattr(sweep, "made_by", lambda other=other: other)
         caplog.clear()
         again = sweep.run_one(cfg)
@@ -67,6 +68,19 @@ def test_the_code_digest_follows_the_sources_results_depend_on(tmp_path):
     (tmp_path / "hashing/a.py").write_text("x = 2\n")         # training code: another digest
     assert provenance.code_digest.__wrapped__(tmp_path) != d0
     assert set(provenance.package_versions()) <= set(provenance.VERSIONED) and "numpy" in provenance.package_versions()
+
+
+def test_the_cpu_model_is_the_one_cpuinfo_names():
+    """made_by's "cpu": another CPU model gave other codes from the same features (provenance's docstring)."""
+    from pathlib import Path
+
+    from ushash.core import provenance
+
+    info = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()
+             if ln.startswith("model name")] if info.exists() else []
+    cpu = provenance.cpu_model()
+    assert cpu and cpu == (names[0] if names else cpu) and provenance.made_by()["cpu"] == cpu
 
 
 def test_fitted_baseline_never_sees_the_test_split(tmp_path, monkeypatch):

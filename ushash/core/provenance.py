@@ -1,11 +1,14 @@
 """What made a result besides its settings: the code that computed it and the numerical packages under it.
 
-    made_by()  ->  {"code": "<16 hex>", "versions": {"torch": "2.14.1", "numpy": "2.4.6", ...}}
+    made_by()  ->  {"code": "<16 hex>", "versions": {"torch": "2.14.1", "numpy": "2.4.6", ...}, "cpu": "AMD EPYC"}
 
 A stored result that is reused rather than made again (a sweep's run under experiments/<name>/runs/, a
 budget head) is keyed by these as well as by its settings and its features: the same settings gave other
 numbers under other numpy and scipy builds (GCCA's eigensolver, ITQ's iterations), and a run made by
-older training or evaluation code must not be served as this code's. `code_digest` covers every source
+older training or evaluation code must not be served as this code's. The CPU model is part of it too: the
+same code, packages and features gave other trained heads and ITQ codes on another CPU model (the float
+space agreed to the third decimal; the codes' mAP@10 moved by about one seed's spread), since kernels
+that round differently flip bits whose logits sit near zero. `code_digest` covers every source
 file of the package except the cache runtime and the simulator (`NOT_RESULTS`), which no training,
 fitting or evaluation reads.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import platform
 from pathlib import Path
 from typing import Callable
 
@@ -57,10 +61,23 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_model() -> str:
+    """The CPU's model name ("model name" in /proc/cpuinfo where there is one, else platform.processor(),
+    else the architecture), e.g. "AMD EPYC" or "Intel(R) Xeon(R) Processor"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def made_by() -> dict:
-    """{"code": code_digest(), "versions": package_versions()}: what a stored result is keyed by besides its
-    settings."""
-    return {"code": code_digest(), "versions": package_versions()}
+    """{"code": code_digest(), "versions": package_versions(), "cpu": cpu_model()}: what a stored result is
+    keyed by besides its settings."""
+    return {"code": code_digest(), "versions": package_versions(), "cpu": cpu_model()}
 
 
-__all__ = ["NOT_RESULTS", "VERSIONED", "code_digest", "files_digest", "made_by", "package_versions"]
+__all__ = ["NOT_RESULTS", "VERSIONED", "code_digest", "cpu_model", "files_digest", "made_by", "package_versions"]

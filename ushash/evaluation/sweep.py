@@ -9,9 +9,9 @@ if needed, or writing the synthetic one), fits a no-training method on the train
 with the one Lightning loop (checkpoint chosen on the validation split), and evaluates on the test split with
 `ushash.evaluation.retrieval` / `ushash.eval`. It writes
 `experiments/<name>/runs/<method>-<bits>b-s<seed>-<settings digest>/result.json`, with the content digests of
-the three stores it read (`FeatureSplit.content`); the settings digest covers the code and the numerical
-packages too (`ushash.core.provenance.made_by`), so a run whose result exists for the same settings, the same
-code and packages and the same features is skipped, so an interrupted sweep resumes (a trained run cut mid-training resumes from its last.ckpt), and
+the three stores it read (`FeatureSplit.content`); the settings digest covers the code, the numerical
+packages and the CPU model too (`ushash.core.provenance.made_by`), so a run whose result exists for the same settings, the same
+code, packages and CPU and the same features is skipped, so an interrupted sweep resumes (a trained run cut mid-training resumes from its last.ckpt), and
 a run with other settings gets a folder of its own. A result computed from other features (a store
 made again after a change to decoding, say) is not reused: its folder is moved to `experiments/<name>/stale/`
 and the run is done again. At the end of a multirun a Hydra callback aggregates
@@ -86,8 +86,9 @@ def _read_record(f: Path) -> dict | None:
 
 
 def run_settings(cfg: DictConfig) -> dict:
-    """What a run's result depends on (its digest): its settings, the code and numerical packages that compute
-    it (`provenance.made_by`: a run of other code or under another numpy is made again, not reused); a
+    """What a run's result depends on (its digest): its settings, the code, numerical packages and CPU model
+    that compute it (`provenance.made_by`: a run of other code, under another numpy or on another CPU is made
+    again, not reused); a
     trained run also depends on the network and trainer."""
     spec = methods.get(cfg.method.name)
     s = sweep_settings(cfg)
