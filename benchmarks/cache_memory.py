@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 BITS, DIM, SEED = 64, 128, 0
+BATCH = 1000   # puts per store_codes call in the churn
 
 
 def rss_bytes() -> int:
@@ -55,13 +56,14 @@ def churn(puts: int, capacity: int) -> dict:
     cache.warm_up()   # the compiled kernels (a fixed cost per process) loaded before any measurement
     codes, payloads = _entries(rng, codec, puts)
     value = "v" * 24
-    warm = puts // 10   # the first tenth warms up (first-call allocations), the rest is measured
+    # the first tenth (rounded up to a whole batch) warms up (first-call allocations), the rest is measured
+    warm = -(-(puts // 10) // BATCH) * BATCH
     t0 = time.perf_counter()
-    for s in range(0, puts, 1000):  # batches of 1000: store_codes' path, one L1 call per batch
+    for s in range(0, puts, BATCH):  # store_codes' path, one L1 call per batch
         if s == warm:
             rss0 = rss_bytes()
-        cache.store_codes("t", "image", codes[s:s + 1000], [value] * len(codes[s:s + 1000]), payloads=payloads[s:s + 1000],
-                          ttl_s=10 * 365 * 86400)
+        cache.store_codes("t", "image", codes[s:s + BATCH], [value] * len(codes[s:s + BATCH]),
+                          payloads=payloads[s:s + BATCH], ttl_s=10 * 365 * 86400)
     secs = time.perf_counter() - t0
     grow = rss_bytes() - rss0
     return {"puts": puts, "measured_puts": puts - warm, "capacity": capacity, "entries": len(cache),
@@ -92,6 +94,7 @@ def tenants(n: int, capacity: int) -> dict:
 
 
 def main():
+    from ushash.core.provenance import cpu_model
     ap = argparse.ArgumentParser()
     ap.add_argument("--puts", type=int, default=300_000)
     ap.add_argument("--capacity", type=int, default=64 << 10)
@@ -99,13 +102,16 @@ def main():
     ap.add_argument("--tenant-capacity", type=int, default=16 << 20)
     ap.add_argument("--one", choices=["churn", "tenants"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.puts < 2 * BATCH:
+        ap.error(f"--puts {args.puts}: at least {2 * BATCH} (a tenth, rounded up to a batch of {BATCH}, warms up; "
+                 "the rest is measured)")
     if args.one == "churn":
         print(json.dumps(churn(args.puts, args.capacity)))
         return
     if args.one == "tenants":
         print(json.dumps(tenants(args.tenants, args.tenant_capacity)))
         return
-    print(f"# cache_memory  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}, {os.cpu_count()} CPUs, "
+    print(f"# cache_memory  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} ({cpu_model()}), {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
     base = [sys.executable, __file__, "--puts", str(args.puts), "--capacity", str(args.capacity), "--tenants",
             str(args.tenants), "--tenant-capacity", str(args.tenant_capacity)]
