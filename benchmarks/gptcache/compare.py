@@ -296,7 +296,10 @@ def main(argv=None):
     results = [run(e, Path(a.features_dir), a.embeddings, a.budgets, a.requests, a.test_requests, a.calibrations,
                    bool(a.real_val), py) for e in a.export]
     import platform
-    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+
+    from ushash.core.provenance import cpu_model
+    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "machine": f"{platform.machine()} ({cpu_model()}), {os.cpu_count()} cores",
             "command": "python benchmarks/gptcache/compare.py " + " ".join(
                 f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
                 for k, v in vars(a).items() if k not in ("features_dir", "out", "export", "calibrations")) +
