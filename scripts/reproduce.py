@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -408,6 +409,13 @@ def bars_body() -> str | None:
     def mean(summary, method, bits, protocol):
         return summary[method][str(bits)][protocol]["tie_map@10"]["mean"][0]
 
+    def se(summary, bits, protocol, *methods):  # standard error of the difference of the methods' seed means
+        cells = [summary[m][str(bits)][protocol]["tie_map@10"]["mean"] for m in methods]
+        return math.sqrt(sum(sd ** 2 / n for _, sd, n in cells))
+
+    def diff(summary, bits, protocol, u, i, ref="itq"):  # "+0.005, s.e. 0.011"
+        return f"{num(u - i, True)}, s.e. {se(summary, bits, protocol, 'ushash', ref):.3f}"
+
     def num(x: float, signed: bool = False) -> str:  # 3 decimals, 4 where 3 would show a difference as 0.000
         return f"{x:{'+' if signed else ''}.{3 if abs(x) >= 0.0005 or x == 0 else 4}f}"
 
@@ -422,19 +430,20 @@ def bars_body() -> str | None:
             continue
         s = json.loads(f64.read_text())["summary"]
         us, itq, flt = (mean(s, m, 64, "paired") for m in ("ushash", "itq", "float"))
-        rows.append(f"| {dataset} | 64 bits, paired >= ITQ + 0.03 | {us:.3f} vs ITQ {itq:.3f} ({num(us - itq, True)}) | "
+        rows.append(f"| {dataset} | 64 bits, paired >= ITQ + 0.03 | {us:.3f} vs ITQ {itq:.3f} ({diff(s, 64, 'paired', us, itq)}) | "
                     f"{verdict(us - itq - 0.03)} |")
-        rows.append(f"| {dataset} | 64 bits, paired >= 0.9 x float space | {us:.3f} of {flt:.3f} ({us / flt:.2f}x) | "
+        rows.append(f"| {dataset} | 64 bits, paired >= 0.9 x float space | {us:.3f} of {flt:.3f} ({us / flt:.2f}x, "
+                    f"s.e. {se(s, 64, 'paired', 'ushash', 'float') / flt:.2f}x) | "
                     f"{verdict(us / flt - 0.9) if us / flt >= 0.9 else f'**missed by {0.9 - us / flt:.2f}x**'} |")
         ul, il = mean(s, "ushash", 64, "label"), mean(s, "itq", 64, "label")
-        rows.append(f"| {dataset} | 64 bits, label >= ITQ | {ul:.3f} vs {il:.3f} ({num(ul - il, True)}) | {verdict(ul - il)} |")
+        rows.append(f"| {dataset} | 64 bits, label >= ITQ | {ul:.3f} vs {il:.3f} ({diff(s, 64, 'label', ul, il)}) | {verdict(ul - il)} |")
         sources.append(f"`experiments/{exp64}/results.json`")
         if fbits.exists():
             b = json.loads(fbits.read_text())["summary"]
             for bits in (16, 32, 128):
                 for p in ("paired", "label"):
                     u, i = mean(b, "ushash", bits, p), mean(b, "itq", bits, p)
-                    rows.append(f"| {dataset} | {bits} bits, {p} >= ITQ | {u:.3f} vs {i:.3f} ({num(u - i, True)}) | {verdict(u - i)} |")
+                    rows.append(f"| {dataset} | {bits} bits, {p} >= ITQ | {u:.3f} vs {i:.3f} ({diff(b, bits, p, u, i)}) | {verdict(u - i)} |")
             sources.append(f"`experiments/{BITS_SETS[dataset][1]}/results.json`")
         key = ROOT / "experiments" / "cachesim" / f"cachekey-{dataset}64" / "results.json"
         if key.exists():
@@ -450,7 +459,9 @@ def bars_body() -> str | None:
     if not rows:
         return None
     return ("Computed by `./run reproduce publish` from " + ", ".join(sources) + " (the tables above; tie-aware "
-            "mAP@10, mean over directions and 3 seeds; the shipped defaults, every baseline's space chosen on val).\n\n"
+            "mAP@10, mean over directions and 3 seeds; the shipped defaults, every baseline's space chosen on val; s.e.: "
+            "the standard error of the difference of the two seed means, from each method's spread over its seeds, "
+            "which says how far a margin is from noise).\n\n"
             "| set | bar | US-HASH vs reference | |\n|---|---|---|---|\n" + "\n".join(rows))
 
 

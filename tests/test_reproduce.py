@@ -36,11 +36,12 @@ def test_bars_table_says_met_or_missed_by_how_much(tmp_path, monkeypatch):
         {"method": "LSH 64-bit codes of z only", "false_hit_rate": 0.001, "hit_rate": 0.9},
         {"method": "US-HASH 64-bit codes only", "false_hit_rate": 0.0035, "hit_rate": 0.95}]}))
     rows = {line.split(" | ")[1]: line for line in r.bars_body().splitlines() if line.startswith("| a |")}
-    assert rows["64 bits, paired >= ITQ + 0.03"].endswith("(+0.050) | met |")
-    assert rows["64 bits, paired >= 0.9 x float space"].endswith("0.300 of 0.320 (0.94x) | met |")
-    assert rows["64 bits, label >= ITQ"].endswith("(-0.020) | **missed by 0.020** |")
-    assert rows["16 bits, paired >= ITQ"].endswith("(-0.0003) | **missed by 0.0003** |")  # not shown as 0.000
-    assert rows["128 bits, label >= ITQ"].endswith("(+0.000) | met |")  # a tie meets a >= bar
+    # s.e. of a difference of two 3-seed means whose stds are 0.01: sqrt(2 * 0.01^2 / 3) = 0.008
+    assert rows["64 bits, paired >= ITQ + 0.03"].endswith("(+0.050, s.e. 0.008) | met |")
+    assert rows["64 bits, paired >= 0.9 x float space"].endswith("0.300 of 0.320 (0.94x, s.e. 0.03x) | met |")
+    assert rows["64 bits, label >= ITQ"].endswith("(-0.020, s.e. 0.008) | **missed by 0.020** |")
+    assert rows["16 bits, paired >= ITQ"].endswith("(-0.0003, s.e. 0.008) | **missed by 0.0003** |")  # not shown as 0.000
+    assert rows["128 bits, label >= ITQ"].endswith("(+0.000, s.e. 0.008) | met |")  # a tie meets a >= bar
     assert "**missed by 0.0025**" in rows["cache key, radius 2, codes only: false hits / request <= LSH codes of z"]
     # a set without results is left out, and nothing at all gives no block
     monkeypatch.setattr(r, "ABLATION_SETS", {"b": ("sweep_b64", "b-64b")})
