@@ -133,6 +133,21 @@ def test_selection_keeps_the_initial_weights_when_no_epoch_beats_them(data, tmp_
     assert out["space"]["chosen_on"] == "val" and out["space"]["max_rank"] > 0
 
 
+def test_the_temperature_moves_at_its_own_learning_rate(data, tmp_path):
+    """model.temperature_lr: the learned temperatures' rate (None: model.lr). At 0 they stay at their start while
+    the rest trains; at 0.05 they move further from it in the same steps than at the shared rate."""
+    def trained(*extra):
+        out = run_train(_cfg(tmp_path / f"r{len(list(tmp_path.iterdir()))}", "trainer.max_epochs=3", "early_stop.patience=null",
+                             *extra), splits=data)
+        mod = load_checkpoint(out["last"])
+        return abs(float(mod.logit_scale) - np.log(1 / mod.hparams.temperature))
+    assert trained("model.temperature_lr=0") < 1e-6   # the float32 parameter against float64 log(1 / start)
+    shared, fast = trained(), trained("model.temperature_lr=0.05")
+    assert 0 < shared < fast
+    with pytest.raises(ValueError, match="model.temperature_lr"):
+        run_train(_cfg(tmp_path / "bad", "model.temperature_lr=-1"), splits=data)
+
+
 def test_early_stopping_counts_from_the_best_epoch(data, tmp_path):
     out = run_train(_cfg(tmp_path, "trainer.max_epochs=30", "model.lr=0", "model.head_lr=0", "early_stop.patience=3"),
                     splits=data)

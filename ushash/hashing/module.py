@@ -39,7 +39,8 @@ class USHashModule(pl.LightningModule):
     def __init__(self, in_dims: dict, bits: int = 64, dim: int = _M.dim, hidden: int = _M.hidden,
                  layers: int = _M.layers, dropout: float = _M.dropout, lr: float = _M.lr,
                  weight_decay: float = _M.weight_decay, temperature: float = _M.temperature,
-                 learn_temperature: bool = _M.learn_temperature, relax: str = _M.relax,
+                 learn_temperature: bool = _M.learn_temperature, temperature_lr: float | None = _M.temperature_lr,
+                 relax: str = _M.relax,
                  beta_start: float = _M.beta_start, beta_end: float = _M.beta_end, init: str = _M.init,
                  head_lr: float | None = _M.head_lr, w_contrastive: float = _L.contrastive, w_float: float = _L.float,
                  w_quant: float = _L.quant, w_balance: float = _L.balance, w_decor: float = _L.decor,
@@ -57,7 +58,7 @@ class USHashModule(pl.LightningModule):
         "itq" or "lsh"; "val" is resolved by run_train into one of them); recorded so the checkpoint says how it started.
         head_lr: the heads' learning rate; None: lr / 10 with init="gcca" (they start at the closed-form fit),
         lr with init="random". temperature: the contrastive temperature, learned from that value when
-        learn_temperature (a CLIP-style logit scale) or fixed.
+        learn_temperature (a CLIP-style logit scale) or fixed; temperature_lr: its learning rate (None: lr).
 
         method: the registered trained method (ushash/hashing/methods/) whose objective trains the network: "ushash"
         (the w_* weights above) or a baseline ("pairwise", "csq", "orthohash"), whose own hyper-parameters are
@@ -85,6 +86,9 @@ class USHashModule(pl.LightningModule):
             raise ValueError(f"model.distill_pairs={distill_pairs!r}: expected one of {DISTILL_PAIRS}")
         if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0):
             raise ValueError(f"model.temperature={temperature!r}: expected a positive number")
+        if temperature_lr is not None and not (isinstance(temperature_lr, (int, float)) and
+                                               not isinstance(temperature_lr, bool) and temperature_lr >= 0):
+            raise ValueError(f"model.temperature_lr={temperature_lr!r}: expected a number >= 0, or null for model.lr")
         method, method_args = spec.name, dict(method_args or {})  # canonical name; plain dict in the checkpoint
         self.save_hyperparameters()
         self._objective = spec.objective
@@ -222,7 +226,8 @@ class USHashModule(pl.LightningModule):
         head_lr = hp.head_lr if hp.head_lr is not None else (hp.lr / 10 if hp.init == "gcca" else hp.lr)
         groups = [{"params": list(self.model.heads.parameters()), "lr": float(head_lr)},
                   {"params": [self.model.prototypes]},
-                  {"params": [self.logit_scale, self.float_logit_scale], "weight_decay": 0.0}]
+                  {"params": [self.logit_scale, self.float_logit_scale], "weight_decay": 0.0,
+                   "lr": float(hp.temperature_lr if hp.temperature_lr is not None else hp.lr)}]
         opt = torch.optim.AdamW(groups, lr=hp.lr, weight_decay=hp.weight_decay)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, hp.max_epochs))
         return {"optimizer": opt, "lr_scheduler": sched}
