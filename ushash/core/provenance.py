@@ -7,8 +7,8 @@ budget head) is keyed by these as well as by its settings and its features: the 
 numbers under other numpy and scipy builds (GCCA's eigensolver, ITQ's iterations), and a run made by
 older training or evaluation code must not be served as this code's. The CPU model is part of it too: the
 same code, packages and features gave other trained heads and ITQ codes on another CPU model (the float
-space agreed to the third decimal; the codes' mAP@10 moved by about one seed's spread), since kernels
-that round differently flip bits whose logits sit near zero. `code_digest` covers every source
+space agreed to the third decimal; the codes' mAP@10 moved by up to about twice a seed's spread), since
+kernels that round differently send ITQ's iterations and training down other paths. `code_digest` covers every source
 file of the package except the cache runtime and the simulator (`NOT_RESULTS`), which no training,
 fitting or evaluation reads.
 """
