@@ -104,3 +104,14 @@ def test_a_block_states_the_machine_its_runs_recorded_not_the_publishing_one(tmp
     assert r.made_on(["s0", "s2"]) == ("2 x86_64 cores, no GPU, torch 2.14.1; "
                                        "2 x86_64 cores (AMD EPYC), no GPU, torch 2.14.1")
     assert r.made_on([]) == ""
+    # the ablation block, published on "the publishing machine", states its runs' machine
+    monkeypatch.setattr(r, "ABLATIONS", {"shipped defaults": ""})
+    monkeypatch.setattr(r, "ABLATION_SETS", {"a": ("sweep_a64", "a-64b")})
+    from ushash.evaluation.sweep import variant_dir
+    folder = variant_dir(tmp_path / "experiments" / "a-64b", r.ablation_overrides("shipped defaults"))
+    folder.mkdir(parents=True)
+    folder.joinpath("results.json").write_text(json.dumps({"runs": [{"val_score": 0.3}],
+                                                           "summary": _summary({"ushash": {64: (0.2, 0.4)}})}))
+    (stamps / f"{r.ablation_step('a', 0)}.json").write_text((stamps / "s2.json").read_text())
+    body = r.ablation_body()
+    assert "2 x86_64 cores (AMD EPYC), no GPU, torch 2.14.1" in body and "publishing" not in body
