@@ -148,6 +148,21 @@ def test_the_temperature_moves_at_its_own_learning_rate(data, tmp_path):
         run_train(_cfg(tmp_path / "bad", "model.temperature_lr=-1"), splits=data)
 
 
+def test_every_epochs_val_score_is_recorded_and_the_kept_one_is_their_maximum(data, tmp_path):
+    """run_train's val_scores: the initial weights' score, then one per epoch; val_score is their maximum,
+    best_epoch its index (the first on a tie), and last.ckpt scores the last entry when evaluated afresh."""
+    out = run_train(_cfg(tmp_path, "trainer.max_epochs=4", "early_stop.patience=null"), splits=data)
+    scores = out["val_scores"]
+    assert len(scores) == 5 and out["val_score"] == max(scores) and out["best_epoch"] == scores.index(max(scores))
+    last = load_checkpoint(out["last"])
+    assert abs(retrieval.selection_score(data["val"], last.code_method()) - scores[-1]) < 1e-9
+    # a run cut after 2 epochs and resumed to 4 keeps the scores it had (they travel in last.ckpt) and adds 2
+    cut = run_train(_cfg(tmp_path / "cut", "trainer.max_epochs=2", "early_stop.patience=null"), splits=data)
+    resumed = run_train(_cfg(tmp_path / "cut", "trainer.max_epochs=4", "early_stop.patience=null"), splits=data)
+    assert len(cut["val_scores"]) == 3 and len(resumed["val_scores"]) == 5
+    assert resumed["val_scores"][:3] == cut["val_scores"] and resumed["val_score"] == max(resumed["val_scores"])
+
+
 def test_early_stopping_counts_from_the_best_epoch(data, tmp_path):
     out = run_train(_cfg(tmp_path, "trainer.max_epochs=30", "model.lr=0", "model.head_lr=0", "early_stop.patience=3"),
                     splits=data)

@@ -188,7 +188,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
         if spec.name == "ushash":  # its own continuous upper bound: the head's embedding z
             entries["ushash_float"] = (f"US-HASH float z ({module.hparams.dim}-d, cosine)", module.float_method())
         extra.update({"val_map@10": out["val_map@10"], "val_score": out["val_score"], "best_epoch": out["best_epoch"],
-                      "checkpoint": Path(out["best"]).name})
+                      "val_scores": out["val_scores"], "checkpoint": Path(out["best"]).name})
         if "start" in out:  # model.prototypes_from=val: which closed-form start was kept, every start's val score
             extra.update({"start": out["start"], "starts": out["starts"]})
         if out["space"]:
@@ -342,7 +342,8 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
                           "'mean' is the mean over directions, taken per seed first",
         "methods": {n: info[n] for n in sorted(info, key=_entry_order)},
         "runs": [{**{k: r.get(k) for k in ("key", "method", "bits", "seed", "wall_s", "digest", "val_map@10", "val_score",
-                                             "best_epoch", "space", "shared_axes", "start", "starts") if r.get(k) is not None},
+                                             "best_epoch", "val_scores", "space", "shared_axes", "start", "starts")
+                     if r.get(k) is not None},
                   "mean_map@10": {n: {p: round(retrieval.mean_map([x for x in r["rows"] if x["method"] == n], p), 5)
                                       for p in protocols} for n in r["entries"]}} for r in results],
         "not_applicable": not_applicable, "summary": summary, "curves": curves,

@@ -64,17 +64,20 @@ class BestOnVal(Callback):
         self.best: float | None = None
         self.best_epoch: int | None = None
         self.best_map: float | None = None
+        self.scores: list[float] = []   # every epoch's val score, the initial weights' first
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "best_epoch": self.best_epoch, "best_map": self.best_map}
+        return {"best": self.best, "best_epoch": self.best_epoch, "best_map": self.best_map, "scores": self.scores}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_epoch, self.best_map = state.get("best"), state.get("best_epoch"), state.get("best_map")
+        self.scores = list(state.get("scores") or [])
 
     def on_fit_start(self, trainer, module) -> None:
         if self.best is None:  # a fresh run; a resumed one restored its best from last.ckpt
             from ushash.evaluation import retrieval
             score, rows = module.val_scores()
+            self.scores.append(score)
             self._keep(trainer, score, retrieval.mean_map(rows, "paired"), epoch=0)
 
     def on_validation_end(self, trainer, module) -> None:
@@ -83,6 +86,7 @@ class BestOnVal(Callback):
             return
         score, paired = last
         epoch = trainer.current_epoch + 1
+        self.scores.append(score)
         if self.best is None or score > self.best:
             self._keep(trainer, score, paired, epoch)
         elif self.patience and epoch - self.best_epoch >= self.patience:
@@ -147,9 +151,11 @@ def _plain(v):
 
 
 def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
-    """Train; returns {"run_dir", "best", "last", "val_score", "val_map@10", "best_epoch", "space"}:
+    """Train; returns {"run_dir", "best", "last", "val_score", "val_map@10", "best_epoch", "val_scores", "space"}:
     val_score is the selection score of best.ckpt, val_map@10 its mean paired mAP@10 on val, best_epoch 0
-    when the initial weights were never beaten."""
+    when the initial weights were never beaten; val_scores every epoch's selection score, the initial
+    weights' first (val_score is their maximum, so it is biased upwards by the epochs' noise: comparing
+    recipes, read the later epochs' too)."""
     check_bits(cfg.bits)  # before extraction: a wrong length must not cost an extraction first
     splits = splits or run_extract(cfg, splits=["train", "val"])
     if cfg.model.init == "gcca" and cfg.model.prototypes_from == "val":
@@ -204,7 +210,7 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
     return {"run_dir": str(run_dir), "best": str(best.path if best.path.exists() else last), "last": str(last),
             "val_score": best.best, "val_map@10": best.best_map, "best_epoch": best.best_epoch,
-            "space": provenance["space"]}
+            "val_scores": list(best.scores), "space": provenance["space"]}
 
 
 def _train_from_each_start(cfg: DictConfig, splits: dict) -> dict:
