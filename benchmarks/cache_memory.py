@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -94,7 +93,7 @@ def tenants(n: int, capacity: int) -> dict:
 
 
 def main():
-    from ushash.core.provenance import cpu_model
+    from ushash.core.provenance import machine_summary
     ap = argparse.ArgumentParser()
     ap.add_argument("--puts", type=int, default=300_000)
     ap.add_argument("--capacity", type=int, default=64 << 10)
@@ -111,7 +110,7 @@ def main():
     if args.one == "tenants":
         print(json.dumps(tenants(args.tenants, args.tenant_capacity)))
         return
-    print(f"# cache_memory  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} ({cpu_model()}), {os.cpu_count()} CPUs, "
+    print(f"# cache_memory  {time.strftime('%Y-%m-%d %H:%M')}  {machine_summary()}, "
           f"load average {os.getloadavg()[0]:.1f}")
     base = [sys.executable, __file__, "--puts", str(args.puts), "--capacity", str(args.capacity), "--tenants",
             str(args.tenants), "--tenant-capacity", str(args.tenant_capacity)]

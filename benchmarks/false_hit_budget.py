@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -116,7 +114,7 @@ def resumed(export: str, a, settings: CalibrationSettings) -> dict:
 
 
 def main(argv=None):
-    from ushash.core.provenance import cpu_model
+    from ushash.core.provenance import machine_summary
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export", action="append", required=True)
     ap.add_argument("--features-dir", default=str(ROOT / "data" / "features"))
@@ -131,7 +129,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     settings = CalibrationSettings(marginal=bool(a.marginal), count=a.count, path=a.path, split_by=a.split_by)
     results = [resumed(e, a, settings) for e in a.export]
-    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()} ({cpu_model()}), {os.cpu_count()} cores",
+    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine_summary(),
             "command": "python benchmarks/false_hit_budget.py " + " ".join(
                 f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
                 for k, v in vars(a).items() if k not in ("features_dir", "out", "export")) +

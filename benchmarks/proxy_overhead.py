@@ -24,7 +24,6 @@ import base64
 import io
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -207,8 +206,8 @@ def main(argv=None):
             except subprocess.TimeoutExpired:
                 pr.kill()
     n = len(stream)
-    from ushash.core.provenance import cpu_model
-    res = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()} ({cpu_model()}), {os.cpu_count()} cores",
+    from ushash.core.provenance import machine_summary
+    res = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine_summary(),
            "command": "python benchmarks/proxy_overhead.py " + " ".join(
                f"--{k} {v}" for k, v in vars(a).items() if k not in ("out", "images", "export")) +
            f" --export {Path(a.export).name} --images <tuxpaint stamps>",

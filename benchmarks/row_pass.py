@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -101,7 +100,7 @@ def measure(head, modality: str, rows: np.ndarray, repeats: int) -> dict:
 
 
 def main() -> None:
-    from ushash.core.provenance import cpu_model
+    from ushash.core.provenance import machine_summary
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
@@ -132,7 +131,7 @@ def main() -> None:
                 ops = " -> ".join(op["op"] for op in head.manifest["head"]["layers"][m])
                 cases.append((f"{name} {m} ({ops} {head.in_dims[m]} -> {head.dim}), {dataset} rows", head, m, rows))
         results = [(label, measure(head, m, rows, args.repeats)) for label, head, m, rows in cases]
-    print(f"# row_pass  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} ({cpu_model()}), {os.cpu_count()} CPUs, load average "
+    print(f"# row_pass  {time.strftime('%Y-%m-%d %H:%M')}  {machine_summary()}, load average "
           f"{os.getloadavg()[0]:.1f}; torch threads 1; medians of {args.repeats} passes over each case's rows")
     print("| head, rows | rows | torch one row µs (tight / between other work) | row pass µs (tight / between) "
           "| ratio torch / row pass (tight / between) | rows whose code differs from eval's | bits differing "

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -166,7 +165,7 @@ def _export(root: Path) -> Path:
 
 
 def main() -> None:
-    from ushash.core.provenance import cpu_model
+    from ushash.core.provenance import machine_summary
     ap = argparse.ArgumentParser()
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--servers", default="[]", help=argparse.SUPPRESS)
@@ -245,7 +244,7 @@ def main() -> None:
             for proc in reversed(procs):
                 proc.terminate()
                 proc.wait(30)
-    print(f"# serve_load  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} ({cpu_model()}), {os.cpu_count()} CPUs, load average "
+    print(f"# serve_load  {time.strftime('%Y-%m-%d %H:%M')}  {machine_summary()}, load average "
           f"{os.getloadavg()[0]:.1f}; server and load generator on the same machine, loopback, "
           f"{args.concurrency} connections (batch: 2), <= {args.requests} requests / {args.seconds:.0f} s per phase in "
           f"{args.rounds} interleaved rounds; "

@@ -295,11 +295,10 @@ def main(argv=None):
     py = gptcache_python() if a.real else None
     results = [run(e, Path(a.features_dir), a.embeddings, a.budgets, a.requests, a.test_requests, a.calibrations,
                    bool(a.real_val), py) for e in a.export]
-    import platform
 
-    from ushash.core.provenance import cpu_model
+    from ushash.core.provenance import machine_summary
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "machine": f"{platform.machine()} ({cpu_model()}), {os.cpu_count()} cores",
+            "machine": machine_summary(),
             "command": "python benchmarks/gptcache/compare.py " + " ".join(
                 f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
                 for k, v in vars(a).items() if k not in ("features_dir", "out", "export", "calibrations")) +

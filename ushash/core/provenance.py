@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 from pathlib import Path
 from typing import Callable
@@ -74,10 +75,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_summary() -> str:
+    """The architecture, CPU model and core count, e.g. "x86_64 (AMD EPYC), 2 cores": the machine line of the
+    benchmarks' results and headers."""
+    return f"{platform.machine()} ({cpu_model()}), {os.cpu_count()} cores"
+
+
 def made_by() -> dict:
     """{"code": code_digest(), "versions": package_versions(), "cpu": cpu_model()}: what a stored result is
     keyed by besides its settings."""
     return {"code": code_digest(), "versions": package_versions(), "cpu": cpu_model()}
 
 
-__all__ = ["NOT_RESULTS", "VERSIONED", "code_digest", "cpu_model", "files_digest", "made_by", "package_versions"]
+__all__ = ["NOT_RESULTS", "VERSIONED", "code_digest", "cpu_model", "files_digest", "machine_summary", "made_by", "package_versions"]
