@@ -163,6 +163,54 @@ def test_every_epochs_val_score_is_recorded_and_the_kept_one_is_their_maximum(da
     assert resumed["val_scores"][:3] == cut["val_scores"] and resumed["val_score"] == max(resumed["val_scores"])
 
 
+def test_weight_averaging_is_what_is_validated_kept_and_resumed(data, tmp_path):
+    """model.ema_epochs: every validation scores the exponential moving average of the weights, and best.ckpt
+    and last.ckpt hold that average as their weights (they score on val what the run recorded for them), with
+    the raw weights beside it; a resumed run goes on with the same average (its count of steps continues)."""
+    cfg = ["early_stop.patience=null", "model.ema_epochs=1"]
+    out = run_train(_cfg(tmp_path, "trainer.max_epochs=3", *cfg), splits=data)
+    best, last = load_checkpoint(out["best"]), load_checkpoint(out["last"])
+    assert abs(retrieval.selection_score(data["val"], best.code_method()) - out["val_score"]) < 1e-9
+    assert abs(retrieval.selection_score(data["val"], last.code_method()) - out["val_scores"][-1]) < 1e-9
+    ck = torch.load(out["last"], weights_only=True)
+    raw, avg = ck["current_model_state"], ck["state_dict"]
+    assert [k for k in avg if k.startswith("model.") and not torch.equal(avg[k], raw[k])], "the average is the raw weights"
+    steps = int(ck["global_step"])
+    assert int(ck["averaging_state"]["n_averaged"]) == steps > 0
+    # cut after 1 epoch, then resumed to 3: the average counts the steps of both parts
+    cut = run_train(_cfg(tmp_path / "cut", "trainer.max_epochs=1", *cfg), splits=data)
+    first = torch.load(cut["last"], weights_only=True)
+    resumed = torch.load(run_train(_cfg(tmp_path / "cut", "trainer.max_epochs=3", *cfg), splits=data)["last"],
+                         weights_only=True)
+    assert int(first["averaging_state"]["n_averaged"]) == int(first["global_step"]) < steps
+    assert int(resumed["averaging_state"]["n_averaged"]) == int(resumed["global_step"]) == steps
+    with pytest.raises(ValueError, match="model.ema_epochs"):
+        run_train(_cfg(tmp_path / "bad", "model.ema_epochs=0"), splits=data)
+
+
+def test_weight_average_spans_ema_epochs_whatever_the_epochs_length():
+    """The average's per-step decay is exp(-1 / (ema_epochs * steps per epoch)): checked against an average
+    computed by hand over a sequence of weights, at two epoch lengths."""
+    from torch.optim.swa_utils import AveragedModel
+    from ushash.hashing.module import USHashModule
+    torch.manual_seed(0)
+    for per_epoch, ema_epochs in ((3, 2.0), (50, 0.5)):
+        mod = USHashModule({"image": 6, "text": 4}, bits=16, dim=8, init="random", ema_epochs=ema_epochs)
+        mod._steps_per_epoch = lambda n=per_epoch: n
+        (cb,) = mod.configure_callbacks()
+        averaged = AveragedModel(mod, use_buffers=True, **cb._kwargs)
+        want = None
+        for _ in range(5):
+            with torch.no_grad():
+                for p in mod.parameters():
+                    p.add_(torch.randn_like(p))
+            averaged.update_parameters(mod)
+            cur = mod.model.prototypes.detach().clone()
+            d = np.exp(-1.0 / (ema_epochs * per_epoch))
+            want = cur if want is None else d * want + (1 - d) * cur
+        torch.testing.assert_close(averaged.module.model.prototypes, want, rtol=1e-5, atol=1e-6)
+
+
 def test_early_stopping_counts_from_the_best_epoch(data, tmp_path):
     out = run_train(_cfg(tmp_path, "trainer.max_epochs=30", "model.lr=0", "model.head_lr=0", "early_stop.patience=3"),
                     splits=data)
@@ -208,7 +256,7 @@ def test_recipe_beats_the_previous_default_beyond_seed_noise(tmp_path):
     unaligned features: the mean test selection score (paired and label mAP@10) gains more than three
     times the larger of the two seed standard deviations. Measured: see the assertion message."""
     old = ["model.init=random", "model.layers=2", "model.temperature=0.05", "model.learn_temperature=false",
-           "model.loss.distill=0", "early_stop.patience=null"]
+           "model.loss.distill=0", "model.lr=0.001", "model.ema_epochs=null", "early_stop.patience=null"]
     data = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 500, "val": 150, "test": 200},
                                      n_classes=12, dims=DIMS, noise=0.8)
     new_s, old_s = [], []

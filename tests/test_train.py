@@ -137,3 +137,26 @@ def test_resume_takes_a_setting_the_checkpoint_predates_as_its_default(tmp_path)
     assert run_train(_cfg(tmp_path, "trainer.max_epochs=2"), splits=splits)["val_map@10"] is not None
     with pytest.raises(ValueError, match="other settings.*distill_kernel"):
         run_train(_cfg(tmp_path, "trainer.max_epochs=3", "model.distill_kernel=angular"), splits=splits)
+
+
+def test_a_checkpoint_from_before_the_weight_average_resumes_only_as_it_was_trained(tmp_path):
+    """A checkpoint saved before `ema_epochs` existed trained without a weight average, and its
+    `head_lr: None` meant lr / 10 (init gcca), not lr as now: resuming it under the new defaults, or under
+    its old lr alone, is refused (the heads' rate and the average would change mid-run); passing the values
+    it was trained with resumes it."""
+    import torch
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 120, "val": 40, "test": 40},
+                                       n_classes=4, dims={"image": 8, "text": 8})
+    old = ["model.lr=0.001", "model.head_lr=0.0001", "model.ema_epochs=null"]
+    out = run_train(_cfg(tmp_path, "trainer.max_epochs=1", *old), splits=splits)
+    last = Path(out["last"])
+    ck = torch.load(last, map_location="cpu", weights_only=True)
+    del ck["hyper_parameters"]["ema_epochs"]
+    ck["hyper_parameters"]["head_lr"] = None
+    torch.save(ck, last)
+    with pytest.raises(ValueError, match=r"other settings \(ema_epochs, head_lr, lr\)"):
+        run_train(_cfg(tmp_path, "trainer.max_epochs=2"), splits=splits)
+    with pytest.raises(ValueError, match=r"other settings \(ema_epochs, head_lr\)"):
+        run_train(_cfg(tmp_path, "trainer.max_epochs=2", "model.lr=0.001"), splits=splits)
+    resumed = run_train(_cfg(tmp_path, "trainer.max_epochs=2", *old), splits=splits)
+    assert torch.load(resumed["last"], map_location="cpu", weights_only=True)["epoch"] == 2

@@ -67,13 +67,14 @@ class ModelConfig:
     hidden: int = 512                 # hidden width of each projection head (init=random with layers > 1)
     layers: int = 1                   # linear layers per head (init=gcca needs 1)
     dropout: float = 0.1
-    lr: float = 1e-3                  # prototypes and the learned temperatures
-    head_lr: Optional[float] = None   # heads; None: lr / 10 with init=gcca (they start at the closed-form fit), lr otherwise
+    lr: float = 3e-3                  # prototypes, heads and the learned temperatures
+    head_lr: Optional[float] = None   # heads; None: lr
     weight_decay: float = 1e-4
     batch_size: int = 128             # groups per batch
     temperature: float = 0.5          # contrastive temperature (codes and z), the start of the learned one
     learn_temperature: bool = True    # learn it (a CLIP-style logit scale); false: keep it fixed
     temperature_lr: Optional[float] = None  # the learned temperatures' learning rate; None: lr (docs/design.md: at lr it moves little)
+    ema_epochs: Optional[float] = 4.0  # validate and keep an exponential moving average of the weights over about this many epochs; None: the raw weights
     relax: str = "tanh"               # tanh(beta * sqrt(dim) * l) with beta rising, or ste (straight-through sign)
     beta_start: float = 1.0
     beta_end: float = 16.0

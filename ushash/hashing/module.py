@@ -21,6 +21,7 @@ import math
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import WeightAveraging
 from torch import nn
 from torch.nn import functional as F
 
@@ -45,7 +46,8 @@ class USHashModule(pl.LightningModule):
                  head_lr: float | None = _M.head_lr, w_contrastive: float = _L.contrastive, w_float: float = _L.float,
                  w_quant: float = _L.quant, w_balance: float = _L.balance, w_decor: float = _L.decor,
                  w_proto: float = _L.proto, w_distill: float = _L.distill, distill_kernel: str = _M.distill_kernel,
-                 distill_pairs: str = _M.distill_pairs, prototypes_from: str = _M.prototypes_from, max_epochs: int = 30,
+                 distill_pairs: str = _M.distill_pairs, prototypes_from: str = _M.prototypes_from,
+                 ema_epochs: float | None = _M.ema_epochs, max_epochs: int = 30,
                  provenance: dict | None = None, method: str = "ushash", method_args: dict | None = None,
                  n_train_groups: int = 0):
         """Defaults: ushash.config.ModelConfig / LossConfig (the same as configs/model/ushash.yaml).
@@ -56,8 +58,7 @@ class USHashModule(pl.LightningModule):
         init: "gcca" (closed-form start, needs layers=1 and `initialise` before training) or "random".
         prototypes_from: where init="gcca" takes the prototypes (ushash.hashing.methods.ushash.closed_form_start:
         "itq" or "lsh"; "val" is resolved by run_train into one of them); recorded so the checkpoint says how it started.
-        head_lr: the heads' learning rate; None: lr / 10 with init="gcca" (they start at the closed-form fit),
-        lr with init="random". temperature: the contrastive temperature, learned from that value when
+        head_lr: the heads' learning rate; None: lr. temperature: the contrastive temperature, learned from that value when
         learn_temperature (a CLIP-style logit scale) or fixed; temperature_lr: its learning rate (None: lr).
 
         method: the registered trained method (ushash/hashing/methods/) whose objective trains the network: "ushash"
@@ -86,6 +87,9 @@ class USHashModule(pl.LightningModule):
             raise ValueError(f"model.distill_pairs={distill_pairs!r}: expected one of {DISTILL_PAIRS}")
         if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0):
             raise ValueError(f"model.temperature={temperature!r}: expected a positive number")
+        if ema_epochs is not None and not (isinstance(ema_epochs, (int, float)) and not isinstance(ema_epochs, bool)
+                                           and ema_epochs > 0):
+            raise ValueError(f"model.ema_epochs={ema_epochs!r}: expected a number of epochs > 0, or null for no averaging")
         if temperature_lr is not None and not (isinstance(temperature_lr, (int, float)) and
                                                not isinstance(temperature_lr, bool) and temperature_lr >= 0):
             raise ValueError(f"model.temperature_lr={temperature_lr!r}: expected a number >= 0, or null for model.lr")
@@ -193,7 +197,9 @@ class USHashModule(pl.LightningModule):
         rows = retrieval.evaluate(split, {"codes": self.code_method()}, protocols=("paired", "label"))
         return retrieval.selection(rows), rows
 
-    def on_validation_epoch_end(self):
+    def on_validation_epoch_start(self):
+        # scored here, not at the epoch's end: the weight-averaging callback swaps the averaged weights in
+        # before this hook and back out before the module's on_validation_epoch_end
         from ushash.evaluation import retrieval
         score, rows = self.val_scores()
         paired = retrieval.mean_map(rows, "paired")
@@ -221,9 +227,22 @@ class USHashModule(pl.LightningModule):
             return "float", z
         return method
 
+    def configure_callbacks(self):
+        """ema_epochs: Lightning's weight averaging, an exponential moving average of every weight with a
+        per-step decay that spans about ema_epochs epochs whatever the data set's size (`ema_decay`);
+        validation and the checkpoints' state_dict are the average's, the raw weights travel beside it."""
+        if self.hparams.ema_epochs is None:
+            return []
+        def step(averages, currents, n):  # torch's own EMA update (swa_utils.get_ema_multi_avg_fn), at our decay
+            torch._foreach_lerp_(averages, currents, 1.0 - self.ema_decay())
+        return [_KeepRawWeights(multi_avg_fn=step)]
+
+    def ema_decay(self) -> float:
+        return math.exp(-1.0 / (float(self.hparams.ema_epochs) * max(1, self._steps_per_epoch())))
+
     def configure_optimizers(self):
         hp = self.hparams
-        head_lr = hp.head_lr if hp.head_lr is not None else (hp.lr / 10 if hp.init == "gcca" else hp.lr)
+        head_lr = hp.head_lr if hp.head_lr is not None else hp.lr
         groups = [{"params": list(self.model.heads.parameters()), "lr": float(head_lr)},
                   {"params": [self.model.prototypes]},
                   {"params": [self.logit_scale, self.float_logit_scale], "weight_decay": 0.0,
@@ -231,6 +250,15 @@ class USHashModule(pl.LightningModule):
         opt = torch.optim.AdamW(groups, lr=hp.lr, weight_decay=hp.weight_decay)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, hp.max_epochs))
         return {"optimizer": opt, "lr_scheduler": sched}
+
+
+class _KeepRawWeights(WeightAveraging):
+    """Lightning's WeightAveraging, less its copy of the average into the module when training ends: the
+    checkpoints already hold the average as their weights, and the last one keeps the raw weights beside it,
+    so a finished run extended to more epochs goes on from where its raw weights were."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        return None
 
 
 def load_checkpoint(path, map_location="cpu") -> USHashModule:

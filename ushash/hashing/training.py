@@ -112,6 +112,19 @@ def _saved_hparams(last: Path) -> dict | None:
         return None
 
 
+def _as_trained(hp: dict) -> dict:
+    """A checkpoint's hyper-parameters as the settings it was trained with. One saved before the weight
+    average (no `ema_epochs`) trained without one, and its `head_lr: None` meant lr / 10 with init="gcca"
+    (None means lr now): resuming it takes those values, passed explicitly."""
+    if "ema_epochs" in hp:
+        return hp
+    lr = hp.get("lr")
+    head_lr = hp.get("head_lr")
+    if head_lr is None and lr is not None:
+        head_lr = lr / 10 if hp.get("init", "gcca") == "gcca" else lr
+    return {**hp, "ema_epochs": None, "head_lr": head_lr}
+
+
 def _check_resumable(last: Path, hp: dict, hparams: dict) -> None:
     """Refuse to resume the run at `last` (saved with hyper-parameters `hp`) trained with other settings
     (another method, bits, loss weights, data...): only max_epochs may change between a run and its resumption."""
@@ -120,6 +133,7 @@ def _check_resumable(last: Path, hp: dict, hparams: dict) -> None:
     if theirs != methods.get(hparams.get("method", "ushash")).name:
         raise ValueError(f"{last} was trained with method {theirs!r}, not {hparams.get('method')!r}; set "
                          f"run_name=... (or resume=false) so the runs do not share a folder")
+    hp = _as_trained(hp)
     # a setting the checkpoint does not record predates it: the run used what is now that setting's default
     import inspect
     from ushash.hashing.module import USHashModule
