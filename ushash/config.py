@@ -73,7 +73,7 @@ class ModelConfig:
     batch_size: int = 128             # groups per batch
     temperature: float = 0.5          # contrastive temperature (codes and z), the start of the learned one
     learn_temperature: bool = True    # learn it (a CLIP-style logit scale); false: keep it fixed
-    temperature_lr: Optional[float] = None  # the learned temperatures' learning rate; None: lr (docs/design.md: at lr it moves little)
+    temperature_lr: Optional[float] = None  # the learned temperatures' learning rate; None: lr
     ema_epochs: Optional[float] = 4.0  # validate and keep an exponential moving average of the weights over about this many epochs; None: the raw weights
     relax: str = "tanh"               # tanh(beta * sqrt(dim) * l) with beta rising, or ste (straight-through sign)
     beta_start: float = 1.0

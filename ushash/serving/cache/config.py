@@ -42,8 +42,8 @@ class CacheConfig:
     observe_radius: Optional[int] = None     # search radius, >= radius: nearest-distance histogram of misses
                                              # sees this far (costs search time); None: radius
     payload_check: bool = True               # verify cosine(query z, decoded payload) before serving
-    payload_threshold: float = 0.98          # ... and require at least this cosine (docs/cache.md: 0.8 lets
-                                             # through 20% false hits on Tux Paint at radius 3, 0.98 0.8%)
+    payload_threshold: float = 0.98          # ... and require at least this cosine (a false-hit budget
+                                             # chooses it per modality pair instead: docs/cache.md)
     cross_modal: bool = True                 # a text request may hit an image entry (one shared space)
     max_candidates: int = 32                 # candidates within the radius checked per lookup, nearest first
     policy: str = "wtinylfu"                 # lru | lfu | wtinylfu | lruk
