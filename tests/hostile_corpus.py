@@ -203,6 +203,17 @@ def audio_cases() -> list[tuple[str, bytes]]:
     ]
 
 
+def flac_silence(channels: int, rate: int, seconds: int) -> bytes:
+    """A valid FLAC of silence: a few KB on the wire, channels x rate x seconds float32 samples decoded."""
+    import soundfile as sf
+
+    out = io.BytesIO()
+    with sf.SoundFile(out, "w", samplerate=rate, channels=channels, format="FLAC") as f:
+        for _ in range(seconds):
+            f.write(np.zeros((rate, channels), np.float32))
+    return out.getvalue()
+
+
 def long_wav() -> bytes:
     """A real, valid WAV of 20 minutes of silence at 8 kHz (~19 MB): over the service's max_audio_seconds."""
     return wav(20 * 60, 8000)

@@ -268,6 +268,32 @@ def test_a_scoped_token_uses_only_its_tenants(export_dir):
         assert post("/v1/lookup", "acme-only-012345678X", "acme").status_code == 401
 
 
+def test_a_scoped_token_is_refused_other_tenants_without_learning_which_exist(export_dir):
+    """A tenant not its own is a 403 for a scoped token, whether the cache serves that tenant or not (a 404
+    would tell it which names exist), on every route and on the features fast path; the all-tenants token
+    still gets the 404."""
+    cache = SemanticCache.from_export(export_dir, {"radius": 4, "tenants": ["default", "acme"]})
+    scoped = "acme-only-0123456789"
+    with TestClient(create_app(cache, token=TOKEN, tokens={scoped: ["acme"]})) as c:
+        f = [0.1] * 16
+        for tenant in ("default", "initech"):
+            for route, body in (("/v1/lookup", {"modality": "text", "text": "q"}),
+                                ("/v1/lookup", {"modality": "text", "features": f}),
+                                ("/v1/lookup_batch", {"modality": "text", "features": [f]}),
+                                ("/v1/store", {"modality": "text", "text": "q", "value": 1})):
+                r = c.post(route, json={**body, "tenant": tenant}, headers={"Authorization": f"Bearer {scoped}"})
+                assert r.status_code == 403, (route, r.text)
+                assert r.json() == {"error": f"this token may not use tenant {tenant!r}"}
+                r = c.post(route, json={**body, "tenant": tenant}, headers={"Authorization": f"Bearer {TOKEN}"})
+                assert r.status_code == (200 if tenant == "default" else 404), (route, r.text)
+
+
+def test_an_empty_batch_is_still_checked_for_its_modality(client):
+    r = client.post("/v1/lookup_batch", json={"modality": "smell", "features": []})
+    assert r.status_code == 400 and "modality 'smell' is not served" in r.json()["error"]
+    assert client.post("/v1/lookup_batch", json={"modality": "audio", "features": []}).json() == {"results": []}
+
+
 def test_a_wrong_token_is_refused_before_the_body_is_read(export_dir):
     """The bearer check is a dependency of every token-checked route: a wrong or missing token is a 401
     whatever the body, a malformed one included; the right one then gets the body's own 4xx."""

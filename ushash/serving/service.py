@@ -38,7 +38,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import orjson
 from fastapi import Depends, FastAPI, Request
@@ -73,7 +73,7 @@ class ServeConfig:
     port: int = 8470
     token: Optional[str] = None       # bearer token for every tenant; the environment variable USHASH_SERVE_TOKEN
                                       # takes precedence
-    tokens: Optional[Dict[str, List[str]]] = None  # more bearer tokens, each -> the tenants it may use
+    tokens: Any = None                # more bearer tokens, each -> the tenants it may use ({token: [tenant, ...]}; checked at start)
     max_body_bytes: int = 8 << 20     # larger request bodies get 413
     device: str = "cpu"               # where the head (and the encoder for raw inputs) runs
     threads: Optional[int] = 1        # torch's intra-op threads per process (worker): 1 serves concurrent
@@ -106,9 +106,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def tokens_of(cfg: DictConfig):
+    """The verb's `tokens` as plain Python (None when unset); `check_binding` judges its shape."""
+    from omegaconf import OmegaConf
+
+    raw = cfg.get("tokens")
+    return OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else (raw or None)
+
+
 def check_binding(host: str, token: Optional[str], tokens: Optional[dict] = None) -> None:
     """Refuse to serve beyond loopback without a bearer token (`token`, or `tokens`' keys); a token is at
     least 16 characters. The service and the proxy both start through here."""
+    if tokens is not None and not hasattr(tokens, "keys"):
+        raise SystemExit(f"tokens must map each bearer token to its tenants, e.g. tokens={{<token>:[acme]}}; "
+                         f"got {type(tokens).__name__} {tokens!r:.40}")
     if not is_loopback(host) and not token and not tokens:
         raise SystemExit(f"refusing to bind {host!r} without a bearer token: set token=..., tokens={{...}} or "
                          f"{TOKEN_ENV} (or bind 127.0.0.1)")
@@ -136,6 +147,15 @@ def cache_from_cfg(cfg: DictConfig):
     if cache_cfg.get("calibration"):
         cache_cfg["calibration"] = str(under_root(cache_cfg["calibration"]))
     return SemanticCache.from_export(under_root(cfg.export), cache_cfg, device=str(cfg.device))
+
+
+def bearer_credentials(header: Optional[str]) -> bytes:
+    """The credentials of an `Authorization: Bearer <token>` header as bytes (b"" for none or another
+    scheme), read as fastapi.security.HTTPBearer(auto_error=False) reads them: the scheme case-insensitive,
+    the credentials stripped. The service and the proxy both read their tokens through here."""
+    scheme, credentials = get_authorization_scheme_param(header)
+    bearer = bool(header and scheme and credentials) and scheme.lower() == "bearer"
+    return credentials.encode("utf-8", "surrogateescape") if bearer else b""
 
 
 def check_tokens(tokens, tenants: Optional[list] = None) -> dict[str, frozenset]:
@@ -382,13 +402,10 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
 
     def allowed_by(header: Optional[str]) -> Optional[frozenset]:
         """The tenants a caller with this Authorization header may use (None: every tenant); AuthError for a
-        missing or wrong token. The header is read as fastapi.security.HTTPBearer(auto_error=False) reads it
-        (scheme case-insensitive, the credentials stripped), without that class's own dependency level."""
+        missing or wrong token (`bearer_credentials`, without HTTPBearer's own dependency level)."""
         if not keys:
             return None
-        scheme, credentials = get_authorization_scheme_param(header)
-        bearer = bool(header and scheme and credentials) and scheme.lower() == "bearer"
-        given = credentials.encode("utf-8", "surrogateescape") if bearer else b""
+        given = bearer_credentials(header)
         allowed, ok = None, False
         for key, ts in keys:  # every key compared, in constant time each
             if hmac.compare_digest(given, key):
@@ -424,10 +441,11 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     token_checked = [Depends(auth)] if keys else []
 
     def tenant_of(body, allowed: Optional[frozenset]) -> str:
-        tenant = cache.check_tenant(body.tenant)
-        if allowed is not None and tenant not in allowed:
-            raise Forbidden(f"this token may not use tenant {tenant!r}")
-        return tenant
+        # a scoped token is refused any tenant not its own before the cache is asked: whether that tenant
+        # exists (404) is not a scoped token's to learn
+        if allowed is not None and body.tenant not in allowed:
+            raise Forbidden(f"this token may not use tenant {body.tenant!r}")
+        return cache.check_tenant(body.tenant)
 
     app = FastAPI(title="ushash semantic cache", docs_url=None, redoc_url=None, openapi_url=None,
                   default_response_class=SafeJSONResponse)
@@ -526,6 +544,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
         import numpy as np
 
         tenant = tenant_of(body, allowed)
+        modality = cache.encoder.check_modality(body.modality)   # an empty batch too: its 400, not a 200
         try:
             with np.errstate(over="ignore", invalid="ignore"):
                 feats = np.asarray(body.features, np.float32)
@@ -533,7 +552,7 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
             raise RequestError("features must be rows of equal length") from None
         if not len(feats):
             return {"results": []}
-        hits = cache.lookup_many(cache.encoder.from_feature_rows(body.modality, feats), tenant)
+        hits = cache.lookup_many(cache.encoder.from_feature_rows(modality, feats), tenant)
         return _json({"results": [_hit_json(h) if h is not None else {"hit": False} for h in hits]})
 
     @app.post("/v1/store")
@@ -572,7 +591,7 @@ def build(cfg: DictConfig):
     before loading anything."""
     check_workers(cfg)
     token = os.environ.get(TOKEN_ENV) or (str(cfg.token) if cfg.get("token") else None)
-    tokens = to_dict(cfg.get("tokens")) if cfg.get("tokens") else None
+    tokens = tokens_of(cfg)
     host = str(cfg.host)
     check_binding(host, token, tokens)
     mb = cfg.get("max_body_bytes")
