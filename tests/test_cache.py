@@ -2,6 +2,7 @@
 single-flight, the Bloom guard, byte capacity and metrics, on every search backend."""
 
 import asyncio
+import dataclasses
 import random
 import threading
 import time
@@ -329,7 +330,7 @@ def test_one_entry_record_for_l1_and_redis():
     from ushash.serving.cache.redis_store import REDIS_FIELDS, from_hash, to_hash
 
     e = Entry(code=bytes(range(8)), payload=b"\x01\x02", modality="image", value=b'{"a":1}', kind="j",
-              revision="r1", created=1.5, expires=math.inf, compute_s=0.25, id="abc")
+              revision="r1", created=1.5, expires=math.inf, compute_s=0.25, id="abc", scope=b"s" * 16)
     t = EntryTable(8, payload_bytes=2)
     slot = t.alloc()
     t.write(slot, e, tenant=0, modality=0)
@@ -338,7 +339,16 @@ def test_one_entry_record_for_l1_and_redis():
     row = [v if isinstance(v, bytes) else str(v).encode() for v in pairs[1::2]]   # what HMGET returns
     assert pairs[0::2] == [name for name, _, _ in REDIS_FIELDS.values()]
     assert from_hash("abc", row) == e
-    assert e.nbytes == 8 + 2 + 7
+    assert e.nbytes == 8 + 2 + 7 + 16
+    # an entry an older release wrote to Redis has no scope field: read as none
+    legacy = row[:-1] + [None]
+    assert from_hash("abc", legacy).scope == b""
+    plain = dataclasses.replace(e, scope=b"")
+    slot2 = t.alloc()
+    t.write(slot2, plain, tenant=0, modality=0)
+    assert t.read(slot2, ["image"], "r1") == plain and t.read_many([slot, slot2], ["image"], "r1") == [e, plain]
+    t.release(slot)
+    assert slot not in t.scope
 
 
 def test_bloom_and_redis_probe_the_same_pigeonhole_chunks():

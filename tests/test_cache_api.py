@@ -56,6 +56,31 @@ def test_top_k_best_first_and_metadata_filters(cache):
         cache.check(features=x, filters="user=ann")
 
 
+def test_the_same_request_under_other_metadata_is_another_entry(cache):
+    """Stored again under the same metadata a request replaces its answer; under other metadata (another
+    model, user, setting) the answers stay side by side and `filters` finds each: one did not evict the
+    other, so requests alternating between two models both hit."""
+    x = np.ones(24, np.float32)
+    for model in ("m1", "m2", "m1", "m2"):
+        cache.store(None, f"answer of {model}", features=x, metadata={"model": model})
+    for model in ("m1", "m2"):
+        hits = cache.check(features=x, num_results=4, filters={"model": model})
+        assert [h["response"] for h in hits] == [f"answer of {model}"]
+    assert len(cache.check(features=x, num_results=4)) == 2
+    cache.store(None, "newer answer of m1", features=x, metadata={"model": "m1"})      # a refresh replaces
+    assert [h["response"] for h in cache.check(features=x, num_results=4, filters={"model": "m1"})] == ["newer answer of m1"]
+    # metadata is compared as content, not by key order; no metadata is a scope of its own
+    cache.store(None, "plain", features=x)
+    cache.store(None, "m3 a", features=x, metadata={"model": "m3", "user": "u"})
+    cache.store(None, "m3 b", features=x, metadata={"user": "u", "model": "m3"})
+    assert sorted(h["response"] for h in cache.check(features=x, num_results=8)) == \
+        ["answer of m2", "m3 b", "newer answer of m1", "plain"]
+    # a batch: the same request twice in one scope keeps the later, in two scopes keeps both
+    cache.store_batch(None, ["b1", "b2", "b3"], features=np.stack([-x, -x, -x]),
+                      metadata=[{"k": 1}, {"k": 1}, {"k": 2}])
+    assert sorted(h["response"] for h in cache.check(features=-x, num_results=8)) == ["b2", "b3"]
+
+
 def test_batches_and_async_twins(cache):
     rng = np.random.default_rng(1)
     f = rng.normal(size=(3, 24)).astype(np.float32)

@@ -168,6 +168,19 @@ def test_replicas_share_entries_through_l2(redis_server):
     assert h is None or h.cosine >= 0.999999
 
 
+def test_answers_under_other_metadata_share_the_l2_and_keep_their_scope(redis_server):
+    """check/store through the L2: a replica finds each model's answer for the same request by its filter,
+    and the one it copies into its L1 keeps its scope (it does not replace the other model's there)."""
+    a, b = _cache(redis_server), _cache(redis_server)
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    for model in ("m1", "m2"):
+        a.store(None, f"answer of {model}", "text", features=x, metadata={"model": model})
+    for model in ("m2", "m1", "m2"):
+        hits = b.check(features=x, num_results=4, filters={"model": model})
+        assert [h["response"] for h in hits] == [f"answer of {model}"], model
+    assert sorted(b.l1.table.scope.values()) == sorted({e for e in a.l1.table.scope.values()})
+
+
 def test_tenants_are_isolated_in_l2_and_keys_share_a_cluster_slot(redis_server):
     from redis.cluster import key_slot
 

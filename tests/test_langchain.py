@@ -84,7 +84,32 @@ def test_async_lookup_and_update(lc_cache):
 
 
 def test_prompt_parsing_is_bounded():
-    assert parse_prompt("plain llm prompt") == ("plain llm prompt", [])
+    assert parse_prompt("plain llm prompt") == ("plain llm prompt", [], "")
     assert decode_data_url("https://example.com/cat.png") is None
     assert decode_data_url("data:image/png;base64,!!!") is None
     assert decode_data_url("data:image/png;base64," + base64.b64encode(b"ok").decode()) == b"ok"
+
+
+def test_what_the_adapter_cannot_read_is_not_cached_and_the_rest_of_each_message_keys_it(lc_cache):
+    """An image that is not a data URL, a part of another type, or a second image the lookup does not see
+    would let two prompts share an answer: such prompts are not cached; and the rest of each message (its
+    class, name, tool calls) is an exact filter beside the text."""
+    png = base64.b64encode(b"\x89PNG pretend image bytes").decode()
+    part = lambda data: {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+    remote = lambda url: [HumanMessage(content=[{"type": "text", "text": "what is this"},
+                                                {"type": "image_url", "image_url": {"url": url}}])]
+    answers = iter([AIMessage(f"answer {i}") for i in range(10)])
+    llm = GenericFakeChatModel(messages=answers, cache=lc_cache)
+    assert llm.invoke(remote("https://example.com/a.png")).content == "answer 0"
+    assert llm.invoke(remote("https://example.com/b.png")).content == "answer 1"      # not a's answer
+    assert parse_prompt('[{"kwargs": {"content": [{"type": "input_audio"}]}}]')[2] is None
+    # two images: the second is a filter, so a prompt sharing only the first is another entry
+    two = lambda second: [HumanMessage(content=[{"type": "text", "text": "which is bigger"}, part(png), part(second)])]
+    other = base64.b64encode(b"another image").decode()
+    assert llm.invoke(two(other)).content == "answer 2"
+    assert llm.invoke(two(other)).content == "answer 2"                                # a repeat hits
+    assert llm.invoke(two(base64.b64encode(b"a third image").decode())).content == "answer 3"
+    # the same text from a message of another name is another entry
+    assert llm.invoke([HumanMessage("what is a frog", name="ann")]).content == "answer 4"
+    assert llm.invoke([HumanMessage("what is a frog", name="ann")]).content == "answer 4"
+    assert llm.invoke([HumanMessage("what is a frog", name="bob")]).content == "answer 5"

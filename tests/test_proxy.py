@@ -154,3 +154,159 @@ def test_a_near_request_is_served_the_stored_answer_and_a_different_one_is_not(s
     assert 0 < int(r.headers["x-cache-distance"]) <= 4          # other features, within the radius
     r = client.post("/v1/chat/completions", json=chat("what is a big green tree toad"), headers=H())
     assert r.headers["x-cache"] == "miss" and r.json() == {"answer": 2} and len(up.calls) == 2
+
+
+def _image_chat(url, text="what is in this picture"):
+    return {"model": "m1", "messages": [{"role": "user", "content": [{"type": "text", "text": text},
+                                                                      {"type": "image_url", "image_url": {"url": url}}]}]}
+
+
+def test_requests_holding_what_the_proxy_cannot_key_pass_through(setup):
+    """Keyed by the rest of the body, two requests that differ only in what the proxy cannot read would
+    share an answer (the one about a.png served for b.png): such requests are passed through, never stored."""
+    client, up, _ = setup
+    turns, parts = [{}] * 256, ["p"] * 256   # small: the fixture's bodies are at most 4096 bytes
+    pairs = [
+        (_image_chat("https://example.com/a.png"), _image_chat("https://example.com/b.png")),   # remote images
+        (_image_chat("data:image/png;base64,@@@@"), _image_chat("data:image/png;base64,!!!!")),  # bad base64
+        ({"model": "m1", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "transcribe"}, {"type": "input_audio", "input_audio": {"data": d}}]}]}
+         for d in ("AAAA", "BBBB")),                                                           # another part type
+        ({"model": "m1", "messages": turns + [{"role": "user", "content": q}]}
+         for q in ("the capital of France?", "delete my account")),                           # > 256 messages
+        ({"model": "m1", "messages": [{"role": "user", "content": parts + [{"type": "text", "text": q}]}]}
+         for q in ("alpha", "omega")),                                                         # > 256 parts
+    ]
+    for pair in pairs:
+        for body in pair:
+            assert extract_request(body) is None
+            for _ in range(2):
+                n = len(up.calls)
+                r = client.post("/v1/chat/completions", json=body, headers=H())
+                assert r.status_code == 200 and r.headers["x-cache"] == "bypass" and len(up.calls) == n + 1
+    # a configured image path holding something that is not base64 is not keyed by the text alone
+    for image in ("not base64!", 7):
+        assert extract_request({"input": {"prompt": "a frog", "image": image}}, "input.prompt", "input.image") is None
+    assert extract_request({"input": {"prompt": "a frog"}}, "input.prompt", "input.image").text == "a frog"
+
+
+def test_cache_control_reads_every_header_line_and_whole_directives(setup):
+    client, up, _ = setup
+    two_lines = [("authorization", "Bearer " + "a" * 16), ("cache-control", "max-age=0"), ("cache-control", "no-store")]
+    assert client.post("/v1/chat/completions", json=chat("q one"), headers=two_lines).headers["x-cache"] == "miss"
+    # the second line's no-store counted: not stored
+    assert client.post("/v1/chat/completions", json=chat("q one"), headers=H()).headers["x-cache"] == "miss"
+    client.post("/v1/chat/completions", json=chat("q two"), headers=H())
+    r = client.post("/v1/chat/completions", json=chat("q two"), headers=H(**{"Cache-Control": "x-no-cache-hint"}))
+    assert r.headers["x-cache"] == "hit"                         # another directive, not no-cache
+    r = client.post("/v1/chat/completions", json=chat("q two"), headers=H(**{"Cache-Control": "max-age=0, No-Cache"}))
+    assert r.headers["x-cache"] == "bypass"
+
+
+def test_every_x_model_revision_line_keys_the_request(setup):
+    """A request sending two revisions (the upstream may read either) is not served, nor stored, as the first."""
+    client, up, _ = setup
+    auth = ("authorization", "Bearer " + "a" * 16)
+    r = client.post("/v1/chat/completions", json=chat("rev q"), headers=[auth, ("x-model-revision", "r1"),
+                                                                         ("x-model-revision", "r2")])
+    assert r.headers["x-cache"] == "miss"
+    r = client.post("/v1/chat/completions", json=chat("rev q"), headers=[auth, ("x-model-revision", "r1")])
+    assert r.headers["x-cache"] == "miss" and len(up.calls) == 2
+
+
+def test_an_upstream_failing_in_the_middle_of_its_answer_is_a_502(monkeypatch):
+    class Cut(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'{"answer":'
+            raise httpx.ReadError("connection reset by peer")
+
+    head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=24, aligned=True, seed=0)
+    cache = SemanticCache(head, {"radius": 4, "cross_modal": False})
+    monkeypatch.setattr(cache, "query", lambda m, data=None, features=None: cache.encoder(m, None, _feats(m, data)))
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Cut()))
+    client = TestClient(create_proxy_app(cache, "http://upstream", transport=transport), raise_server_exceptions=False)
+    for _ in range(2):   # and nothing was stored
+        r = client.post("/v1/chat/completions", json=chat("cut q"))
+        assert r.status_code == 502 and r.json() == {"error": "upstream failed while sending its answer: ReadError"}
+
+
+def test_every_other_setting_of_the_body_keys_the_request_too(setup):
+    """An answer depends on the model's settings and the turns' roles as much as on the text: a request that
+    differs only there (temperature, max_tokens, tools, response_format, a system turn's role, the user) is
+    not served another's answer; the same body is."""
+    client, up, _ = setup
+    base = chat("what is a big green tree frog", temperature=0.2)
+    assert client.post("/v1/chat/completions", json=base, headers=H()).headers["x-cache"] == "miss"
+    assert client.post("/v1/chat/completions", json=dict(base), headers=H()).headers["x-cache"] == "hit"
+    system = {**base, "messages": [{**base["messages"][0], "role": "system"}]}
+    for other in ({**base, "temperature": 1.5}, {**base, "max_tokens": 5}, {**base, "user": "u2"},
+                  {**base, "tools": [{"type": "function", "function": {"name": "delete_account"}}]},
+                  {**base, "response_format": {"type": "json_object"}}, system):
+        n = len(up.calls)
+        r = client.post("/v1/chat/completions", json=other, headers=H())
+        assert r.headers["x-cache"] == "miss" and len(up.calls) == n + 1, other
+    # a near text with the same settings still hits: only what is compared by meaning may differ
+    r = client.post("/v1/chat/completions", json=chat("what is a big green tree frog please", temperature=0.2), headers=H())
+    assert r.headers["x-cache"] == "hit"
+    # `stream` is a JSON boolean: "no" is not a streamed request (and is another entry than false)
+    assert client.post("/v1/chat/completions", json={**base, "stream": "no"}, headers=H()).headers["x-cache"] == "miss"
+
+
+def test_the_rest_of_a_json_path_body_keys_the_request_too():
+    from ushash.serving.proxy import request_params
+
+    body = {"input": {"prompt": "a frog", "image": "aW1n"}, "parameters": {"steps": 20}}
+    same = {"input": {"prompt": "a toad", "image": "b3RoZXI="}, "parameters": {"steps": 20}}
+    assert request_params(body, "input.prompt", "input.image") == request_params(same, "input.prompt", "input.image")
+    other = {**body, "parameters": {"steps": 50}}
+    assert request_params(other, "input.prompt", "input.image") != request_params(body, "input.prompt", "input.image")
+    # list indices in the path; a path that leads nowhere removes nothing
+    listed = {"inputs": [{"text": "a"}, {"text": "b"}]}
+    assert request_params(listed, "inputs.1.text") == request_params({"inputs": [{"text": "a"}, {"text": "z"}]}, "inputs.1.text")
+    assert request_params(listed, "inputs.0.text") != request_params({"inputs": [{"text": "a"}, {"text": "z"}]}, "inputs.0.text")
+    assert request_params({"a": 1}, "b.c") == request_params({"a": 1})
+
+
+def test_tokens_are_read_as_the_service_reads_them(setup):
+    """The scheme case-insensitive and the credentials stripped, as ushash.serve (and HTTPBearer) reads them."""
+    client, up, _ = setup
+    for auth in ("bearer " + "a" * 16, "Bearer  " + "a" * 16, "BEARER " + "a" * 16 + " "):
+        assert client.post("/v1/chat/completions", json=chat("tok q"), headers={"Authorization": auth}).status_code == 200
+    for auth in ("Basic " + "a" * 16, "Bearer", "Bearer " + "a" * 15, "a" * 16):
+        assert client.post("/v1/chat/completions", json=chat("tok q"), headers={"Authorization": auth}).status_code == 401
+
+
+@pytest.mark.parametrize("verb,value,shown", [("serve", "{%s:[acme,globex]}", {"T": ["acme", "globex"]}),
+                                              ("proxy", "{%s:acme}", {"T": "acme"})])
+def test_tokens_can_be_set_on_the_command_line(verb, value, shown):
+    """`tokens=` composes (a typed Optional[Dict] schema refused every override of it) and a wrong shape is
+    a one-line refusal at start."""
+    import ushash.serving.proxy  # noqa: F401  (registers the verbs' schemas)
+    import ushash.serving.service  # noqa: F401
+    from ushash.config import compose
+    from ushash.serving.service import check_binding, tokens_of
+
+    tok = "t" * 20
+    args = ["export=e", "upstream=http://127.0.0.1:1"] if verb == "proxy" else ["export=e"]
+    cfg = compose(verb, [*args, "tokens=" + value % tok])
+    assert tokens_of(cfg) == {tok: v for v in shown.values()}
+    assert tokens_of(compose(verb, args)) is None
+    check_binding("0.0.0.0", None, tokens_of(cfg))        # a tokens map is enough to bind beyond loopback
+    for bad in ("[a,b]", "3"):
+        with pytest.raises(SystemExit, match="tokens must map each bearer token"):
+            check_binding("127.0.0.1", None, tokens_of(compose(verb, [*args, "tokens=" + bad])))
+
+
+def test_the_images_after_the_first_key_the_request_too(setup):
+    """Looked up by its first image, a request also filters on the others: sharing only the first image
+    with a stored request is not enough for its answer."""
+    client, up, _ = setup
+    def two(second):
+        content = [{"type": "text", "text": "which is bigger"}] + [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
+            for b in (b"first image", second)]
+        return {"model": "m1", "messages": [{"role": "user", "content": content}]}
+    assert client.post("/v1/chat/completions", json=two(b"second"), headers=H()).headers["x-cache"] == "miss"
+    assert client.post("/v1/chat/completions", json=two(b"second"), headers=H()).headers["x-cache"] == "hit"
+    assert client.post("/v1/chat/completions", json=two(b"third"), headers=H()).headers["x-cache"] == "miss"
+    assert len(up.calls) == 2

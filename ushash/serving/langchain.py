@@ -23,26 +23,35 @@ from langchain_core.load import dumps, loads
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
 
-from ushash.serving.messages import content_parts, decode_data_url
+from ushash.serving.messages import decode_data_url, images_digest, read_content
 
 _ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGenerationChunk]
 
-def parse_prompt(prompt: str) -> tuple[str, list[bytes]]:
-    """(the text of every message joined by newlines, the images) of a LangChain cache prompt."""
+def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
+    """(the text of every message joined by newlines, the images, a digest of the rest) of a LangChain cache
+    prompt. The rest is every message less its content (its class, name, tool calls, ...): an answer
+    depends on it too, so it is an exact filter. None for a prompt holding content the cache cannot read
+    (an image that is not a base64 data URL, a part of another type): keyed by the rest of it, two such
+    prompts would share an answer, so it is not cached."""
     try:
         msgs = json.loads(prompt)
     except ValueError:
-        return prompt, []
+        return prompt, [], ""
     if not isinstance(msgs, list):
-        return prompt, []
-    texts, images = [], []
+        return prompt, [], ""
+    texts, images, rest = [], [], []
     for m in msgs:
         kw = m.get("kwargs", {}) if isinstance(m, dict) else {}
+        kw = kw if isinstance(kw, dict) else {}
         role = (m.get("id") or ["", "message"])[-1] if isinstance(m, dict) else "message"
-        t, i = content_parts(kw.get("content"))
+        t, i, complete = read_content(kw.get("content"))
+        if not complete:
+            return "", [], None
         texts += [f"{role}: {x}" for x in t] if len(msgs) > 1 else t
         images += i
-    return "\n".join(texts), images
+        rest.append({**m, "kwargs": {k: v for k, v in kw.items() if k != "content"}} if isinstance(m, dict) else m)
+    digest = hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":"), default=repr).encode())
+    return "\n".join(texts), images, digest.hexdigest()[:32]
 
 
 class USHashLangChainCache(BaseCache):
@@ -54,21 +63,29 @@ class USHashLangChainCache(BaseCache):
         self.tenant = cache.check_tenant(tenant)
         self.featurize = featurize
 
-    def _request(self, prompt: str, llm_string: str) -> tuple[str, Any, Any, dict]:
-        text, images = parse_prompt(prompt)
+    def _request(self, prompt: str, llm_string: str) -> Optional[tuple[str, Any, Any, dict]]:
+        """(modality, data, features, metadata filters) of a prompt; None for one it does not cache."""
+        text, images, rest = parse_prompt(prompt)
+        if rest is None:
+            return None
         llm = hashlib.sha256(llm_string.encode()).hexdigest()[:32]
+        meta = {"llm": llm, "rest": rest}
         if images and "image" in self.cache.head.modalities:
-            meta = {"llm": llm, "text": hashlib.sha256(text.encode()).hexdigest()[:32]}
+            meta.update(text=hashlib.sha256(text.encode()).hexdigest()[:32], more_images=images_digest(images[1:]))
             modality, data = "image", images[0]
+        elif images:   # a head without images cannot tell them apart: keyed by the text, they would share answers
+            return None
         else:
-            meta = {"llm": llm}
             modality, data = "text", text
         if self.featurize is not None:
             return modality, None, self.featurize(modality, data), meta
         return modality, data, None, meta
 
     def lookup(self, prompt: str, llm_string: str) -> RETURN_VAL_TYPE | None:
-        modality, data, feats, meta = self._request(prompt, llm_string)
+        req = self._request(prompt, llm_string)
+        if req is None:
+            return None
+        modality, data, feats, meta = req
         hits = self.cache.check(data, modality, features=feats, filters=meta, tenant=self.tenant)
         if not hits:
             return None
@@ -79,7 +96,10 @@ class USHashLangChainCache(BaseCache):
             return None
 
     def update(self, prompt: str, llm_string: str, return_val: Sequence) -> None:
-        modality, data, feats, meta = self._request(prompt, llm_string)
+        req = self._request(prompt, llm_string)
+        if req is None:
+            return
+        modality, data, feats, meta = req
         self.cache.store(data, dumps(list(return_val)), modality, features=feats, metadata=meta, tenant=self.tenant)
 
     def clear(self, **kwargs: Any) -> None:

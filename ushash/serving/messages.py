@@ -5,32 +5,61 @@ Base64 is decoded by pybase64 (SIMD; the same strict validation as the standard 
 
 from __future__ import annotations
 
+import hashlib
+
 import pybase64
 
 #: At most this many bytes of a data URL are decoded (bounded input).
 MAX_DATA_URL_BYTES = 16 << 20
+#: At most this many parts of one message's content are read.
+MAX_PARTS = 256
 
 
 def content_parts(content) -> tuple[list[str], list[bytes]]:
     """(the text parts, the decoded images) of one message's content (a string or a list of parts)."""
+    texts, images, _ = read_content(content)
+    return texts, images
+
+
+def read_content(content) -> tuple[list[str], list[bytes], bool]:
+    """`content_parts`, and whether they are all of the content: False when some of it was not read (a
+    part of another type, an `image_url` that is not a decodable base64 data URL, a part past MAX_PARTS,
+    content that is neither a string, a list nor null), so that what was read does not key the request."""
     texts, images = [], []
+    if content is None:
+        return [], [], True
     if isinstance(content, str):
-        return [content], []
+        return [content], [], True
     if not isinstance(content, list):
-        return [], []
-    for part in content[:256]:
+        return [], [], False
+    complete = len(content) <= MAX_PARTS
+    for part in content[:MAX_PARTS]:
         if isinstance(part, str):
             texts.append(part)
-        elif isinstance(part, dict):
-            if part.get("type") == "text":
-                texts.append(str(part.get("text", "")))
-            elif part.get("type") == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                img = decode_data_url(str(url or ""))
-                if img is not None:
-                    images.append(img)
-    return texts, images
+        elif isinstance(part, dict) and part.get("type") == "text":
+            texts.append(str(part.get("text", "")))
+        elif isinstance(part, dict) and part.get("type") == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            img = decode_data_url(str(url or ""))
+            if img is not None:
+                images.append(img)
+            else:
+                complete = False
+        else:
+            complete = False
+    return texts, images, complete
+
+
+def images_digest(images: list[bytes]) -> str:
+    """A digest of a request's further images, in order ("" for none): a request is looked up by its first
+    image, and two requests that share it but not the others must not share an answer."""
+    if not images:
+        return ""
+    h = hashlib.sha256()
+    for img in images:
+        h.update(len(img).to_bytes(8, "little") + hashlib.sha256(img).digest())
+    return h.hexdigest()[:32]
 
 
 def decode_data_url(url: str) -> bytes | None:

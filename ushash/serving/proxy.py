@@ -5,14 +5,19 @@
 Every POST is read as JSON. The request's text and media come from OpenAI-style chat `messages` (text
 parts, `image_url` parts with base64 data URLs), or, for other APIs, from `text_path` / `image_path`
 (dotted paths into the body, e.g. `input.prompt`, with base64 for the image). A request with an image is
-looked up by the image, its text an exact metadata filter; otherwise by its text. The body's `model`,
-the URL path, `stream` and the gateway's `X-Model-Revision` header are exact filters too: an answer of
-another model, endpoint or revision is never served. A hit is answered from the cache (a streamed
-answer replayed as it was streamed); a miss is forwarded, streamed through as it arrives, and a 200
-answer is stored. `Cache-Control: no-cache` skips the lookup (the fresh answer is stored), `no-store`
-skips storing. `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took
-(`lookup;dur=` in ms: encoding the request, the search and the check) and, on a forwarded request, the
-upstream (`upstream;dur=`: until its answer's headers).
+looked up by the image, its text an exact metadata filter; otherwise by its text. A request holding what
+it cannot key by (an image that is not a base64 data URL, a part of another type, over 256 messages or
+parts) is passed through (`X-Cache: bypass`): keyed by the rest, it could be served another's answer.
+The body's `model`, the URL path, `stream`, the gateway's `X-Model-Revision` header (every line of it)
+and everything else in the body (`request_params`: temperature, max_tokens, tools, the messages' roles
+and names, ...) are exact filters too: an answer of another model, endpoint, revision or setting is never
+served. A hit is
+answered from the cache (a streamed answer replayed as it was streamed); a miss is forwarded, streamed
+through as it arrives, and a 200 answer is stored. `Cache-Control: no-cache` skips the lookup (the fresh
+answer is stored), `no-store` skips storing (the directives of every Cache-Control line). `X-Cache:
+hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
+encoding the request, the search and the check) and, on a forwarded request, the upstream
+(`upstream;dur=`: until its answer's headers).
 
 Tenants: `tokens` maps a bearer token to a tenant; with a map, a request without a known token is 401.
 Without one, `token` (or USHASH_PROXY_TOKEN) is the one accepted token, required when the proxy binds
@@ -24,21 +29,25 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
-from ushash.serving.messages import content_parts, decode_base64, decode_data_url
+from ushash.serving.messages import decode_base64, decode_data_url, images_digest, read_content
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "USHASH_PROXY_TOKEN"
+#: A chat body of more messages than this is not keyed (passed through).
+MAX_MESSAGES = 256
 #: Headers not copied between the hops (RFC 9110 connection-specific ones, and what httpx recomputes).
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
        "transfer-encoding", "upgrade", "content-length", "content-encoding", "host"}
@@ -52,7 +61,7 @@ class ProxyConfig:
     host: str = "127.0.0.1"           # anything but loopback needs a token (or a tokens map)
     port: int = 8471
     token: Optional[str] = None       # the one accepted bearer token (USHASH_PROXY_TOKEN takes precedence)
-    tokens: Optional[Dict[str, str]] = None   # bearer token -> tenant; set: unknown tokens get 401
+    tokens: Any = None                # bearer token -> tenant ({token: tenant}); set: unknown tokens get 401
     text_path: Optional[str] = None   # dotted path of the text in a non-chat body (e.g. input.prompt)
     image_path: Optional[str] = None  # dotted path of a base64 image in a non-chat body
     max_body_bytes: int = 8 << 20     # larger request bodies get 413
@@ -78,7 +87,8 @@ register_schemas()
 @dataclass
 class Extracted:
     text: str
-    image: Optional[bytes]
+    image: Optional[bytes]             # the image the request is looked up by (the first)
+    more_images: str = ""              # a digest of the images after it (an exact filter), "" for none
 
 
 def _at(body, path: str):
@@ -95,7 +105,8 @@ def _at(body, path: str):
 
 def extract_request(body: dict, text_path: str | None = None, image_path: str | None = None) -> Optional[Extracted]:
     """The text and first image of a request body (None: nothing to key it by, which includes text that
-    is not valid Unicode: a lone surrogate escape has no UTF-8 to encode or digest)."""
+    is not valid Unicode: a lone surrogate escape has no UTF-8 to encode or digest, and a body holding
+    more than it reads: keyed by the rest, requests that differ only there would share an answer)."""
     req = _extract(body, text_path, image_path)
     if req is not None:
         try:
@@ -108,25 +119,72 @@ def extract_request(body: dict, text_path: str | None = None, image_path: str | 
 def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optional[Extracted]:
     msgs = body.get("messages")
     if isinstance(msgs, list) and not (text_path or image_path):
+        if len(msgs) > MAX_MESSAGES:
+            return None
         texts, images = [], []
-        for m in msgs[:256]:
+        for m in msgs:
             if not isinstance(m, dict):
                 continue
-            t, i = content_parts(m.get("content"))
+            t, i, complete = read_content(m.get("content"))
+            if not complete:   # an image it cannot decode (a remote URL), a part of another type
+                return None
             role = str(m.get("role", ""))
             texts += [f"{role}: {x}" for x in t]
             images += i
         if not texts and not images:
             return None
-        return Extracted("\n".join(texts), images[0] if images else None)
+        return Extracted("\n".join(texts), images[0] if images else None, images_digest(images[1:]))
     text = _at(body, text_path) if text_path else None
     img = _at(body, image_path) if image_path else None
     image = None
     if isinstance(img, str):
         image = decode_data_url(img) if img.startswith("data:") else decode_base64(img)
+    if img is not None and image is None:   # an image there, but not one it can decode: not keyed by the text
+        return None
     if not isinstance(text, str) and image is None:
         return None
     return Extracted(text if isinstance(text, str) else "", image)
+
+
+def cache_directives(lines: list[str]) -> set[str]:
+    """The directive names (lowercase) of a request's Cache-Control header lines: every line, each a
+    comma-separated list of `name` or `name=value` (RFC 9111), so `no-store` in a second line counts and
+    `x-no-store-hint` is not `no-store`."""
+    return {d.split("=", 1)[0].strip().lower() for line in lines for d in line.split(",")}
+
+
+def request_params(body: dict, text_path: str | None = None, image_path: str | None = None) -> Optional[str]:
+    """A digest of everything in the body but what the lookup compares by meaning (the messages' content, or
+    the values at `text_path` / `image_path`): the model's settings (temperature, max_tokens, tools,
+    response_format, ...), the messages' roles, names and tool calls, the user. An answer depends on them
+    too, so a hit needs them all equal. None when the body cannot be written back as JSON (nested past the
+    interpreter's limit): such a request is not keyed."""
+    msgs = body.get("messages")
+    if isinstance(msgs, list) and not (text_path or image_path):
+        rest = {**body, "messages": [{k: v for k, v in m.items() if k != "content"} if isinstance(m, dict) else m
+                                     for m in msgs]}
+    else:
+        rest = body
+        for path in filter(None, (text_path, image_path)):
+            rest = _without(rest, path.split("."))
+    try:   # ensure_ascii: a lone surrogate json.loads let through is written as its escape, not refused
+        return _digest(json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True))
+    except (RecursionError, ValueError):
+        return None
+
+
+def _without(obj, path: list[str]):
+    """`obj` less the value at `path` (the parts of a dotted path; a list index as its digits), copied only
+    along the path; `obj` itself where the path leads nowhere."""
+    head, rest = path[0], path[1:]
+    if isinstance(obj, dict) and head in obj:
+        if not rest:
+            return {k: v for k, v in obj.items() if k != head}
+        return {**obj, head: _without(obj[head], rest)}
+    if isinstance(obj, list) and head.isdigit() and int(head) < len(obj):
+        i = int(head)
+        return [*obj[:i], _without(obj[i], rest) if rest else None, *obj[i + 1:]]
+    return obj
 
 
 def _digest(s: str) -> str:
@@ -140,7 +198,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                      ttl_s: float | None = None, transport=None):
     import httpx
 
-    from ushash.serving.service import _BodyLimit, loads_json
+    from ushash.serving.service import _BodyLimit, bearer_credentials, loads_json
 
     app = FastAPI(title="ushash caching proxy")
     tokens = dict(tokens or {})
@@ -149,14 +207,19 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s, transport=transport)
     app.state.client = client
 
+    keys = [(t.encode(), tenant) for t, tenant in tokens.items()] if tokens else \
+        [(token.encode(), "default")] if token is not None else []
+
     def tenant_of(request) -> str | None:
-        auth = request.headers.get("authorization", "")
-        given = auth[7:] if auth.lower().startswith("bearer ") else None
-        if tokens:
-            return tokens.get(given) if given else None
-        if token is not None and given != token:
-            return None
-        return "default"
+        """The tenant of the request's bearer token, None for a missing or wrong one ("default" when the
+        proxy takes no token). Read as ushash.serve reads it, every token compared in constant time."""
+        if not keys:
+            return "default"
+        given, found = bearer_credentials(request.headers.get("authorization")), None
+        for key, tenant in keys:
+            if hmac.compare_digest(given, key):
+                found = tenant
+        return found
 
     def err(status: int, msg: str):
         return JSONResponse({"error": msg}, status_code=status)
@@ -178,16 +241,19 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return err(400, "the request body is not JSON")
         if not isinstance(body, dict):
             return err(400, "the request body must be a JSON object")
-        cc = request.headers.get("cache-control", "").lower()
+        cc = cache_directives(request.headers.getlist("cache-control"))
         no_cache, no_store = "no-cache" in cc, "no-store" in cc
         req = extract_request(body, text_path, image_path)
-        stream = bool(body.get("stream"))
+        params = request_params(body, text_path, image_path) if req is not None else None
+        stream = body.get("stream") is True   # OpenAI's flag is a JSON boolean: "no" is not a stream
         fwd_headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP and k.lower() != "authorization"}
-        if req is None:   # nothing to key: pass through
+        if req is None or params is None:   # nothing to key: pass through
             return await forward(path, raw, fwd_headers, stream, None, "bypass", "")
         meta = {"model": str(body.get("model", "")), "path": path, "stream": stream,
-                "revision": request.headers.get("x-model-revision", ""),
-                "text": _digest(req.text) if req.image is not None else ""}
+                # every X-Model-Revision line: a request sending two is not keyed as one sending the first
+                "revision": ", ".join(request.headers.getlist("x-model-revision")),
+                "text": _digest(req.text) if req.image is not None else "",
+                "params": params, "more_images": req.more_images}
         modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
         if modality not in cache.head.modalities:
             return await forward(path, raw, fwd_headers, stream, None, "bypass", "")
@@ -256,8 +322,12 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 if n <= max_answer_bytes:
                     keep(b"".join(buf))
             return StreamingResponse(relay(), status_code=up.status_code, headers=out_headers, media_type=ctype)
-        body = await up.aread()
-        await up.aclose()
+        try:
+            body = await up.aread()
+        except httpx.HTTPError as e:   # the upstream failed after its headers: a 502 too, not a 500
+            return err(502, f"upstream failed while sending its answer: {type(e).__name__}")
+        finally:
+            await up.aclose()
         keep(body)
         return Response(body, status_code=up.status_code, headers=out_headers)
 
@@ -271,13 +341,16 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
 
 
 def build(cfg):
-    from ushash.config import to_dict
-    from ushash.serving.service import cache_from_cfg, check_binding
+    from ushash.serving.service import cache_from_cfg, check_binding, tokens_of
 
     token = os.environ.get(TOKEN_ENV) or (str(cfg.token) if cfg.get("token") else None)
-    tokens = {str(k): str(v) for k, v in (to_dict(cfg.tokens) if cfg.get("tokens") else {}).items()}
+    tokens = tokens_of(cfg)
     host = str(cfg.host)
     check_binding(host, token, tokens)
+    tokens = tokens or {}
+    if any(not isinstance(v, str) for v in tokens.values()):
+        raise SystemExit("tokens must map each bearer token to one tenant name, e.g. tokens={<token>:acme}")
+    tokens = {str(k): v for k, v in tokens.items()}
     cache = cache_from_cfg(cfg)
     app = create_proxy_app(cache, str(cfg.upstream), token=token, tokens=tokens, text_path=cfg.get("text_path"),
                            image_path=cfg.get("image_path"), max_body_bytes=int(cfg.max_body_bytes),

@@ -13,7 +13,8 @@ payload cosine, RedisVL's cosine distance), `hamming_distance`, `cosine`, `entry
 `inserted_at`. `filters`: {field: value} (or {field: [values]}) matched exactly against the metadata, or
 a callable(metadata) -> bool. With filters, every servable candidate within the radius (at most
 `max_candidates`) is read and filtered before the best `num_results` are kept. `get` on an entry stored
-here returns the envelope.
+here returns the envelope. The same request stored again replaces its entry only under the same
+metadata (`metadata_scope`): under other metadata it is another entry, so `filters` find each.
 
 The async twins run the call in a worker thread (`asyncio.to_thread`): encoding is CPU work that must not
 block an event loop.
@@ -22,6 +23,8 @@ block an event loop.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import uuid
 from pathlib import Path
@@ -53,6 +56,17 @@ def read_media_file(modality: str, path) -> bytes:
 
 def is_envelope(value) -> bool:
     return isinstance(value, dict) and set(value) == ENVELOPE_KEYS
+
+
+def metadata_scope(metadata: Mapping) -> bytes:
+    """The entry scope (`Entry.scope`) of a response stored with `metadata`: 16 bytes of sha256 over its
+    canonical JSON (b"" for none). Storing the same request again replaces its entry only in the same
+    scope, so answers stored under other metadata (another model, user or setting) stay side by side for
+    `filters` to choose from."""
+    if not metadata:
+        return b""
+    text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr)
+    return hashlib.sha256(text.encode()).digest()[:16]
 
 
 def _matcher(filters) -> Callable[[dict], bool] | None:
@@ -89,7 +103,7 @@ class CheckStore:
         key = uuid.uuid4().hex
         env = {"response": response, "metadata": dict(metadata or {}), "prompt": prompt, "entry_id": key,
                "inserted_at": float(self.clock())}
-        return key if self.store_query(q, env, tenant, ttl_s=ttl) else None
+        return key if self.store_query(q, env, tenant, ttl_s=ttl, scope=metadata_scope(env["metadata"])) else None
 
     def _store_one(self, input, response, modality, features, metadata, tenant, ttl):
         tenant = self.check_tenant(tenant)
@@ -115,12 +129,11 @@ class CheckStore:
             raise ValueError(f"num_results must be >= 1; got {num_results}")
         match = _matcher(filters)
         k = max(n, int(self.config.max_candidates)) if match is not None else n
+        accept = None if match is None else (lambda v: match(v["metadata"] if is_envelope(v) else {}))
         out = []
-        for h in self.lookup_top(q, tenant, k):
+        for h in self.lookup_top(q, tenant, k, accept=accept):   # the tiers asked until one has a match
             env = h.value if is_envelope(h.value) else {"response": h.value, "metadata": {}, "prompt": None,
                                                          "entry_id": h.entry, "inserted_at": h.created}
-            if match is not None and not match(env["metadata"]):
-                continue
             out.append({**env, "vector_distance": None if h.cosine is None else 1.0 - h.cosine,
                         "hamming_distance": h.distance, "cosine": h.cosine, "entry_modality": h.modality,
                         "tier": h.tier})

@@ -349,10 +349,12 @@ class SemanticCache(CheckStore):
             self.budget.count_hit(q.modality, e.modality)
         return Hit.of(e, f.distance, f.cosine, tier, self.freshness.should_refresh(now, e.expires, e.compute_s), f.ref)
 
-    def lookup_top(self, q: Query, tenant: str = DEFAULT_TENANT, k: int = 1, count: bool = True) -> list[Hit]:
+    def lookup_top(self, q: Query, tenant: str = DEFAULT_TENANT, k: int = 1, count: bool = True,
+                   accept: Callable[[Any], bool] | None = None) -> list[Hit]:
         """Up to k servable hits for one Query, best first, from the first tier that has one (one lookup in
-        the metrics); k == 1 is `lookup`."""
-        if k <= 1:
+        the metrics); k == 1 is `lookup`. `accept(value)`: only hits whose value it accepts count, so a tier
+        whose candidates it refuses all (an L1 holding only another scope's answer) hands over to the next."""
+        if k <= 1 and accept is None:
             h = self.lookup(q, tenant, count)
             return [h] if h is not None else []
         t0 = time.perf_counter()
@@ -371,12 +373,16 @@ class SemanticCache(CheckStore):
                 if found.nearest is not None and (nearest is None or found.nearest < nearest):
                     nearest = found.nearest
                 if found.entry is not None:
-                    if t is not l1:  # promote into L1 (same expiry and revision; not written back)
-                        l1.put(tenant, found.entry)
-                    hit = self._hit(found, t.name, now, q)
-                    more = [Hit.of(e2, d2, c2, t.name, self.freshness.should_refresh(now, e2.expires, e2.compute_s), r2)
-                            for e2, d2, c2, r2 in found.more]
-                    break
+                    ranked = [(found.entry, found.distance, found.cosine, found.ref), *found.more]
+                    hits = [(e2, Hit.of(e2, d2, c2, t.name, self.freshness.should_refresh(now, e2.expires, e2.compute_s), r2))
+                            for e2, d2, c2, r2 in ranked]
+                    hits = [(e2, h) for e2, h in hits if accept is None or accept(h.value)][:max(1, k)]
+                    if hits:
+                        if t is not l1:  # promote the served entry into L1 (same expiry and revision; not written back)
+                            l1.put(tenant, hits[0][0])
+                        self.budget.count_hit(q.modality, hits[0][0].modality)
+                        hit, more = hits[0][1], [h for _, h in hits[1:]]
+                        break
                 if found.skip_next:
                     break
             if hit is not None and self._serving[0] is not l1:  # reloaded meanwhile: an older revision now
@@ -418,17 +424,21 @@ class SemanticCache(CheckStore):
         return self.store_api(q, value, *args, **kwargs)
 
     def store_query(self, q: Query, value, tenant: str = DEFAULT_TENANT, ttl_s: float | None = None,
-                    compute_s: float = 0.0) -> bool:
-        return self.store_many([q], [value], tenant, ttl_s=ttl_s, compute_s=compute_s)[0]
+                    compute_s: float = 0.0, scope: bytes = b"") -> bool:
+        return self.store_many([q], [value], tenant, ttl_s=ttl_s, compute_s=compute_s, scopes=[scope])[0]
 
     def store_many(self, queries: list[Query], values: list, tenant: str = DEFAULT_TENANT, ttl_s: float | None = None,
-                   compute_s: float = 0.0) -> list[bool]:
-        """Store values[i] for queries[i]; a later query of the batch equal to an earlier one replaces it.
-        The payloads of each modality are encoded in one call and L1 takes the batch in one index add."""
+                   compute_s: float = 0.0, scopes: list[bytes] | None = None) -> list[bool]:
+        """Store values[i] for queries[i]; a later query of the batch equal to an earlier one (in the same
+        scope, `Entry.scope`) replaces it. The payloads of each modality are encoded in one call and L1 takes
+        the batch in one index add."""
         t0 = time.perf_counter()
         tenant = self.check_tenant(tenant)
         if len(values) != len(queries):
             raise ValueError(f"{len(queries)} queries but {len(values)} values")
+        scopes = list(scopes) if scopes is not None else [b""] * len(queries)
+        if len(scopes) != len(queries):
+            raise ValueError(f"{len(queries)} queries but {len(scopes)} scopes")
         encoded = [encode_value(v) for v in values]
         payloads = [b""] * len(queries)
         if self.payload_codec is not None:
@@ -456,7 +466,7 @@ class SemanticCache(CheckStore):
         keep = [i for i in range(len(queries)) if fresh[i]]
         entries = [Entry(code=queries[i].code, payload=payloads[i], modality=queries[i].modality, value=encoded[i][1],
                          kind=encoded[i][0], revision=rev, created=now, expires=self.freshness.expiry(now, ttl_s),
-                         compute_s=float(compute_s), id=os.urandom(8).hex() if shared else None)
+                         compute_s=float(compute_s), id=os.urandom(8).hex() if shared else None, scope=bytes(scopes[i]))
                    for i in keep]
         put = l1.put_many(tenant, entries) if entries else []
         stored = [False] * len(queries)

@@ -85,11 +85,13 @@ class Entry:
     expires: float          # math.inf: no TTL
     compute_s: float        # how long the value took to compute (XFetch)
     id: str | None = None   # the shared (L2) id; None for an entry that lives in L1 only
+    scope: bytes = b""      # what else its answer depends on (check/store: a digest of its metadata): the
+                            # same request stored in another scope is another entry, not a replacement
 
     @property
     def nbytes(self) -> int:
-        """What the entry costs against a byte capacity: code + payload + value."""
-        return len(self.code) + len(self.payload) + len(self.value)
+        """What the entry costs against a byte capacity: code + payload + value (+ scope)."""
+        return len(self.code) + len(self.payload) + len(self.value) + len(self.scope)
 
 
 ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(Entry))
@@ -212,9 +214,9 @@ class EntryTable:
     WIDEN = {"tenant": (np.uint8, np.uint16, np.uint32, np.int64), "modality": (np.int8, np.int16, np.int32),
              "vlen": (np.uint8, np.uint16, np.uint32)}
     VOFF_LIMIT = 1 << 32
-    # every Entry field has a column of the same name (id: l2id, a dict; value: the arena; revision: one
-    # per table)
-    assert set(ENTRY_FIELDS) - {"id", "revision"} <= {"code", "payload", "value", *NUMERIC}
+    # every Entry field has a column of the same name (id: l2id, and scope: scope, dicts holding only the
+    # entries that have one; value: the arena; revision: one per table)
+    assert set(ENTRY_FIELDS) - {"id", "revision", "scope"} <= {"code", "payload", "value", *NUMERIC}
 
     def __init__(self, code_bytes: int, payload_bytes: int = 0, capacity: int = 16):
         self.code_bytes, self.payload_bytes = int(code_bytes), int(payload_bytes)
@@ -229,6 +231,7 @@ class EntryTable:
         self._max = {name: int(np.iinfo(self.NUMERIC[name]).max) for name in self.WIDEN}
         self._words = self._words_of = None       # code_words' view, and the column it is of
         self.l2id: dict[int, str] = {}
+        self.scope: dict[int, bytes] = {}
         self.arena = np.zeros(256, np.uint8)
         self._top = 0            # arena bytes used (live + garbage)
         self._live_bytes = 0     # arena bytes of live values
@@ -334,6 +337,8 @@ class EntryTable:
         self.compute_s[slot] = min(e.compute_s, COMPUTE_S_MAX)
         if e.id is not None:
             self.l2id[slot] = e.id
+        if e.scope:
+            self.scope[slot] = e.scope
         self._arena_put(slot, e.value)
 
     def payload_of(self, slot: int) -> bytes:
@@ -352,7 +357,7 @@ class EntryTable:
         return Entry(code=self.code[slot].tobytes(), payload=self.payload_of(slot), modality=modalities[self.modality[slot]],
                      value=self.value_of(slot), kind=VALUE_KINDS[self.kind[slot]], revision=revision,
                      created=float(self.created[slot]), expires=float(self.expires[slot]),
-                     compute_s=float(self.compute_s[slot]), id=self.l2id.get(slot))
+                     compute_s=float(self.compute_s[slot]), id=self.l2id.get(slot), scope=self.scope.get(slot, b""))
 
     def read_many(self, slots: list[int], modalities: list[str], revision: str) -> list[Entry]:
         """`read` of each slot, the columns gathered once for all (the same Entries, field for field)."""
@@ -364,11 +369,11 @@ class EntryTable:
         plen, voff, vlen = self.plen[ix].tolist(), self.voff[ix].tolist(), self.vlen[ix].tolist()
         mod, kind = self.modality[ix].tolist(), self.kind[ix].tolist()
         created, expires, cs = self.created[ix].tolist(), self.expires[ix].tolist(), self.compute_s[ix].tolist()
-        arena, l2id = self.arena, self.l2id
+        arena, l2id, scope = self.arena, self.l2id, self.scope
         return [Entry(code=codes[i * cb:(i + 1) * cb], payload=pays[i * pw:i * pw + plen[i]],
                       modality=modalities[mod[i]], value=arena[voff[i]:voff[i] + vlen[i]].tobytes(),
                       kind=VALUE_KINDS[kind[i]], revision=revision, created=created[i], expires=expires[i],
-                      compute_s=cs[i], id=l2id.get(s)) for i, s in enumerate(slots)]
+                      compute_s=cs[i], id=l2id.get(s), scope=scope.get(s, b"")) for i, s in enumerate(slots)]
 
     def hits(self, slots: list[int], dists: list[int], cosines: list[float], tier: str, modalities: list[str],
              revision: str) -> tuple[list[Hit], list[float]]:
@@ -397,6 +402,7 @@ class EntryTable:
             return
         self.alive[slot] = False
         self.l2id.pop(slot, None)
+        self.scope.pop(slot, None)
         self._live_bytes -= int(self.vlen[slot])
         self.vlen[slot] = 0
         self._free.append(slot)
@@ -409,4 +415,4 @@ class EntryTable:
     def nbytes_held(self) -> int:
         """Bytes of every column and the arena (what the table costs, beside the index and the policy)."""
         return int(sum(getattr(self, n).nbytes for n in ("code", "payload", *self.NUMERIC)) + self.arena.nbytes
-                   + sys.getsizeof(self.l2id))
+                   + sys.getsizeof(self.l2id) + sys.getsizeof(self.scope))

@@ -497,7 +497,7 @@ class L1Tier:
 
     def put_many(self, tenant: str, entries: list[Entry]) -> list[bool]:
         """Store each entry (of this tier's revision) unless it is larger than the capacity or refused by
-        admission; the same (tenant, modality, code, payload) stored again replaces the older entry (a
+        admission; the same (tenant, modality, code, payload, scope) stored again replaces the older entry (a
         later one of the batch replaces an earlier one). One index search finds the entries replaced, one
         index add takes the batch."""
         other = next((e.revision for e in entries if e.revision != self._revision), None)
@@ -518,7 +518,7 @@ class L1Tier:
             backend = self._backends[ti]
             codes = np.frombuffer(b"".join(entries[i].code for i in fits), np.uint8).reshape(len(fits), self.code_bytes)
             lims, same_code, _ = backend.search_many(codes, 0)
-            placed: dict[tuple, int] = {}   # (modality, code, payload) -> slot, for this batch
+            placed: dict[tuple, int] = {}   # (modality, code, payload, scope) -> slot, for this batch
             added: dict[int, None] = {}     # slots written by this batch, in order
             exp_at: list[float] = []         # expiry records (expires, slot) of the admitted entries (finite ones kept)
             exp_slots: list[int] = []
@@ -526,12 +526,12 @@ class L1Tier:
             for j, i in enumerate(fits):
                 e = entries[i]
                 mi = self._modality_id(e.modality)
-                key = (mi, e.code, e.payload)
+                key = (mi, e.code, e.payload, e.scope)
                 old = placed.get(key)
                 if old is None:
                     for s in same_code[lims[j]:lims[j + 1]].tolist():
                         if (t.alive[s] and t.modality[s] == mi and t.code[s].tobytes() == e.code
-                                and t.payload_of(s) == e.payload):
+                                and t.payload_of(s) == e.payload and t.scope.get(s, b"") == e.scope):
                             old = s
                             break
                 if old is not None and t.alive[old]:

@@ -77,6 +77,7 @@ REDIS_FIELDS = {
     "created": ("t", repr, float),
     "expires": ("x", repr, float),
     "compute_s": ("d", repr, float),
+    "scope": ("s", bytes, lambda b: b or b""),   # absent in entries written before it existed: none
 }
 assert set(REDIS_FIELDS) == set(ENTRY_FIELDS) - {"id"}
 _HASH_FIELDS = tuple(name for name, _, _ in REDIS_FIELDS.values())
