@@ -11,11 +11,10 @@ parts) is passed through (`X-Cache: bypass`): keyed by the rest, it could be ser
 The body's `model`, the URL path, `stream`, the gateway's `X-Model-Revision` header (every line of it)
 and everything else in the body (`request_params`: temperature, max_tokens, tools, the messages' roles
 and names, ...) are exact filters too: an answer of another model, endpoint, revision or setting is never
-served. A hit is
-answered from the cache (a streamed answer replayed as it was streamed); a miss is forwarded, streamed
-through as it arrives, and a 200 answer is stored. `Cache-Control: no-cache` skips the lookup (the fresh
-answer is stored), `no-store` skips storing (the directives of every Cache-Control line). `X-Cache:
-hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
+served. A hit is answered from the cache (a streamed answer replayed as it was streamed); a miss is
+forwarded, streamed through as it arrives, and a 200 answer is stored. `Cache-Control: no-cache` skips
+the lookup (the fresh answer is stored), `no-store` skips storing (the directives of every Cache-Control
+line). `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
 encoding the request, the search and the check) and, on a forwarded request, the upstream
 (`upstream;dur=`: until its answer's headers).
 
