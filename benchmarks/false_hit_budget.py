@@ -96,11 +96,14 @@ def markdown(results: list[dict], meta: dict) -> str:
 
 
 def resumed(export: str, a, settings: CalibrationSettings) -> dict:
-    """run(), or its result kept in --out from an earlier run of the same head revision and settings (an
-    interrupted benchmark resumes with the next export)."""
+    """run(), or its result kept in --out from an earlier run of the same head revision, settings and code
+    (an interrupted benchmark resumes with the next export; a changed cache runtime, simulator or package
+    computes it again)."""
+    from ushash.core.provenance import made_by, runtime_digest
+
     head = load_export(export)
     key = {"revision": head.revision, "budgets": a.budgets, "requests": a.requests, "test_requests": a.test_requests,
-           "settings": str(settings)}
+           "settings": str(settings), "made_by": made_by(), "runtime": runtime_digest()}
     part = Path(a.out) / f"part-{Path(export).name}.json"
     if part.exists():
         kept = json.loads(part.read_text())

@@ -61,12 +61,17 @@ def test_the_code_digest_follows_the_sources_results_depend_on(tmp_path):
     for rel in ("hashing/a.py", "serving/cache/b.py", "sim/c.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x = 1\n")
-    d0 = provenance.code_digest.__wrapped__(tmp_path)
-    (tmp_path / "serving/cache/b.py").write_text("x = 2\n")   # the cache runtime: no result reads it
+    d0, r0 = provenance.code_digest.__wrapped__(tmp_path), provenance.runtime_digest.__wrapped__(tmp_path)
+    (tmp_path / "serving/cache/b.py").write_text("x = 2\n")   # the cache runtime: no training result reads it
+    assert provenance.code_digest.__wrapped__(tmp_path) == d0
+    r1 = provenance.runtime_digest.__wrapped__(tmp_path)      # ... but the cache's own results do
     (tmp_path / "sim/c.py").write_text("x = 2\n")
     assert provenance.code_digest.__wrapped__(tmp_path) == d0
+    r2 = provenance.runtime_digest.__wrapped__(tmp_path)
+    assert len({r0, r1, r2}) == 3
     (tmp_path / "hashing/a.py").write_text("x = 2\n")         # training code: another digest
     assert provenance.code_digest.__wrapped__(tmp_path) != d0
+    assert provenance.runtime_digest.__wrapped__(tmp_path) == r2   # and not the runtime's
     assert set(provenance.package_versions()) <= set(provenance.VERSIONED) and "numpy" in provenance.package_versions()
 
 

@@ -49,6 +49,18 @@ def code_digest(root: Path = PACKAGE) -> str:
     return files_digest(root, keep).hex()[:16]
 
 
+@functools.lru_cache(maxsize=None)
+def runtime_digest(root: Path = PACKAGE) -> str:
+    """16 hex digits over the cache runtime's and the simulator's sources (`NOT_RESULTS`, which
+    `code_digest` leaves out): what a stored result of the cache (a calibration benchmark's) is keyed by
+    besides `made_by`."""
+    def keep(path: Path, _text: bytes) -> bool:
+        rel = path.relative_to(root).parts
+        return bool(rel) and rel[0] in NOT_RESULTS and "__pycache__" not in rel
+
+    return files_digest(root, keep).hex()[:16]
+
+
 def package_versions() -> dict[str, str]:
     """The installed version of each of VERSIONED (a package not installed is left out)."""
     from importlib import metadata
@@ -87,4 +99,5 @@ def made_by() -> dict:
     return {"code": code_digest(), "versions": package_versions(), "cpu": cpu_model()}
 
 
-__all__ = ["NOT_RESULTS", "VERSIONED", "code_digest", "cpu_model", "files_digest", "machine_summary", "made_by", "package_versions"]
+__all__ = ["NOT_RESULTS", "VERSIONED", "code_digest", "cpu_model", "files_digest", "machine_summary", "made_by", "package_versions",
+           "runtime_digest"]
