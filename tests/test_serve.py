@@ -546,3 +546,29 @@ def test_features_lookups_on_the_fast_path_answer_as_the_route_does(export_dir, 
     statuses = {s for s, _ in fast}
     assert {200, 400, 401, 403, 404, 422} <= statuses, statuses
     assert sum(b'"hit":true' in body for _, body in fast) >= 12
+
+
+@pytest.mark.parametrize("value,status", [(b"-1", 400), (b"+2", 400), (b"2_0", 400), (b" 2", 400), (b"", 400),
+                                          (b"abc", 400), (b"99999", 413), (b"2", 200)])
+def test_a_content_length_that_is_not_digits_is_a_400(value, status):
+    """The body limit reads Content-Length as RFC 9110 writes it (1*DIGIT): int() alone took "-1", "+2",
+    "2_0" and spaces, so a negative length passed the limit (servers that do not check it themselves)."""
+    import asyncio
+
+    from ushash.serving.service import _BodyLimit
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sent = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "headers": [(b"content-length", value)]}
+    asyncio.run(_BodyLimit(app, 1000)(scope, receive, send))
+    assert sent[0]["status"] == status

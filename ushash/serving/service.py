@@ -195,10 +195,9 @@ class _BodyLimit:
         declared = None
         for k, v in scope.get("headers", []):
             if k == b"content-length":
-                try:
-                    declared = int(v)
-                except ValueError:
+                if not v.isdigit():   # RFC 9110: 1*DIGIT (int() would take "-1", "+2", "2_0" and spaces)
                     return await _send_json(send, 400, {"error": "bad Content-Length header"})
+                declared = int(v)
         if declared is not None:
             if declared > self.limit:
                 return await _send_json(send, 413, {"error": f"request body over {self.limit} bytes"})
