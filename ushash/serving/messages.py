@@ -15,16 +15,11 @@ MAX_DATA_URL_BYTES = 16 << 20
 MAX_PARTS = 256
 
 
-def content_parts(content) -> tuple[list[str], list[bytes]]:
-    """(the text parts, the decoded images) of one message's content (a string or a list of parts)."""
-    texts, images, _ = read_content(content)
-    return texts, images
-
-
 def read_content(content) -> tuple[list[str], list[bytes], bool]:
-    """`content_parts`, and whether they are all of the content: False when some of it was not read (a
-    part of another type, an `image_url` that is not a decodable base64 data URL, a part past MAX_PARTS,
-    content that is neither a string, a list nor null), so that what was read does not key the request."""
+    """(the text parts, the decoded images) of one message's content (a string or a list of parts), and
+    whether they are all of the content: False when some of it was not read (a part of another type, an
+    `image_url` that is not a decodable base64 data URL, a part past MAX_PARTS, content that is neither a
+    string, a list nor null), so that what was read does not key the request."""
     texts, images = [], []
     if content is None:
         return [], [], True
