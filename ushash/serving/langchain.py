@@ -23,7 +23,7 @@ from langchain_core.load import dumps, loads
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
 
-from ushash.serving.messages import decode_data_url, images_digest, read_content
+from ushash.serving.messages import decode_data_url, images_digest, json_digest, read_content
 
 _ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGenerationChunk]
 
@@ -50,8 +50,7 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
         texts += [f"{role}: {x}" for x in t] if len(msgs) > 1 else t
         images += i
         rest.append({**m, "kwargs": {k: v for k, v in kw.items() if k != "content"}} if isinstance(m, dict) else m)
-    digest = hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":"), default=repr).encode())
-    return "\n".join(texts), images, digest.hexdigest()[:32]
+    return "\n".join(texts), images, json_digest(rest)
 
 
 class USHashLangChainCache(BaseCache):

@@ -6,6 +6,7 @@ Base64 is decoded by pybase64 (SIMD; the same strict validation as the standard 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pybase64
 
@@ -44,6 +45,13 @@ def read_content(content) -> tuple[list[str], list[bytes], bool]:
         else:
             complete = False
     return texts, images, complete
+
+
+def json_digest(obj) -> str:
+    """32 hex digits of sha256 over `obj`'s canonical JSON (sorted keys, no spaces, non-ASCII and lone
+    surrogates as escapes): the exact filter of what a request holds besides what is compared by meaning."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def images_digest(images: list[bytes]) -> str:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import os
 import time
@@ -40,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
-from ushash.serving.messages import decode_base64, decode_data_url, images_digest, read_content
+from ushash.serving.messages import decode_base64, decode_data_url, images_digest, json_digest, read_content
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +165,8 @@ def request_params(body: dict, text_path: str | None = None, image_path: str | N
         rest = body
         for path in filter(None, (text_path, image_path)):
             rest = _without(rest, path.split("."))
-    try:   # ensure_ascii: a lone surrogate json.loads let through is written as its escape, not refused
-        return _digest(json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True))
+    try:
+        return json_digest(rest)
     except (RecursionError, ValueError):
         return None
 
