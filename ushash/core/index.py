@@ -3,7 +3,10 @@
 Ranking and ties (docs/design.md, "Search and ties"): `HammingIndex.search` ranks by Hamming
 distance ascending and breaks ties by ascending database index (row order of the codes passed to
 the constructor); `cosine_search` ranks by cosine similarity descending with the same tie rule.
-Results never depend on how faiss's heap happens to cut ties at the k boundary.
+Results never depend on how faiss's heap happens to cut ties at the k boundary. Float ties are exact
+for repeated database rows (a caption that two images share): one matrix product can round the same row
+differently by its column (BLAS kernels treat a block's edge apart), so `cosine_scores` scores each
+distinct row once and copies its score to the repeats.
 
 How `HammingIndex.search` stays exact and fast:
 1. ask faiss `IndexBinaryFlat` for k2 = k + max(k, 16) neighbours (one multi-threaded scan);
@@ -49,6 +52,25 @@ def _check_float(x, name: str, dim: int | None = None) -> np.ndarray:
 
 
 _l2_normalise = unit_rows
+
+
+def distinct_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(rows, inverse): the distinct rows of x [N, d] (bit for bit) and the position of each row of x among
+    them; (x, None) when no row repeats. `cosine_scores` takes the pair."""
+    c = np.ascontiguousarray(x)
+    if len(c) < 2 or c.shape[1] == 0:
+        return x, None
+    _, first, inverse = np.unique(c.view(np.dtype((np.void, c.dtype.itemsize * c.shape[1]))).ravel(),
+                                  return_index=True, return_inverse=True)
+    return (x, None) if len(first) == len(c) else (c[first], inverse.ravel())
+
+
+def cosine_scores(queries_unit: np.ndarray, rows: tuple[np.ndarray, np.ndarray | None]) -> np.ndarray:
+    """float32 [M, N] scores of unit queries against `distinct_rows` of the unit database: bit-identical
+    database rows get bit-identical scores (the tie rule of the module docstring)."""
+    unique, inverse = rows
+    sim = queries_unit @ unique.T
+    return sim if inverse is None else sim[:, inverse]
 
 
 class HammingIndex:
@@ -188,7 +210,8 @@ def cosine_search(queries_float, db_float, k) -> tuple[np.ndarray, np.ndarray]:
 
     Both inputs are L2-normalised here (all-zero rows score 0 against everything). Scores are
     float32 matrix products; "ties" means bit-identical scores. Queries are processed in chunks so
-    memory stays bounded. If k > len(db) trailing slots hold S = -inf and I = -1.
+    memory stays bounded. Repeated database rows score identically (`cosine_scores`). If k > len(db)
+    trailing slots hold S = -inf and I = -1.
     """
     k = _check_k(k)
     q = _check_float(queries_float, "queries_float")
@@ -199,10 +222,10 @@ def cosine_search(queries_float, db_float, k) -> tuple[np.ndarray, np.ndarray]:
     kk = min(k, n)
     if m == 0 or kk == 0:
         return S, I
-    qn, dbn = _l2_normalise(q), _l2_normalise(db)
+    qn, distinct = _l2_normalise(q), distinct_rows(_l2_normalise(db))
     step = max(1, _BLOCK_CELLS // n)
     for s in range(0, m, step):
-        sim = qn[s : s + step] @ dbn.T  # [c, n] float32
+        sim = cosine_scores(qn[s : s + step], distinct)  # [c, n] float32
         c = len(sim)
         if kk < n:
             thresh = np.partition(sim, n - kk, axis=1)[:, n - kk]  # k-th largest per row

@@ -16,7 +16,7 @@ from ushash.core import codes as codes_lib
 from ushash.core import metrics
 from ushash.core.groups import vocabulary
 from ushash.data.store import FeatureSplit
-from ushash.core.index import HammingIndex, _l2_normalise, cosine_search
+from ushash.core.index import HammingIndex, _l2_normalise, cosine_scores, cosine_search, distinct_rows
 
 LETTER = {"image": "I", "text": "T", "audio": "A"}
 DENOMINATOR_DOC = {"min": "Z=min(k, #relevant)", "found": "Z=#relevant in top k", "all": "Z=#relevant"}
@@ -158,11 +158,11 @@ def full_ranking(kind: str, qx: np.ndarray, dx: np.ndarray, rel_args: dict, k: i
         wq, wd = codes_lib.words(np.ascontiguousarray(qx)), codes_lib.words(np.ascontiguousarray(dx))
         bits = int(qx.shape[1] * 8)
     else:
-        qn, dn = _l2_normalise(np.asarray(qx, np.float32)), _l2_normalise(np.asarray(dx, np.float32))
+        qn, rows = _l2_normalise(np.asarray(qx, np.float32)), distinct_rows(_l2_normalise(np.asarray(dx, np.float32)))
     step = max(1, (1 << 21) // n)
     for s in range(0, m, step):
         sl = slice(s, s + step)
-        score = codes_lib.hamming_words(wq[sl], wd) if kind == "codes" else qn[sl] @ dn.T
+        score = codes_lib.hamming_words(wq[sl], wd) if kind == "codes" else cosine_scores(qn[sl], rows)
         for p, (qg, dg, proto, ql, dl) in rel_args.items():
             rel = metrics.relevance_matrix(qg[sl], dg, proto, ql[sl] if ql is not None else None, dl)
             blocks = (metrics.hamming_blocks(score, rel, bits) if kind == "codes"
