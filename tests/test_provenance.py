@@ -56,6 +56,32 @@ def test_another_manifest_or_an_edited_caption_makes_another_store(tmp_path):
     assert first.meta["rows_fingerprint"] != edited.meta["rows_fingerprint"]
 
 
+def test_an_image_replaced_by_one_of_the_same_size_makes_another_store(tmp_path):
+    """BMP files of the same dimensions have the same size whatever their pixels: the file's modification
+    time keys it too, so the old pixels' store is not reused."""
+    import os
+
+    m = write_manifest(tmp_path / "m", 12)
+    img = tmp_path / "m" / json.loads(m.read_text().splitlines()[0])["image"]
+    pixels = np.asarray(Image.open(img))
+    Image.fromarray(pixels).save(img, format="BMP")  # decoded by its content, whatever the name says
+    first = run_extract(cfg_for(tmp_path, m), splits=["train"])["train"]
+    size, mtime = img.stat().st_size, img.stat().st_mtime_ns
+    Image.fromarray(pixels[::-1].copy()).save(img, format="BMP")
+    os.utime(img, ns=(mtime + 10**9, mtime + 10**9))  # a coarse file system's clock may not have moved
+    assert img.stat().st_size == size
+    again = run_extract(cfg_for(tmp_path, m), splits=["train"])["train"]
+    assert again.path != first.path and not np.array_equal(again.tables["image"].x, first.tables["image"].x)
+
+
+def test_labels_key_tells_every_list_of_labels_apart():
+    from ushash.data.store import labels_key
+
+    cases = [[], [""], ["x", "y"], ["x|y"], ["x", ""], ["x\n"], ["\x01[\"x\"]"], ["x"], ["y", "x"]]
+    assert len({labels_key(c) for c in cases}) == len(cases)
+    assert labels_key(["animals", "cats"]) == "animals|cats"  # plain labels: the digests of existing stores
+
+
 def test_another_way_of_decoding_makes_another_store(tmp_path, monkeypatch):
     """The same rows decoded otherwise (a decode setting, or DECODE_VERSION for a change no setting shows)
     are another store, never the old one reused."""

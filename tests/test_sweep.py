@@ -39,6 +39,18 @@ def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, caplog):
     assert changed["digest"] != res["digest"] and f.exists()  # in a folder of its own: the first run is kept
 
 
+def test_a_trained_run_digest_holds_the_space_early_stop_and_trainer(tmp_path):
+    """A trained method reads the shared space, early stopping and the trainer as well as its model: a run
+    under other values of any of them is another run, not one "done already"."""
+    base = sweep.digest(sweep.run_settings(_cfg(tmp_path, "method=ushash", "bits=16", "seed=0")))
+    for o in ("space.reg=3.0", "space.max_rank=16", "early_stop.patience=1", "+trainer.gradient_clip_val=0.01",
+              "model.batch_size=32"):
+        assert sweep.digest(sweep.run_settings(_cfg(tmp_path, "method=ushash", "bits=16", "seed=0", o))) != base, o
+    # how a run reports is not a setting
+    assert sweep.digest(sweep.run_settings(_cfg(tmp_path, "method=ushash", "bits=16", "seed=0",
+                                                "trainer.log_every_n_steps=1"))) == base
+
+
 def test_a_run_of_other_code_or_packages_is_made_again(tmp_path, caplog, monkeypatch):
     """The settings digest covers the code, the numerical packages and the CPU model (provenance.made_by): a
     stored run made by other training code, under another numpy or on another CPU, is not served as this one's."""
@@ -227,6 +239,9 @@ def test_variant_overrides_and_their_folder(tmp_path):
     task = ["experiment=sweep_tuxpaint64", "paths.root=/x", "sweep.threads=1", "method=ushash,itq", "seed=0"]
     assert sweep.variant_overrides(task) == ["method=ushash,itq", "seed=0"]
     assert sweep.variant_overrides(task[:3]) == []
+    # the grid set through Hydra's sweeper is a variant too; Hydra's other overrides are not
+    hydra = ["hydra.mode=MULTIRUN", "hydra.sweeper.params.bits=16", "hydra/sweeper=basic"]
+    assert sweep.variant_overrides(task[:3], hydra) == ["hydra.sweeper.params.bits=16", "hydra/sweeper=basic"]
     d = sweep.variant_dir(tmp_path, ["method=ushash,itq", "seed=0"])
     assert d.parent == tmp_path / "variants" and d.name.startswith("method=ushash,itq_seed=0-")
 

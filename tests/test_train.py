@@ -99,6 +99,23 @@ def test_resume_refuses_other_settings(tmp_path):
     assert out["val_map@10"] is not None
 
 
+
+@pytest.mark.parametrize("override, name", [("seed=7", "seed"), ("model.batch_size=16", "batch_size"),
+                                            ("space.reg=3.0", "space"), ("early_stop.patience=1", "early_stop"),
+                                            ("+trainer.gradient_clip_val=0.01", "trainer")])
+def test_resume_refuses_settings_outside_the_hyper_parameters(tmp_path, override, name):
+    """The seed, batch size, space, early stopping and trainer are not the module's hyper-parameters, yet a
+    run resumed under another of them would mix two runs (and last.ckpt would record the second's)."""
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 120, "val": 40, "test": 40},
+                                       n_classes=4, dims={"image": 8, "text": 8})
+    run_train(_cfg(tmp_path, "run_name=r", "trainer.max_epochs=1"), splits=splits)  # one folder whatever the seed
+    with pytest.raises(ValueError, match=f"other settings \\({name}\\)"):
+        run_train(_cfg(tmp_path, "run_name=r", "trainer.max_epochs=2", override), splits=splits)
+    # reporting is not a setting: the run resumes
+    out = run_train(_cfg(tmp_path, "run_name=r", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"), splits=splits)
+    assert len(out["val_scores"]) == 3  # the start and two epochs: the second continued the first
+
+
 def test_a_run_over_other_features_trains_afresh_and_keeps_the_old_one(tmp_path, caplog):
     """Rerun under the same name after the features changed (a store made again): the old run is moved to
     checkpoints/stale/ and the head is trained from its start, not resumed from the old features' weights;

@@ -47,15 +47,18 @@ def encoder_meta(encoder, config: dict | None = None) -> dict:
 
 def rows_fingerprint(rows) -> str:
     """16 hex digits over every row's modality, id, group, labels and source, in order: a caption by its
-    text, a file by its path and size (a member of a container, `tar:...#m` or `hf:...#m`, by the
-    container's path and size), and over how a file is decoded (`decode_identity`). Another manifest,
-    another split seed or fraction, an edited caption, a replaced image or a change to decoding give
-    another fingerprint, so a feature store is never reused for other rows or other pixels."""
+    text, a file by its path, size and modification time (a member of a container, `tar:...#m` or `hf:...#m`,
+    by the container's), and over how a file is decoded (`decode_identity`). Another manifest,
+    another split seed or fraction, an edited caption or label, a replaced image (even of the same size: an
+    image of the same size and dimensions once reused the old pixels' store) or a change to decoding give
+    another fingerprint, so a feature store is never reused for other rows or other pixels. Like make and
+    rsync's quick check, a file copied over another with both its size and its modification time kept
+    (`cp -p` of a same-size file) is not seen; remove the store (or touch the file) after such a copy."""
     h = hashlib.sha256()
     h.update(decode_identity().encode() + b"\n")
     sizes: dict[str, object] = {}
     for r in rows:
-        h.update(f"{r.modality}\0{r.id}\0{r.group}\0{'|'.join(r.labels)}\0".encode("utf-8", "surrogatepass"))
+        h.update(f"{r.modality}\0{r.id}\0{r.group}\0{labels_key(r.labels)}\0".encode("utf-8", "surrogatepass"))
         h.update(_source_key(r, sizes).encode("utf-8", "surrogatepass") + b"\n")
     return h.hexdigest()[:16]
 
@@ -71,8 +74,18 @@ def content_digest(split: FeatureSplit) -> str:
         h.update(f"{m}\0{x.dtype.str}\0{x.shape}\n".encode())
         h.update(memoryview(x).cast("B"))
         for rid, g, labs in zip(t.ids, t.groups, t.labels):
-            h.update(f"{rid}\0{g}\0{'|'.join(labs)}\n".encode("utf-8", "surrogatepass"))
+            h.update(f"{rid}\0{g}\0{labels_key(labs)}\n".encode("utf-8", "surrogatepass"))
     return h.hexdigest()[:16]
+
+
+def labels_key(labels) -> str:
+    """A row's labels as one string that no other list of labels gives: joined by "|" when every label is
+    non-empty and holds no "|" or control character (what the digests have always read), else a marker
+    byte and the JSON list (["x", "y"] and ["x|y"] once gave the same digest)."""
+    labels = [str(x) for x in labels]
+    if all(x and "|" not in x and x.isprintable() for x in labels):
+        return "|".join(labels)
+    return "\x01" + json.dumps(labels)
 
 
 def decode_identity() -> str:
@@ -96,7 +109,8 @@ def _source_key(row, sizes: dict) -> str:
     path = src.split("#", 1)[0].split(":", 1)[1] if src.startswith(("tar:", "hf:")) and "#" in src else src
     if path not in sizes:
         try:
-            sizes[path] = os.stat(path).st_size
+            st = os.stat(path)
+            sizes[path] = f"{st.st_size}\0{st.st_mtime_ns}"
         except OSError:
             sizes[path] = "missing"
     return f"{src}\0{sizes[path]}"

@@ -89,7 +89,8 @@ def run_settings(cfg: DictConfig) -> dict:
     """What a run's result depends on (its digest): its settings, the code, numerical packages and CPU model
     that compute it (`provenance.made_by`: a run of other code, under another numpy or on another CPU is made
     again, not reused); a
-    trained run also depends on the network and trainer."""
+    trained run also depends on the network, the trainer, the shared space's settings and early stopping
+    (`training.training_settings`)."""
     spec = methods.get(cfg.method.name)
     s = sweep_settings(cfg)
     out = {"method": {"name": spec.name, "args": to_dict(cfg.method.get("args"))}, "bits": int(cfg.bits),
@@ -101,6 +102,8 @@ def run_settings(cfg: DictConfig) -> dict:
     if spec.kind == "trained":
         out["model"] = to_dict(cfg.model)
         out["max_epochs"] = int(cfg.trainer.max_epochs)
+        from ushash.hashing.training import training_settings
+        out["training"] = training_settings(cfg)
     return out
 
 
@@ -369,9 +372,12 @@ except ImportError:  # pragma: no cover
 NEUTRAL_OVERRIDES = ("experiment", "paths.", "sweep.threads", "hydra.", "trainer.enable_progress_bar")
 
 
-def variant_overrides(overrides: list[str]) -> list[str]:
-    """The command-line overrides that make a multirun something else than its experiment's full grid."""
-    return [o for o in overrides if not o.lstrip("+~").startswith(NEUTRAL_OVERRIDES)]
+def variant_overrides(overrides: list[str], hydra_overrides: list[str] = ()) -> list[str]:
+    """The command-line overrides that make a multirun something else than its experiment's full grid: any
+    task override but the neutral ones, and a Hydra override of the sweeper (`hydra.sweeper.params.bits=16`
+    sets the grid as surely as `bits=16` does)."""
+    return ([o for o in overrides if not o.lstrip("+~").startswith(NEUTRAL_OVERRIDES)]
+            + [o for o in hydra_overrides if o.lstrip("+~").startswith(("hydra.sweeper", "hydra/sweeper"))])
 
 
 def variant_dir(exp: Path, overrides: list[str]) -> Path:
@@ -424,7 +430,7 @@ class AggregateCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         wall = time.perf_counter() - getattr(self, "_t0", time.perf_counter())
         exp = exp_dir(config)
-        extra = variant_overrides(list(config.hydra.overrides.task))
+        extra = variant_overrides(list(config.hydra.overrides.task), list(config.hydra.overrides.hydra))
         out = variant_dir(exp, extra) if extra else exp
         aggregate(exp, command=command_line(), wall_s=round(wall, 1), digests=getattr(self, "_digests", None),
                   out_dir=out)

@@ -41,6 +41,21 @@ def space_settings(cfg: DictConfig) -> dict:
     return to_dict(cfg.get("space")) or {}
 
 
+# trainer keys that change how a run reports, not what it learns
+TRAINER_REPORTING = ("max_epochs", "enable_progress_bar", "enable_model_summary", "log_every_n_steps",
+                     "enable_checkpointing", "default_root_dir", "logger")
+
+
+def training_settings(cfg: DictConfig) -> dict:
+    """The settings of a trained run that are not the module's hyper-parameters but change what it learns:
+    the seed, the batch size, the shared space's settings, early stopping and the trainer's (but for
+    max_epochs and reporting, `TRAINER_REPORTING`). A resumed run must have the same (`_check_resumable`)
+    and a sweep's run digest holds them (`ushash.evaluation.sweep.run_settings`)."""
+    return {"seed": int(cfg.seed), "batch_size": int(cfg.model.batch_size), "space": space_settings(cfg),
+            "early_stop": to_dict(cfg.get("early_stop")) or {},
+            "trainer": {k: v for k, v in (to_dict(cfg.trainer) or {}).items() if k not in TRAINER_REPORTING}}
+
+
 def module_kwargs(cfg: DictConfig, in_dims: dict, provenance: dict, n_train_groups: int = 0,
                   dim: int | None = None) -> dict:
     m = to_dict(cfg.model)
@@ -127,12 +142,17 @@ def _as_trained(hp: dict) -> dict:
 
 def _check_resumable(last: Path, hp: dict, hparams: dict) -> None:
     """Refuse to resume the run at `last` (saved with hyper-parameters `hp`) trained with other settings
-    (another method, bits, loss weights, data...): only max_epochs may change between a run and its resumption."""
+    (another method, bits, loss weights, seed, batch size, space, trainer...): only max_epochs may change
+    between a run and its resumption."""
     from ushash.hashing import methods
     theirs = methods.get(hp.get("method", "ushash")).name
     if theirs != methods.get(hparams.get("method", "ushash")).name:
         raise ValueError(f"{last} was trained with method {theirs!r}, not {hparams.get('method')!r}; set "
                          f"run_name=... (or resume=false) so the runs do not share a folder")
+    # the training settings outside the hyper-parameters (`training_settings`); a checkpoint from before they
+    # were recorded has none to compare
+    ours = (hparams.get("provenance") or {}).get("training") or {}
+    differ = [k for k, v in ((hp.get("provenance") or {}).get("training") or {}).items() if _plain(v) != _plain(ours.get(k))]
     hp = _as_trained(hp)
     # a setting the checkpoint does not record predates it: the run used what is now that setting's default
     import inspect
@@ -140,9 +160,9 @@ def _check_resumable(last: Path, hp: dict, hparams: dict) -> None:
     default = {k: p.default for k, p in inspect.signature(USHashModule.__init__).parameters.items()
                if p.default is not inspect.Parameter.empty}
     # provenance is where the features came from (the folder, run name, data settings): the features
-    # themselves are `_trained_on_other_features`'s to judge, and the settings in it are hparams of their own
-    differ = sorted(k for k in set(hp) | set(hparams)
-                    if k not in ("max_epochs", "provenance") and _plain(hp.get(k, default.get(k))) != _plain(hparams.get(k, default.get(k))))
+    # themselves are `_trained_on_other_features`'s to judge; its training settings are compared above
+    differ = sorted(differ + [k for k in set(hp) | set(hparams)
+                              if k not in ("max_epochs", "provenance") and _plain(hp.get(k, default.get(k))) != _plain(hparams.get(k, default.get(k)))])
     if differ:
         raise ValueError(f"{last} was trained with other settings ({', '.join(differ)}); resuming it would mix "
                          f"them. Set run_name=... for a new run, or resume=false to start this one over")
@@ -191,7 +211,7 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
                   "stores": {sp: s.meta.get("rows_fingerprint") for sp, s in (("train", train), ("val", val))},
                   "content": {sp: s.content for sp, s in (("train", train), ("val", val))},
                   "run_name": str(cfg.run_name), "seed": int(cfg.seed), "data": data_cfg if made_here else None,
-                  "method": method_config(cfg), "space": _space_record(space)}
+                  "method": method_config(cfg), "space": _space_record(space), "training": training_settings(cfg)}
     dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
     dm.setup("fit")
     n_groups = len(dm.train_set.groups)  # the batcher's vocabulary (ushash.core.groups): the one count
