@@ -136,6 +136,15 @@ def test_errors_and_auth(setup):
     assert r.status_code == 500 and r.headers["x-cache"] == "miss"
     assert client.post("/v1/chat/completions", json={**chat("q"), "fail": True}, headers=H()).status_code == 500  # not stored
     assert client.post("/v1/embeddings", json={"input": 3}, headers=H()).headers["x-cache"] == "bypass"
+    # what the upstream cannot be sent, or Python's str() cannot read, is the client's 400, not a 500
+    assert client.post("/v1/chat%00", json=chat("q"), headers=H()).status_code == 400
+    deep = "[" * 1000 + "]" * 1000   # within orjson's 1024 levels, past what str() of it can recurse
+    for body in ('{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}' % deep,
+                 '{"messages": [{"role": %s, "content": "q"}]}' % deep):
+        assert client.post("/v1/chat/completions", content=body.encode(), headers=H()).status_code == 400
+    # a header value outside ASCII (obs-text) is forwarded bytes for bytes
+    r = client.post("/v1/embeddings", json={"input": 3}, headers={**H(), "X-Note": b"caf\xe9"})
+    assert r.status_code == 200 and up.calls[-1][2]["x-note"] == "caf\xe9"
 
 
 def test_json_path_for_other_apis():

@@ -196,7 +196,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                      ttl_s: float | None = None, transport=None):
     import httpx
 
-    from ushash.serving.service import _BodyLimit, bearer_credentials, loads_json
+    from ushash.serving.service import _BodyLimit, _ServerFaults, bearer_credentials, loads_json
 
     app = FastAPI(title="ushash caching proxy")
     tokens = dict(tokens or {})
@@ -241,10 +241,14 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return err(400, "the request body must be a JSON object")
         cc = cache_directives(request.headers.getlist("cache-control"))
         no_cache, no_store = "no-cache" in cc, "no-store" in cc
-        req = extract_request(body, text_path, image_path)
-        params = request_params(body, text_path, image_path) if req is not None else None
+        try:
+            req = extract_request(body, text_path, image_path)
+            params = request_params(body, text_path, image_path) if req is not None else None
+        except RecursionError:   # a part or role nested past what the parser took and Python's str() can
+            return err(400, "the request body is nested too deep")
         stream = body.get("stream") is True   # OpenAI's flag is a JSON boolean: "no" is not a stream
-        fwd_headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP and k.lower() != "authorization"}
+        # as received, bytes for bytes: a header value outside ASCII (obs-text) is forwarded, not re-encoded
+        fwd_headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in HOP | {"authorization"}]
         if req is None or params is None:   # nothing to key: pass through
             return await forward(path, raw, fwd_headers, stream, None, "bypass", "")
         meta = {"model": str(body.get("model", "")), "path": path, "stream": stream,
@@ -284,8 +288,11 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     async def forward(path, raw, headers, stream, key, label, timing):
         t0 = time.perf_counter()
         try:
-            up = await client.send(client.build_request("POST", "/" + path, content=raw, headers=headers),
-                                   stream=True)
+            up_req = client.build_request("POST", "/" + path, content=raw, headers=headers)
+        except (httpx.InvalidURL, ValueError) as e:   # a path with a control character, say: not the upstream's fault
+            return err(400, f"the request cannot be forwarded: {type(e).__name__}: {str(e)[:200]}")
+        try:
+            up = await client.send(up_req, stream=True)
         except httpx.HTTPError as e:
             return err(502, f"upstream failed: {type(e).__name__}")
         out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP | {"x-cache", "server-timing"}}
@@ -333,6 +340,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     async def _close():
         await client.aclose()
 
+    app.add_middleware(_ServerFaults)   # an unforeseen error: a JSON 500, and the connection kept
     wrapped = _BodyLimit(app, max_body_bytes)
     wrapped.state = app.state  # type: ignore[attr-defined]
     return wrapped
