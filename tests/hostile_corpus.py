@@ -106,6 +106,12 @@ def svg_embedded_bomb() -> bytes:
             f'xlink:href="data:image/png;base64,{b64}"/></svg>').encode()
 
 
+def svg_embedding(svg: bytes) -> bytes:
+    b64 = base64.b64encode(svg).decode()
+    return (f'<svg {SVG_NS} width="10" height="10"><image width="10" height="10" '
+            f'xlink:href="data:image/svg+xml;base64,{b64}"/></svg>').encode()
+
+
 def svg_external(url: str) -> bytes:
     return f'<svg {SVG_NS} width="10" height="10"><image width="10" height="10" xlink:href="{url}"/></svg>'.encode()
 
@@ -176,6 +182,12 @@ def image_cases() -> list[tuple[str, bytes]]:
         ("svgz_bomb", svgz_bomb()),
         ("svgz_truncated", svgz(svg_sized(10, 10))[:20]),
         ("svg_unclosed", f"<svg {SVG_NS} width='10' height='10'><rect".encode()),
+        ("svg_mask_bomb", (f'<svg {SVG_NS} width="64" height="64"><defs><mask id="m" maskUnits="userSpaceOnUse" '
+                           'x="0" y="0" width="30000" height="30000"><rect width="30000" height="30000" fill="white"/>'
+                           '</mask></defs><rect width="64" height="64" mask="url(#m)"/></svg>').encode()),
+        ("svg_long_text", f'<svg {SVG_NS} width="10" height="10"><text>{"x" * 200_000}</text></svg>'.encode()),
+        ("svg_embedded_style_bomb", svg_embedding((f'<svg {SVG_NS} width="10" height="10"><style>'
+                                                   + "rect{fill:red}" * 20000 + "</style></svg>").encode())),
         ("svg_style_bomb", (f'<svg {SVG_NS} width="10" height="10"><style>' + "rect{fill:red}" * 20000
                             + "</style><rect width='1' height='1'/></svg>").encode()),
     ]

@@ -351,7 +351,8 @@ def test_hostile_images_are_refused_or_small_and_cheap(name, data):
 
 
 @pytest.mark.parametrize("name", ["png_1x30000", "png_1x2000", "png_10000x10000", "svg_1x5000",
-                                  "svg_flat_entity_bomb", "svg_use_bomb", "svg_embedded_png_bomb", "svg_style_bomb"])
+                                  "svg_flat_entity_bomb", "svg_use_bomb", "svg_embedded_png_bomb", "svg_style_bomb",
+                                  "svg_mask_bomb", "svg_long_text", "svg_embedded_style_bomb"])
 def test_bombs_are_over_limit(name):
     data = dict(hc.image_cases())[name]
     with pytest.raises(MediaError) as e:

@@ -272,7 +272,7 @@ _draw_guard_lock = threading.Lock()
 def _count_draws(cairosvg) -> None:
     """Make cairosvg's one drawing entry point (`Surface.draw`: every node, every <use> and marker
     instance, the content of every pattern and mask, nested SVG images) charge this thread's budget, if
-    one is set. cairosvg has no such limit of its own; the wrapper is installed once and does nothing for
+    one is set, and the surfaces of masks and patterns keep to its max_pixels. cairosvg has no such limit of its own; the wrapper is installed once and does nothing for
     renderings made outside `_rasterise_svg`."""
     surface = cairosvg.surface.Surface
     with _draw_guard_lock:
@@ -288,6 +288,21 @@ def _count_draws(cairosvg) -> None:
 
         counted._ushash_budget = True
         surface.draw = counted
+
+        # a mask's or pattern's own surface (cairo rasterises it whole when it is painted: a 30000-unit mask
+        # in a 64 x 64 SVG once cost 3.4 GB) is held to max_pixels as the rendering itself is
+        vector = cairosvg.surface.SVGSurface
+        create = vector._create_surface
+
+        def bounded(self, width, height):
+            b = getattr(_budget, "current", None)
+            if b is not None and b.limits.max_pixels is not None and width * height > b.limits.max_pixels:
+                raise MediaError(b.source, f"SVG has a mask or pattern of {width:.0f}x{height:.0f} = "
+                                           f"{width * height:.0f} pixels, over max_pixels={b.limits.max_pixels}",
+                                 OVER_LIMIT)
+            return create(self, width, height)
+
+        vector._create_surface = bounded
 
 
 def _gunzip(data: bytes, source, limit: int | None) -> bytes:
@@ -305,7 +320,8 @@ def _gunzip(data: bytes, source, limit: int | None) -> bytes:
 def _data_url_fetcher(source, limits: MediaLimits):
     """cairosvg's url_fetcher: `data:` URIs only, as cairosvg's own `safe_fetch` (anything else renders as
     an empty 1x1 SVG, so nothing is ever read from a file or the network), and a raster image inside one
-    must be of IMAGE_FORMATS and within `limits` (cairosvg would hand anything else to Pillow unchecked)."""
+    must be of IMAGE_FORMATS and within `limits` (cairosvg would hand anything else to Pillow unchecked),
+    an SVG inside one within the source limits (`_check_svg_source`)."""
     from urllib.request import urlopen
 
     def fetch(url, resource_type):
@@ -317,6 +333,8 @@ def _data_url_fetcher(source, limits: MediaLimits):
         if not (data.startswith((b"<svg ", b"<?xml", b"<!DOC")) or b"<svg" in data) and len(data) >= 5:
             with _open_raster(io.BytesIO(data), source, limits):
                 pass
+        else:  # an SVG inside: held to the outer document's limits (its stylesheet once cost 38 s of CPU)
+            _check_svg_source(data, source, limits)
         return data
 
     return fetch
@@ -324,7 +342,8 @@ def _data_url_fetcher(source, limits: MediaLimits):
 
 def _check_svg_source(data: bytes, source, limits: MediaLimits) -> None:
     """Parse with defusedxml (no entities, no external references) and count what cairosvg will work
-    through: elements and stylesheet text."""
+    through: elements (a character of text counts as one: a single <text> of 900k characters once took 16 s
+    of CPU, all in one node, where the CPU budget is not checked) and stylesheet text."""
     import defusedxml.ElementTree as DET
     from defusedxml import DefusedXmlException
 
@@ -338,10 +357,14 @@ def _check_svg_source(data: bytes, source, limits: MediaLimits) -> None:
     n, style = 0, 0
     for el in root.iter():
         n += 1
-        if isinstance(el.tag, str) and el.tag.rpartition("}")[2] == "style":
+        tag = el.tag.rpartition("}")[2] if isinstance(el.tag, str) else ""
+        if tag == "style":
             style += len(el.text or "")
+        elif tag in ("text", "tspan", "textPath"):  # cairosvg lays out each character on its own, as a node
+            n += len(el.text or "") + len(el.tail or "")
     if limits.max_svg_elements is not None and n > limits.max_svg_elements:
-        raise MediaError(source, f"SVG has {n} elements, over max_svg_elements={limits.max_svg_elements}", OVER_LIMIT)
+        raise MediaError(source, f"SVG has {n} elements and characters of text, over max_svg_elements="
+                                 f"{limits.max_svg_elements}", OVER_LIMIT)
     if limits.max_svg_style_bytes is not None and style > limits.max_svg_style_bytes:
         raise MediaError(source, f"SVG has {style} characters of <style>, over max_svg_style_bytes="
                                  f"{limits.max_svg_style_bytes}", OVER_LIMIT)
