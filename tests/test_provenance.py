@@ -179,3 +179,29 @@ def test_a_copied_checkpoint_uses_the_stores_of_the_clone_it_is_in(tmp_path):
     ckpt = b / Path(out["last"]).relative_to(a)
     got = run_eval(compose("eval", [f"paths.root={b}", f"ckpt={ckpt}"]))
     assert got["rows"] == want and str(b) in got["out"]
+
+
+def test_a_store_of_another_manifest_of_the_same_name_is_never_used(tmp_path):
+    """Where a checkpoint's rows cannot be listed (its manifest moved, or an export that leaves the path out)
+    the store is the one its recorded rows fingerprint names, or none: never the one store of that name,
+    which was another manifest's."""
+    from ushash.data.extract import stored_split
+    from ushash.serving.export import _stores
+
+    a, b = write_manifest(tmp_path / "a", 12), write_manifest(tmp_path / "b", 12, caption="one {} box")
+    out = run_train(cfg_for(tmp_path, a, "data.name=shared"))
+    prov = dict(load_checkpoint(out["best"]).hparams.provenance)
+    run_extract(cfg_for(tmp_path, b, "data.name=shared"), splits=["test"])   # another manifest's test split
+    feats = tmp_path / "data" / "features"
+    recorded = _stores(prov)   # what an export records while the manifest is there: the test split too
+    assert set(recorded) == {"train", "val", "test"} and all(recorded.values())
+    a.rename(a.with_suffix(".moved"))
+    with pytest.raises(FeatureStoreError, match="cannot list the rows of shared/test"):
+        stored_split(prov, "test", feats)
+    with pytest.raises(FeatureStoreError, match="no feature store of shared/test"):   # named, and not there
+        stored_split({**prov, "stores": recorded}, "test", feats)
+    assert stored_split(prov, "train", feats).meta["rows_fingerprint"] == recorded["train"]  # the checkpoint's record
+    a.with_suffix(".moved").rename(a)
+    run_extract(cfg_for(tmp_path, a, "data.name=shared"), splits=["test"])
+    a.rename(a.with_suffix(".moved"))
+    assert stored_split({**prov, "stores": recorded}, "test", feats).meta["rows_fingerprint"] == recorded["test"]

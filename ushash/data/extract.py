@@ -97,14 +97,33 @@ def run_extract(cfg: DictConfig, splits: list[str] | None = None, encoder=None) 
     return out
 
 
+def listed_fingerprint(provenance: dict, split: str) -> str | None:
+    """The rows fingerprint of `split` made again here from the data settings `provenance` records (a
+    checkpoint's, an export's source); None where the recipe cannot run here (synthetic data, a manifest or
+    media not on this machine, a path an export left out)."""
+    data = dict(provenance.get("data") or {})
+    recipe = data.pop("recipe", None) or data.pop("name", None) or provenance["dataset"]
+    data.pop("name", None)
+    from ushash.data.datasets import DATASETS
+    if recipe not in DATASETS:
+        return None
+    try:
+        return rows_fingerprint(load_rows(recipe, split, **data))
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        log.info("cannot list the rows of %s/%s here (%s)", provenance["dataset"], split, e)
+        return None
+
+
 def stored_split(provenance: dict, split: str, features_dir: str | Path) -> FeatureSplit:
     """The feature store of `split` for what a checkpoint was trained on (its provenance: dataset, data
     settings, encoder), under `features_dir`.
 
     The rows are made again from the dataset settings the checkpoint records, so the store found is the one
     of exactly those rows (`rows_fingerprint`): never a store of another manifest or another split seed.
-    Where the recipe cannot run here (synthetic data, media not on this machine) the one store of that
-    dataset, split and encoder is used, and several are refused."""
+    Where the recipe cannot run here, the rows fingerprint the provenance recorded for the split (`stores`:
+    a checkpoint's train and val, an export's every split it could list) names the store. Without either,
+    the one store of that dataset, split and encoder is used for synthetic data, and a data set whose rows
+    cannot be listed is refused (a store of another manifest of the same name was once used)."""
     enc = provenance["encoder"]
     dataset = provenance["dataset"]
     data = dict(provenance.get("data") or {})
@@ -112,21 +131,21 @@ def stored_split(provenance: dict, split: str, features_dir: str | Path) -> Feat
     data.pop("name", None)
     base = store_identity(dataset, split, {"name": enc["name"], "fingerprint": enc["fingerprint"]})
     from ushash.data.datasets import DATASETS
+    fingerprint = listed_fingerprint(provenance, split) or (provenance.get("stores") or {}).get(split)
+    if fingerprint:
+        path = identity_path(features_dir, {**base, "rows_fingerprint": fingerprint})
+        if not (path / "meta.json").exists():
+            sets = " ".join(f"data.{k}={v}" for k, v in data.items() if v is not None and not isinstance(v, (dict, list)))
+            raise FeatureStoreError(
+                f"no feature store of {dataset}/{split} for the rows this checkpoint's data settings give, at {path}; "
+                f"extract it: python -m ushash.extract data={recipe} data.name={dataset} {sets} "
+                f"encoder={enc['name']} extract.splits=[{split}]")
+        return open_split(path)
     if recipe in DATASETS:
-        try:
-            rows = load_rows(recipe, split, **data)
-        except (FileNotFoundError, ValueError, TypeError) as e:
-            log.warning("cannot list the rows of %s/%s here (%s); using the one stored split of that name", dataset,
-                        split, e)
-        else:
-            path = identity_path(features_dir, {**base, "rows_fingerprint": rows_fingerprint(rows)})
-            if not (path / "meta.json").exists():
-                sets = " ".join(f"data.{k}={v}" for k, v in data.items() if v is not None and not isinstance(v, (dict, list)))
-                raise FeatureStoreError(
-                    f"no feature store of {dataset}/{split} for the rows this checkpoint's data settings give, at {path}; "
-                    f"extract it: python -m ushash.extract data={recipe} data.name={dataset} {sets} "
-                    f"encoder={enc['name']} extract.splits=[{split}]")
-            return open_split(path)
+        raise FeatureStoreError(
+            f"cannot list the rows of {dataset}/{split} here (its data, e.g. the manifest, is not where the "
+            f"checkpoint's data settings say) and nothing records which store they are; pass the data settings "
+            f"that list them (data.path=... for a manifest), so that only the store of exactly those rows is used")
     folder = identity_path(features_dir, base)
     found = sorted(p for p in folder.parent.glob(folder.name + "*")
                    if (p / "meta.json").exists() and (p.name == folder.name or p.name.startswith(folder.name + "-r")))

@@ -172,6 +172,19 @@ def _calibration_samples(module, cfg: DictConfig, codec: PayloadCodec) -> dict:
     return out
 
 
+def _stores(prov: dict) -> dict | None:
+    """The rows fingerprint of every split the export's data settings list here (the checkpoint records train
+    and val): where the export is used without its data (the manifest's path is not exported), they name
+    the stores of exactly those rows (`extract.stored_split`)."""
+    from ushash.data.extract import listed_fingerprint
+    stores = dict(prov.get("stores") or {})
+    if not prov.get("dataset"):
+        return stores or None
+    for sp in ("train", "val", "test"):
+        stores[sp] = stores.get(sp) or listed_fingerprint(prov, sp)
+    return stores
+
+
 def run_export(cfg: DictConfig, module=None) -> dict:
     """Export the checkpoint `cfg.ckpt`; returns {"out", "revision", "manifest"}."""
     from ushash.hashing.module import load_checkpoint
@@ -192,7 +205,7 @@ def run_export(cfg: DictConfig, module=None) -> dict:
             if not (isinstance(v, str) and os.path.isabs(v))} if prov.get("data") else None  # no machine paths
     source = {"dataset": prov.get("dataset"), "data": data, "encoder": prov.get("encoder"),
               "features_dir": prov.get("features_dir") if not os.path.isabs(str(prov.get("features_dir") or "")) else None,
-              "stores": prov.get("stores"), "run_name": run, "checkpoint": Path(str(cfg.ckpt)).name,
+              "stores": _stores(prov), "run_name": run, "checkpoint": Path(str(cfg.ckpt)).name,
               "seed": prov.get("seed"), "calibration_split": cfg.calibration.split if samples else None}
     write_export(model, out, prov.get("encoder") or {}, codec, source=source, overwrite=bool(cfg.overwrite))
     head = artifact.load_export(out)  # read back through the serving loader before declaring success

@@ -180,5 +180,7 @@ def build_pool(cfg, head) -> tuple[Pool, str]:
                                captions=tuple(v.get("captions") or ("recased",))), dataset
     from ushash.data.extract import resolve_features_dir, stored_split
     prov = {**src, "dataset": dataset, "encoder": {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint}}
+    if cfg.get("data") is not None:  # data settings given here (data.path=... of a manifest) list the rows
+        prov["data"] = {**(src.get("data") or {}), **to_dict(cfg.data)}
     split = stored_split(prov, str(cfg.split), resolve_features_dir(prov, cfg))
     return pool_from_split(split, perturb=int(v.perturb), noise=float(v.noise), seed=int(cfg.stream.seed)), dataset
