@@ -1,5 +1,7 @@
 """US-HASH training on synthetic clustered features: it must beat random-hyperplane codes clearly."""
 
+import json
+
 import numpy as np
 from pathlib import Path
 
@@ -58,7 +60,16 @@ def test_checkpoint_describes_itself_and_eval_writes_tables(tmp_path):
     assert {r["protocol"] for r in res["rows"]} == {"paired", "label"}
     assert all(r["denominator"] == "min" for r in res["rows"])
     assert "paired" in res["table"] and "label" in res["table"]
-    assert (tmp_path / "experiments" / "eval").exists()
+    assert Path(res["out"]).parent.parent == tmp_path / "experiments" / "eval"
+    assert out["best"] != out["last"]
+    assert json.loads((Path(res["out"]) / "results.json").read_text())["settings"]["split"] == "test"
+    # every evaluation has its own folder: another split, another checkpoint of the same run, or other
+    # settings never overwrite the tables of this one (they did: experiments/eval/<run>/ for all of them)
+    others = [run_eval(compose("eval", [f"paths.root={tmp_path}", f"ckpt={out['last']}", *extra]))["out"]
+              for extra in (["split=val"], ["k=5"])]
+    others.append(run_eval(compose("eval", [f"paths.root={tmp_path}", f"ckpt={out['best']}"]))["out"])
+    assert len({res["out"], *others}) == 4, others
+    assert run_eval(ecfg)["out"] == res["out"]   # the same evaluation again: the same folder
     # queries from test ranked against another split (the hashing protocol's query set vs database)
     res_db = run_eval(compose("eval", [f"paths.root={tmp_path}", f"ckpt={out['last']}", "database=train"]))
     assert {r["n_database"] for r in res_db["rows"]} == {300}

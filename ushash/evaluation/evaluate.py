@@ -6,6 +6,8 @@ and writes results.json and results.md (every direction, both protocols, codes b
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -32,6 +34,26 @@ def methods_for(module, encoder_name: str) -> dict:
     return methods
 
 
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def default_out(prov: dict, cfg, settings: dict) -> str:
+    """`<run>/<checkpoint file>-<split>[-vs-<database>]-<digest>`: keyed by everything that made the tables (the
+    checkpoint's bytes, the splits, k, the denominator, the protocols), so another checkpoint of the same run
+    (last.ckpt beside best.ckpt, or a retrained one), another split or other settings never overwrite them."""
+    run = prov.get("run_name", Path(str(cfg.ckpt)).parent.name)
+    name = f"{Path(str(cfg.ckpt)).stem}-{settings['split']}"
+    if settings["database"] != settings["split"]:
+        name += f"-vs-{settings['database']}"
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{run}/{name}-{digest}"
+
+
 def run_eval(cfg: DictConfig, module=None) -> dict:
     module = module or load_checkpoint(cfg.ckpt)
     prov = module.hparams.provenance or {}
@@ -42,8 +64,9 @@ def run_eval(cfg: DictConfig, module=None) -> dict:
     database = stored_split(prov, db_name, features_dir) if db_name and db_name != cfg.split else None
     rows = retrieval.evaluate(split, methods_for(module, enc["name"]), k=int(cfg.k), database=database,
                               protocols=tuple(cfg.protocols), denominator=str(cfg.denominator))
-    run = prov.get("run_name", Path(str(cfg.ckpt)).parent.name)
-    out = Path(cfg.out) if cfg.out else Path(cfg.paths.experiments_dir) / "eval" / run
+    settings = {"checkpoint_sha256": file_sha256(cfg.ckpt), "split": cfg.split, "database": db_name or cfg.split,
+                "k": int(cfg.k), "denominator": str(cfg.denominator), "protocols": list(cfg.protocols)}
+    out = Path(cfg.out) if cfg.out else Path(cfg.paths.experiments_dir) / "eval" / default_out(prov, cfg, settings)
     out.mkdir(parents=True, exist_ok=True)
     against = f" against the {db_name} split" if database is not None else ""
     title = (f"{prov['dataset']} / {cfg.split} split{against}, encoder {enc['name']} ({enc['fingerprint']}), "
@@ -51,11 +74,11 @@ def run_eval(cfg: DictConfig, module=None) -> dict:
     table = report.eval_tables(rows, k=int(cfg.k), title=title)
     result = {"checkpoint": str(cfg.ckpt), "dataset": prov["dataset"], "split": cfg.split,
               "database": db_name or cfg.split, "encoder": enc,
-              "bits": module.hparams.bits, "k": int(cfg.k), "tie_rule": "ascending database index", "rows": rows}
+              "bits": module.hparams.bits, "settings": settings, "tie_rule": "ascending database index", "rows": rows}
     write_json(out / "results.json", result)
     atomic_write(out / "results.md", table + "\n")
     log.info("%s", table)
     log.info("wrote %s and results.md", out / "results.json")
     codes_name = next(iter(methods_for(module, enc["name"])))
-    score = retrieval.mean_map([r for r in rows if r["method"] == codes_name], "paired", key="tie_map@10")
+    score = retrieval.mean_map([r for r in rows if r["method"] == codes_name], "paired", key=f"tie_map@{int(cfg.k)}")
     return {"out": str(out), "rows": rows, "table": table, "score": score}

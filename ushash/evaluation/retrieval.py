@@ -115,7 +115,7 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method] | None = None, k: i
         for q, d in directions(mods):
             kind, qx = q_reps[q]
             _, dx = d_reps[d]
-            I, bits = rank(kind, qx, dx, k)
+            I, bits = rank(kind, qx, dx, max(k, *ks))  # R@K for every K of ks, whatever k is
             here = [p for p in protocols if p != "label" or labels is not None]
             rel_args = {p: (q_groups[q], d_groups[d], p, labels[0][q] if p == "label" else None,
                             labels[1][d] if p == "label" else None) for p in here}
