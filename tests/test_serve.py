@@ -14,6 +14,7 @@ from conftest import write_tiny_export
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from ushash.serving import connection
 from ushash.serving.cache import SemanticCache
 from ushash.serving.localhost import free_port, wait_until_up
 from ushash.serving.service import check_binding, create_app, is_loopback
@@ -453,8 +454,8 @@ def test_workers_set_tcp_nodelay_on_each_connection():
     from uvicorn.importer import import_from_string
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    cls = import_from_string("ushash.serving.service:NoDelayHTTP")
-    assert issubclass(cls, AutoHTTPProtocol) and cls is import_from_string("ushash.serving.service:NoDelayHTTP")
+    cls = import_from_string(connection.PROTOCOL)
+    assert issubclass(cls, AutoHTTPProtocol) and cls is import_from_string(connection.PROTOCOL)
 
     async def main():
         listener = socket.socket(socket.AF_INET)          # as uvicorn's Config.bind_socket makes it

@@ -21,6 +21,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ushash.serving import connection
+
 MODEL_NAME = "efficientnet-lite0-imagenet"
 
 
@@ -108,7 +110,8 @@ def main(argv=None) -> None:
     if not is_loopback(host):
         raise SystemExit("the model service binds loopback only (put the proxy in front of it)")
     app = create_model_app(Classifier(threads=int(args["threads"]) if "threads" in args else None))
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                http=connection.PROTOCOL, **connection.SERVER_OPTIONS)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ushash.serving import connection
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
 from ushash.serving.messages import decode_base64, decode_data_url, images_digest, json_digest, read_content
 
@@ -370,7 +371,8 @@ def run_proxy(cfg) -> None:
 
     app, host, port, cache = build(cfg)
     log.info("proxy http://%s:%d -> %s, revision %s", host, port, cfg.upstream, cache.revision)
-    uvicorn.run(app, host=host, port=port, log_level=str(cfg.log_level), access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level=str(cfg.log_level), access_log=False,
+                http=connection.PROTOCOL, **connection.SERVER_OPTIONS)
 
 
 __all__ = ["Extracted", "ProxyConfig", "build", "create_proxy_app", "extract_request", "run_proxy"]

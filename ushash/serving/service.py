@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ushash.config import to_dict
+from ushash.serving import connection
 from ushash.serving.cache import TENANT_PATTERN, RequestError, UnknownTenant
 from ushash.serving.cache.config import CacheConfig
 from ushash.serving.messages import decode_base64
@@ -617,32 +618,6 @@ def check_workers(cfg) -> int:
     return n
 
 
-@functools.lru_cache(maxsize=None)
-def _no_delay_protocol():
-    """uvicorn's HTTP protocol (h11 or httptools, as it picks) with TCP_NODELAY set on each connection. A
-    worker accepts on the socket uvicorn's parent bound, made as socket.socket(AF_INET) with protocol 0,
-    and asyncio sets TCP_NODELAY only on sockets whose protocol reads IPPROTO_TCP: without this, every
-    keep-alive response (headers and body written apart) waited ~40 ms for a delayed ACK (Nagle)."""
-    import socket
-
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    class NoDelayHTTP(AutoHTTPProtocol):
-        def connection_made(self, transport):
-            sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            super().connection_made(transport)
-
-    return NoDelayHTTP
-
-
-def __getattr__(name):
-    if name == "NoDelayHTTP":   # made on first use (uvicorn's protocols are imported for serving only)
-        return _no_delay_protocol()
-    raise AttributeError(name)
-
-
 def worker_app() -> FastAPI:
     """The app of one of uvicorn's worker processes (workers > 1), built from the serve config the parent
     put in the environment: each worker loads the export and makes its own cache (L1) over the shared L2."""
@@ -663,7 +638,8 @@ def run_serve(cfg: DictConfig) -> None:
         cache = app.state.cache
         log.info("serving http://%s:%d revision %s, %d bits, modalities %s, token %s", host, port, cache.revision,
                  cache.bits, cache.encoder.modalities, "required" if token else "off (loopback)")
-        uvicorn.run(app, host=host, port=port, log_level=str(cfg.log_level), access_log=False)
+        uvicorn.run(app, host=host, port=port, log_level=str(cfg.log_level), access_log=False,
+                    http=connection.PROTOCOL, **connection.SERVER_OPTIONS)
         return
     from omegaconf import OmegaConf
 
@@ -679,4 +655,4 @@ def run_serve(cfg: DictConfig) -> None:
     # that pulls in), which on a busy machine takes longer than uvicorn's default 5 s
     uvicorn.run("ushash.serving.service:worker_app", factory=True, host=host, port=port, workers=workers,
                 log_level=str(cfg.log_level), access_log=False, timeout_worker_healthcheck=WORKER_START_S,
-                http="ushash.serving.service:NoDelayHTTP")
+                http=connection.PROTOCOL, **connection.SERVER_OPTIONS)
