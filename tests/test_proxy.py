@@ -117,6 +117,27 @@ def test_cache_control(setup):
     assert client.post("/v1/chat/completions", json=chat("other q"), headers=H()).headers["x-cache"] == "miss"
 
 
+def test_what_the_cache_cannot_encode_is_passed_through_not_refused(setup, monkeypatch):
+    """An image over the cache's pixel limit, an undecodable one or a text over its length limit is the model's
+    to answer: forwarded with X-Cache: bypass, never stored (it was a 400 from the proxy)."""
+    client, up, cache = setup
+    from ushash.serving.cache import RequestError
+    keyed = cache.query
+
+    def query(m, data=None, features=None):
+        if m == "text" and len(data) > 50 or m == "image" and data.startswith(b"BOMB"):
+            raise RequestError(f"{m} over the cache's limits")
+        return keyed(m, data)
+
+    monkeypatch.setattr(cache, "query", query)
+    for body in (chat("a long question " * 10), chat("what is this", b"BOMB image")):
+        for n in (1, 2):
+            r = client.post("/v1/chat/completions", json=body, headers=H())
+            assert r.status_code == 200 and r.headers["x-cache"] == "bypass", r.text
+    assert len(up.calls) == 4          # each forwarded, none stored and served
+    assert client.post("/v1/chat/completions", json=chat("short"), headers=H()).headers["x-cache"] == "miss"
+
+
 def test_errors_and_auth(setup):
     client, up, _ = setup
     assert client.post("/v1/chat/completions", json=chat("q")).status_code == 401

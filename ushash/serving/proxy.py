@@ -7,7 +7,9 @@ parts, `image_url` parts with base64 data URLs), or, for other APIs, from `text_
 (dotted paths into the body, e.g. `input.prompt`, with base64 for the image). A request with an image is
 looked up by the image, its text an exact metadata filter; otherwise by its text. A request holding what
 it cannot key by (an image that is not a base64 data URL, a part of another type, over 256 messages or
-parts) is passed through (`X-Cache: bypass`): keyed by the rest, it could be served another's answer.
+parts) is passed through (`X-Cache: bypass`): keyed by the rest, it could be served another's answer. So is
+one the cache cannot encode (an image over its pixel limit or undecodable, a text over its length limit):
+the upstream answers or refuses it as it would without the proxy, and nothing is stored.
 The body's `model`, the URL path, `stream`, the gateway's `X-Model-Revision` header (every line of it)
 and everything else in the body (`request_params`: temperature, max_tokens, tools, the messages' roles
 and names, ...) are exact filters too: an answer of another model, endpoint, revision or setting is never
@@ -263,7 +265,10 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         try:
             q, spent = await asyncio.to_thread(timed, cache.query, modality, data)
         except RequestError as e:
-            return err(400, str(e))
+            # what the cache cannot key (media over its limits or undecodable, text over its length) is the
+            # model's to answer or refuse, not the proxy's: passed through, never stored
+            log.debug("bypass: %s", e)
+            return await forward(path, raw, fwd_headers, stream, None, "bypass", "")
         key = (q, tenant, meta)
         if not no_cache:
             t0 = time.perf_counter()
