@@ -97,13 +97,19 @@ def run_extract(cfg: DictConfig, splits: list[str] | None = None, encoder=None) 
     return out
 
 
+def _recipe(provenance: dict) -> tuple[str, dict]:
+    """(the data set recipe, its settings less the name) of the data settings `provenance` records."""
+    data = dict(provenance.get("data") or {})
+    recipe = data.pop("recipe", None) or data.pop("name", None) or provenance["dataset"]
+    data.pop("name", None)
+    return recipe, data
+
+
 def listed_fingerprint(provenance: dict, split: str) -> str | None:
     """The rows fingerprint of `split` made again here from the data settings `provenance` records (a
     checkpoint's, an export's source); None where the recipe cannot run here (synthetic data, a manifest or
     media not on this machine, a path an export left out)."""
-    data = dict(provenance.get("data") or {})
-    recipe = data.pop("recipe", None) or data.pop("name", None) or provenance["dataset"]
-    data.pop("name", None)
+    recipe, data = _recipe(provenance)
     from ushash.data.datasets import DATASETS
     if recipe not in DATASETS:
         return None
@@ -126,9 +132,7 @@ def stored_split(provenance: dict, split: str, features_dir: str | Path) -> Feat
     cannot be listed is refused (a store of another manifest of the same name was once used)."""
     enc = provenance["encoder"]
     dataset = provenance["dataset"]
-    data = dict(provenance.get("data") or {})
-    recipe = data.pop("recipe", None) or data.pop("name", None) or dataset
-    data.pop("name", None)
+    recipe, data = _recipe(provenance)
     base = store_identity(dataset, split, {"name": enc["name"], "fingerprint": enc["fingerprint"]})
     from ushash.data.datasets import DATASETS
     fingerprint = listed_fingerprint(provenance, split) or (provenance.get("stores") or {}).get(split)

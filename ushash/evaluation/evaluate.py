@@ -7,7 +7,6 @@ and writes results.json and results.md (every direction, both protocols, codes b
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from ushash.evaluation import report, retrieval
+from ushash.evaluation.sweep import digest
 from ushash.core.io import atomic_write, write_json
 from ushash.data.extract import resolve_features_dir, stored_split
 from ushash.hashing.methods.space import JOINT_SPACE_ENCODERS  # image/text (or audio/text) in one space already
@@ -34,14 +34,6 @@ def methods_for(module, encoder_name: str) -> dict:
     return methods
 
 
-def file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def default_out(prov: dict, cfg, settings: dict) -> str:
     """`<run>/<checkpoint file>-<split>[-vs-<database>]-<digest>`: keyed by everything that made the tables (the
     checkpoint's bytes, the splits, k, the denominator, the protocols), so another checkpoint of the same run
@@ -50,8 +42,7 @@ def default_out(prov: dict, cfg, settings: dict) -> str:
     name = f"{Path(str(cfg.ckpt)).stem}-{settings['split']}"
     if settings["database"] != settings["split"]:
         name += f"-vs-{settings['database']}"
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-    return f"{run}/{name}-{digest}"
+    return f"{run}/{name}-{digest(settings)}"
 
 
 def run_eval(cfg: DictConfig, module=None) -> dict:
@@ -64,7 +55,7 @@ def run_eval(cfg: DictConfig, module=None) -> dict:
     database = stored_split(prov, db_name, features_dir) if db_name and db_name != cfg.split else None
     rows = retrieval.evaluate(split, methods_for(module, enc["name"]), k=int(cfg.k), database=database,
                               protocols=tuple(cfg.protocols), denominator=str(cfg.denominator))
-    settings = {"checkpoint_sha256": file_sha256(cfg.ckpt), "split": cfg.split, "database": db_name or cfg.split,
+    settings = {"checkpoint_sha256": hashlib.sha256(Path(str(cfg.ckpt)).read_bytes()).hexdigest(), "split": cfg.split, "database": db_name or cfg.split,
                 "k": int(cfg.k), "denominator": str(cfg.denominator), "protocols": list(cfg.protocols)}
     out = Path(cfg.out) if cfg.out else Path(cfg.paths.experiments_dir) / "eval" / default_out(prov, cfg, settings)
     out.mkdir(parents=True, exist_ok=True)

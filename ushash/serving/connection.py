@@ -38,10 +38,11 @@ def _protocol():
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._head_bytes, self._in_head = 0, True
             super().connection_made(transport)
 
         if bounded:
+            _head_bytes, _in_head = 0, True   # of the request being read (each connection's own once counted)
+
             def data_received(self, data: bytes) -> None:
                 if self._in_head:
                     self._head_bytes += len(data)

@@ -252,8 +252,11 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         stream = body.get("stream") is True   # OpenAI's flag is a JSON boolean: "no" is not a stream
         # as received, bytes for bytes: a header value outside ASCII (obs-text) is forwarded, not re-encoded
         fwd_headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in HOP | {"authorization"}]
+        def passthrough():   # forwarded as it came, never stored
+            return forward(path, raw, fwd_headers, stream, None, "bypass", "")
+
         if req is None or params is None:   # nothing to key: pass through
-            return await forward(path, raw, fwd_headers, stream, None, "bypass", "")
+            return await passthrough()
         meta = {"model": str(body.get("model", "")), "path": path, "stream": stream,
                 # every X-Model-Revision line: a request sending two is not keyed as one sending the first
                 "revision": ", ".join(request.headers.getlist("x-model-revision")),
@@ -261,14 +264,14 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 "params": params, "more_images": req.more_images}
         modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
         if modality not in cache.head.modalities:
-            return await forward(path, raw, fwd_headers, stream, None, "bypass", "")
+            return await passthrough()
         try:
             q, spent = await asyncio.to_thread(timed, cache.query, modality, data)
         except RequestError as e:
             # what the cache cannot key (media over its limits or undecodable, text over its length) is the
             # model's to answer or refuse, not the proxy's: passed through, never stored
             log.debug("bypass: %s", e)
-            return await forward(path, raw, fwd_headers, stream, None, "bypass", "")
+            return await passthrough()
         key = (q, tenant, meta)
         if not no_cache:
             t0 = time.perf_counter()
