@@ -10,6 +10,7 @@ import pytest
 
 from ushash.evaluation import sweep
 from ushash.config import ROOT, compose
+from ushash.core.io import settings_digest
 from ushash.hashing.methods.base import FittedMethod
 
 SMALL = ["sweep.synthetic.n_train=400", "sweep.synthetic.n_val=80", "sweep.synthetic.n_test=120",
@@ -42,12 +43,12 @@ def test_run_one_writes_a_result_and_skips_it_next_time(tmp_path, caplog):
 def test_a_trained_run_digest_holds_the_space_early_stop_and_trainer(tmp_path):
     """A trained method reads the shared space, early stopping and the trainer as well as its model: a run
     under other values of any of them is another run, not one "done already"."""
-    base = sweep.digest(sweep.run_settings(_cfg(tmp_path, "method=ushash", "bits=16", "seed=0")))
+    base = settings_digest(sweep.run_settings(_cfg(tmp_path, "method=ushash", "bits=16", "seed=0")))
     for o in ("space.reg=3.0", "space.max_rank=16", "early_stop.patience=1", "+trainer.gradient_clip_val=0.01",
               "model.batch_size=32"):
-        assert sweep.digest(sweep.run_settings(_cfg(tmp_path, "method=ushash", "bits=16", "seed=0", o))) != base, o
+        assert settings_digest(sweep.run_settings(_cfg(tmp_path, "method=ushash", "bits=16", "seed=0", o))) != base, o
     # how a run reports is not a setting
-    assert sweep.digest(sweep.run_settings(_cfg(tmp_path, "method=ushash", "bits=16", "seed=0",
+    assert settings_digest(sweep.run_settings(_cfg(tmp_path, "method=ushash", "bits=16", "seed=0",
                                                 "trainer.log_every_n_steps=1"))) == base
 
 

@@ -3,11 +3,13 @@
 Every artifact ushash writes (feature-store metadata, results, checkpoints' companions, exports) goes
 through `atomic_write` or `write_json`, so a reader never sees half a file and a crash leaves the old file
 whole. `exclusive(path)` is `filelock.FileLock` with a message when another process holds the lock.
+`settings_digest` names a folder by everything that made what it holds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -43,6 +45,12 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def settings_digest(obj, length: int = 16) -> str:
+    """`length` hex digits of sha256 over `obj`'s JSON with sorted keys (anything JSON lacks as str): the
+    digest in the name of a sweep's run, an evaluation's or a cachesim run's folder."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:length]
 
 
 def write_json(path: str | os.PathLike, obj, compact: bool = False) -> Path:

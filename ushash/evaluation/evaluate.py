@@ -14,7 +14,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from ushash.evaluation import report, retrieval
-from ushash.evaluation.sweep import digest
+from ushash.core.io import settings_digest
 from ushash.core.io import atomic_write, write_json
 from ushash.data.extract import resolve_features_dir, stored_split
 from ushash.hashing.methods.space import JOINT_SPACE_ENCODERS  # image/text (or audio/text) in one space already
@@ -42,7 +42,7 @@ def default_out(prov: dict, cfg, settings: dict) -> str:
     name = f"{Path(str(cfg.ckpt)).stem}-{settings['split']}"
     if settings["database"] != settings["split"]:
         name += f"-vs-{settings['database']}"
-    return f"{run}/{name}-{digest(settings)}"
+    return f"{run}/{name}-{settings_digest(settings)}"
 
 
 def run_eval(cfg: DictConfig, module=None) -> dict:

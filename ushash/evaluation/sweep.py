@@ -23,7 +23,6 @@ experiment is rerun. `sweep.aggregate_only=true` re-aggregates the recorded grid
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sys
@@ -36,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ushash.config import to_dict
 from ushash.core import metrics
 from ushash.core.codes import check_bits
-from ushash.core.io import atomic_write, set_aside, write_json
+from ushash.core.io import atomic_write, set_aside, settings_digest, write_json
 from ushash.core.provenance import made_by
 from ushash.data.store import FeatureSplit, open_split, store_path
 from ushash.evaluation import report, retrieval
@@ -107,10 +106,6 @@ def run_settings(cfg: DictConfig) -> dict:
     return out
 
 
-def digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 # ---------------------------------------------------------------------------------------------- data
 
 def open_splits(cfg: DictConfig) -> dict[str, FeatureSplit]:
@@ -119,7 +114,7 @@ def open_splits(cfg: DictConfig) -> dict[str, FeatureSplit]:
     if syn:
         from ushash.data import synthetic
         syn = dict(syn)
-        name = f"synthetic-{digest(syn)[:8]}"
+        name = f"synthetic-{settings_digest(syn)[:8]}"
         root = Path(cfg.paths.features_dir)
         paths = {sp: store_path(root, name, sp, synthetic.ENCODER["name"], synthetic.ENCODER["fingerprint"]) for sp in SPLITS}
         if all((p / "meta.json").exists() for p in paths.values()):
@@ -143,7 +138,7 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     spec = methods.get(cfg.method.name)
     key = run_key(spec.name, cfg.bits, cfg.seed)
     settings = run_settings(cfg)
-    dg = digest(settings)
+    dg = settings_digest(settings)
     run_dir = run_path(exp_dir(cfg), key, dg)  # named by its settings: a variant never replaces another's run
     result_file = run_dir / "result.json"
     splits = splits or open_splits(cfg)
@@ -384,7 +379,7 @@ def variant_dir(exp: Path, overrides: list[str]) -> Path:
     """experiments/<name>/variants/<overrides, readable>-<digest>: where a sub-grid or variant is aggregated."""
     import re
     slug = re.sub(r"[^A-Za-z0-9.,=_-]+", "_", "_".join(overrides))[:80]
-    return exp / "variants" / f"{slug}-{digest(sorted(overrides))[:8]}"
+    return exp / "variants" / f"{slug}-{settings_digest(sorted(overrides))[:8]}"
 
 
 def grid_size(config: DictConfig) -> int | None:
@@ -418,7 +413,7 @@ class AggregateCallback(Callback):
 
     def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
         try:
-            self._digests.append(digest(run_settings(config)))
+            self._digests.append(settings_digest(run_settings(config)))
         except Exception as e:  # a job that failed to compose; Hydra reports it
             log.debug("no digest for the job: %s", e)
         if not hasattr(self, "_t0"):

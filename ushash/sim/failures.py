@@ -418,12 +418,10 @@ def plot(res: dict, f: FailuresConfig, path, title: str = "") -> None:
 def run_failures(cfg) -> dict:
     """python -m ushash.cachesim scenario=<name|all>: every scenario's runs, written to `out` (default
     experiments/cachesim/scenario-<name>-<digest of the settings>): <scenario>.json, .md and .png."""
-    import hashlib
-    import json
     from pathlib import Path
 
     from ushash.config import to_dict
-    from ushash.core.io import atomic_write, write_json
+    from ushash.core.io import atomic_write, settings_digest, write_json
 
     f = FailuresConfig(**to_dict(cfg.failures))
     d = DefencesConfig(**to_dict(cfg.defences))
@@ -432,7 +430,7 @@ def run_failures(cfg) -> dict:
         if n not in SCENARIOS + POLICY_RUNS:
             raise ValueError(f"unknown scenario {n!r}; choose all or one of {SCENARIOS + POLICY_RUNS}")
     settings = {"scenario": str(cfg.scenario), "failures": dataclasses.asdict(f), "defences": dataclasses.asdict(d)}
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+    digest = settings_digest(settings, 10)
     name = f"scenario-{cfg.scenario}-{digest}"
     out = Path(cfg.out) if cfg.get("out") else Path(cfg.paths.experiments_dir) / "cachesim" / name
     out = out if out.is_absolute() else Path(cfg.paths.root) / out

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
 from pathlib import Path
 
 from ushash.config import to_dict
-from ushash.core.io import atomic_write, write_json
+from ushash.core.io import atomic_write, settings_digest, write_json
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ def run_name(cfg, dataset: str, revision: str) -> str:
     """A readable name and a digest of every defining setting: <dataset>-<revision>[-raw][-norev]
     [-<scenario>]-<digest of run_settings>. Two runs share a folder only if every defining setting is equal."""
     settings = run_settings(cfg, dataset, revision)
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    digest = settings_digest(settings, 10)
     parts = [dataset, str(revision)]
     if settings.get("raw_media"):
         parts.append("raw")
