@@ -14,8 +14,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from ushash.evaluation import report, retrieval
-from ushash.core.io import settings_digest
-from ushash.core.io import atomic_write, write_json
+from ushash.core.io import atomic_write, settings_digest, write_json
 from ushash.data.extract import resolve_features_dir, stored_split
 from ushash.hashing.methods.space import JOINT_SPACE_ENCODERS  # image/text (or audio/text) in one space already
 from ushash.hashing.module import load_checkpoint
@@ -55,7 +54,9 @@ def run_eval(cfg: DictConfig, module=None) -> dict:
     database = stored_split(prov, db_name, features_dir) if db_name and db_name != cfg.split else None
     rows = retrieval.evaluate(split, methods_for(module, enc["name"]), k=int(cfg.k), database=database,
                               protocols=tuple(cfg.protocols), denominator=str(cfg.denominator))
-    settings = {"checkpoint_sha256": hashlib.sha256(Path(str(cfg.ckpt)).read_bytes()).hexdigest(), "split": cfg.split, "database": db_name or cfg.split,
+    with open(cfg.ckpt, "rb") as f:   # streamed: a checkpoint is never held whole a second time
+        ckpt_sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+    settings = {"checkpoint_sha256": ckpt_sha256, "split": cfg.split, "database": db_name or cfg.split,
                 "k": int(cfg.k), "denominator": str(cfg.denominator), "protocols": list(cfg.protocols)}
     out = Path(cfg.out) if cfg.out else Path(cfg.paths.experiments_dir) / "eval" / default_out(prov, cfg, settings)
     out.mkdir(parents=True, exist_ok=True)

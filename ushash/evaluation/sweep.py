@@ -114,7 +114,7 @@ def open_splits(cfg: DictConfig) -> dict[str, FeatureSplit]:
     if syn:
         from ushash.data import synthetic
         syn = dict(syn)
-        name = f"synthetic-{settings_digest(syn)[:8]}"
+        name = f"synthetic-{settings_digest(syn, 8)}"
         root = Path(cfg.paths.features_dir)
         paths = {sp: store_path(root, name, sp, synthetic.ENCODER["name"], synthetic.ENCODER["fingerprint"]) for sp in SPLITS}
         if all((p / "meta.json").exists() for p in paths.values()):
@@ -379,7 +379,7 @@ def variant_dir(exp: Path, overrides: list[str]) -> Path:
     """experiments/<name>/variants/<overrides, readable>-<digest>: where a sub-grid or variant is aggregated."""
     import re
     slug = re.sub(r"[^A-Za-z0-9.,=_-]+", "_", "_".join(overrides))[:80]
-    return exp / "variants" / f"{slug}-{settings_digest(sorted(overrides))[:8]}"
+    return exp / "variants" / f"{slug}-{settings_digest(sorted(overrides), 8)}"
 
 
 def grid_size(config: DictConfig) -> int | None:

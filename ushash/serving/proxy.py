@@ -252,6 +252,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         stream = body.get("stream") is True   # OpenAI's flag is a JSON boolean: "no" is not a stream
         # as received, bytes for bytes: a header value outside ASCII (obs-text) is forwarded, not re-encoded
         fwd_headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in HOP | {"authorization"}]
+
         def passthrough():   # forwarded as it came, never stored
             return forward(path, raw, fwd_headers, stream, None, "bypass", "")
 
