@@ -33,6 +33,16 @@ def methods_for(module, encoder_name: str) -> dict:
     return methods
 
 
+def file_sha256(path) -> str:
+    """sha256 of a file read in 1 MiB blocks (a checkpoint is not held whole a second time; Python 3.10 has
+    no hashlib.file_digest)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def default_out(prov: dict, cfg, settings: dict) -> str:
     """`<run>/<checkpoint file>-<split>[-vs-<database>]-<digest>`: keyed by everything that made the tables (the
     checkpoint's bytes, the splits, k, the denominator, the protocols), so another checkpoint of the same run
@@ -54,9 +64,7 @@ def run_eval(cfg: DictConfig, module=None) -> dict:
     database = stored_split(prov, db_name, features_dir) if db_name and db_name != cfg.split else None
     rows = retrieval.evaluate(split, methods_for(module, enc["name"]), k=int(cfg.k), database=database,
                               protocols=tuple(cfg.protocols), denominator=str(cfg.denominator))
-    with open(cfg.ckpt, "rb") as f:   # streamed: a checkpoint is never held whole a second time
-        ckpt_sha256 = hashlib.file_digest(f, "sha256").hexdigest()
-    settings = {"checkpoint_sha256": ckpt_sha256, "split": cfg.split, "database": db_name or cfg.split,
+    settings = {"checkpoint_sha256": file_sha256(cfg.ckpt), "split": cfg.split, "database": db_name or cfg.split,
                 "k": int(cfg.k), "denominator": str(cfg.denominator), "protocols": list(cfg.protocols)}
     out = Path(cfg.out) if cfg.out else Path(cfg.paths.experiments_dir) / "eval" / default_out(prov, cfg, settings)
     out.mkdir(parents=True, exist_ok=True)
