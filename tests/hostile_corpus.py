@@ -190,6 +190,24 @@ def image_cases() -> list[tuple[str, bytes]]:
                                                    + "rect{fill:red}" * 20000 + "</style></svg>").encode())),
         ("svg_style_bomb", (f'<svg {SVG_NS} width="10" height="10"><style>' + "rect{fill:red}" * 20000
                             + "</style><rect width='1' height='1'/></svg>").encode()),
+        *header_floods(),
+    ]
+
+
+def header_floods(size: int = 1_400_000) -> list[tuple[str, bytes]]:
+    """(name, bytes) of images of 8 x 8 pixels whose headers hold `size` bytes of empty segments, each of
+    which Pillow reads in Python before the pixels can be checked (at 5.6 MB, the size an 8 MB body carries,
+    a JPEG of empty APP1 markers cost 1.8 s of CPU and ~200 MB)."""
+    jpeg, png_, gif = saved("JPEG"), saved("PNG"), saved("GIF")
+    text = struct.pack(">I", 3) + b"tEXt" + b"a\x00b" + struct.pack(">I", zlib.crc32(b"tEXta\x00b") & 0xFFFFFFFF)
+    gif_body = 13 + (3 << ((gif[10] & 7) + 1) if gif[10] & 0x80 else 0)
+    return [
+        ("jpeg_app_marker_flood", jpeg[:2] + b"\xff\xe1\x00\x02" * (size // 4) + jpeg[2:]),
+        ("jpeg_fill_byte_flood", jpeg[:2] + b"\xff" * size + jpeg[2:]),
+        ("png_text_chunk_flood", png_[:33] + text * (size // len(text)) + png_[33:]),
+        ("png_chunks_after_the_image", png_[:-12] + text * (size // len(text)) + png_[-12:]),
+        ("gif_comment_flood", gif[:gif_body] + b"\x21\xfe\x01a\x00" * (size // 5) + gif[gif_body:]),
+        ("gif_sub_block_flood", gif[:gif_body] + b"\x21\xfe" + b"\x01a" * (size // 2) + b"\x00" + gif[gif_body:]),
     ]
 
 

@@ -360,6 +360,72 @@ def test_bombs_are_over_limit(name):
     assert e.value.code == media.OVER_LIMIT
 
 
+@pytest.mark.parametrize("name,data", hc.header_floods(5_600_000), ids=[n for n, _ in hc.header_floods(100)])
+def test_a_header_flood_is_refused_before_pillow_reads_it(name, data, monkeypatch):
+    """At the size an 8 MB request body carries: refused from the bytes, Pillow never opening them."""
+    def opened(*a, **k):
+        raise AssertionError("Pillow opened the image")
+
+    monkeypatch.setattr(media.Image, "open", opened)
+    with pytest.raises(MediaError) as e:
+        media.decode_bytes("image", data, None, limits=SERVICE)
+    assert e.value.code == media.OVER_LIMIT and "max_image_segments=16384" in e.value.reason
+
+
+def _pillow_segments(data: bytes) -> int:
+    """The segments Pillow itself reports: JPEG APP markers, PNG text chunks, GIF comment lines."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    if img.format == "JPEG":
+        return len(img.applist)
+    if img.format == "PNG":
+        return len(img.text)
+    return len(img.info.get("comment", b"").split(b"\n")) if img.info.get("comment") else 0
+
+
+def test_header_segments_are_counted_as_pillow_reads_them():
+    """Against Pillow's own count: each added marker, chunk or comment block is counted (a comment block as
+    its introducer, its one sub-block and its terminator); the limit refuses one over and takes one at it."""
+    import struct
+    import zlib
+
+    def text(i):
+        d = b"k%d\x00v" % i
+        return struct.pack(">I", len(d)) + b"tEXt" + d + struct.pack(">I", zlib.crc32(b"tEXt" + d) & 0xFFFFFFFF)
+
+    jpeg, png, gif = hc.saved("JPEG"), hc.saved("PNG"), hc.saved("GIF")
+    body = 13 + (3 << ((gif[10] & 7) + 1) if gif[10] & 0x80 else 0)
+    made = {
+        "JPEG": (lambda k: jpeg[:2] + b"\xff\xe1\x00\x03x" * k + jpeg[2:], 1),
+        "PNG": (lambda k: png[:33] + b"".join(text(i) for i in range(k)) + png[33:], 1),
+        "GIF": (lambda k: gif[:body] + b"\x21\xfe\x01a\x00" * k + gif[body:], 3),
+    }
+    for fmt, (make, per) in made.items():
+        base, base_pillow = media._segments(memoryview(make(0)), 1 << 30), _pillow_segments(make(0))
+        for k in (1, 7, 300):
+            data = make(k)
+            n = media._segments(memoryview(data), 1 << 30)
+            assert (n - base, _pillow_segments(data) - base_pillow) == (per * k, k), fmt
+            media.decode_bytes("image", data, None, limits=media.MediaLimits(max_image_segments=n))
+            with pytest.raises(MediaError, match="max_image_segments"):
+                media.decode_bytes("image", data, None, limits=media.MediaLimits(max_image_segments=n - 1))
+
+
+def test_dataset_files_have_no_segment_limit(tmp_path):
+    """The loaders' limits refuse nothing a data set holds, and a feature store's identity does not name the
+    limit they leave unset (stores made before it keep their fingerprint)."""
+    from ushash.data.store import decode_identity
+
+    for name, data in hc.header_floods(300_000):   # over 16384 segments each
+        f = tmp_path / f"{name}.{name.split('_')[0]}"
+        f.write_bytes(data)
+        assert media.load_image(f).size == (8, 8)
+        with pytest.raises(MediaError, match="max_image_segments"):
+            media.load_image(f, limits=SERVICE)
+    assert media.FILE_LIMITS.max_image_segments is None and "max_image_segments" not in decode_identity()
+
+
 @pytest.mark.parametrize("name", ["eps", "eps_binary_header", "pdf", "tiff", "psd_magic"])
 def test_only_the_encoders_formats_are_opened(name, monkeypatch):
     import PIL.EpsImagePlugin

@@ -344,7 +344,8 @@ def test_the_images_after_the_first_key_the_request_too(setup):
 
 def test_the_model_service_bounds_an_image_before_decoding_it():
     """The proxy passes images over the cache's limits to the model; the model service bounds its own: a
-    PNG whose header says 5000 x 5000 is refused from its header (a 400 naming the limit), not decoded."""
+    PNG whose header says 5000 x 5000 is refused from its header (a 400 naming the limit), not decoded, and
+    a JPEG whose header is a flood of markers from its bytes."""
     import io
     import types
 
@@ -359,3 +360,8 @@ def test_the_model_service_bounds_an_image_before_decoding_it():
     app = create_model_app(lambda data: Classifier.__call__(not_loaded, data))
     r = TestClient(app).post("/v1/chat/completions", json=chat("what is this", buf.getvalue()))
     assert r.status_code == 400 and "max_pixels" in r.json()["error"], r.text
+    import hostile_corpus as hc                           # 8 x 8 pixels behind 1.4 million empty markers
+
+    flood = dict(hc.header_floods(5_600_000))["jpeg_app_marker_flood"]
+    r = TestClient(app).post("/v1/chat/completions", json=chat("what is this", flood))
+    assert r.status_code == 400 and "max_image_segments" in r.json()["error"], r.text

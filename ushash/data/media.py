@@ -94,6 +94,8 @@ class MediaLimits:
     max_svg_style_bytes: Optional[int] = 65_536  # <style> text of an SVG
     max_svg_draws: Optional[int] = 50_000      # nodes cairosvg draws (<use>, patterns, markers draw again)
     max_svg_cpu_s: Optional[float] = 0.5       # CPU seconds to parse and rasterise an SVG
+    max_image_segments: Optional[int] = 16_384  # JPEG markers before the scan, PNG chunks, GIF blocks before the
+                                               # first frame (Pillow reads each in Python; a photo holds tens)
     max_audio_seconds: Optional[float] = 600.0  # samples decoded when the encoder does not crop
     max_audio_channels: Optional[int] = 16
     max_sample_rate: Optional[int] = 384_000
@@ -105,7 +107,7 @@ class MediaLimits:
 
     def __post_init__(self):
         for name in ("max_pixels", "max_svg_bytes", "max_svg_elements", "max_svg_style_bytes", "max_svg_draws",
-                     "max_audio_channels", "max_sample_rate", "max_text_chars", "decode_side"):
+                     "max_image_segments", "max_audio_channels", "max_sample_rate", "max_text_chars", "decode_side"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"media limit {name} must be a positive integer or None; got {v!r}")
@@ -123,7 +125,7 @@ class MediaLimits:
 #: SVG). A photo larger than that is decoded reduced (a JPEG up to 64 times that size in the decoder).
 FILE_LIMITS = MediaLimits(max_pixels=Image.MAX_IMAGE_PIXELS, max_aspect=None, max_svg_bytes=16 << 20,
                           max_svg_elements=1_000_000, max_svg_style_bytes=4 << 20, max_svg_draws=5_000_000,
-                          max_svg_cpu_s=60.0, max_audio_seconds=None, max_audio_channels=64,
+                          max_svg_cpu_s=60.0, max_image_segments=None, max_audio_seconds=None, max_audio_channels=64,
                           max_sample_rate=768_000, max_text_chars=None)
 
 
@@ -157,6 +159,8 @@ def load_image(path: str | os.PathLike, svg_size: int = SVG_SIZE, limits: MediaL
     _check_file(p)
     if p.suffix.lower() in SVG_SUFFIXES:
         return _flatten(_rasterise_svg(_read(p), p, svg_size, limits), p)
+    if limits.max_image_segments is not None:
+        check_image_segments(_read(p), p, limits)
     return _decode_image(p, p, limits)
 
 
@@ -164,6 +168,7 @@ def _image_from_bytes(data: bytes, source, svg_size: int = SVG_SIZE, limits: Med
     """load_image for encoded bytes; SVG is recognised by the source's suffix or by its first bytes."""
     if Path(str(source or "")).suffix.lower() in SVG_SUFFIXES or _looks_like_svg(data):
         return _flatten(_rasterise_svg(data, source, svg_size, limits), source)
+    check_image_segments(data, source, limits)
     return _decode_image(io.BytesIO(data), source, limits)
 
 
@@ -184,6 +189,65 @@ def check_image_size(width: int, height: int, source, limits: MediaLimits) -> No
         raise MediaError(source, f"image of {width}x{height} has an aspect ratio of "
                                  f"{max(width, height) / min(width, height):.1f}, over max_aspect={limits.max_aspect:g}",
                          OVER_LIMIT)
+
+
+def check_image_segments(data: bytes, source, limits: MediaLimits) -> None:
+    """Refuse an image whose header holds more than `limits.max_image_segments` segments: JPEG markers (and
+    stray bytes between them) before the scan, PNG chunks, GIF extension blocks and their sub-blocks before
+    the first frame. Pillow reads these one at a time in Python before the pixels can be checked: a 5.6 MB
+    JPEG of 1.4 million empty APP1 markers around 8 x 8 pixels cost 1.8 s of CPU and ~200 MB, a GIF of a
+    million comment blocks 0.7 s and ~270 MB. A real image holds tens. Counted on the bytes, stopping at the
+    limit; what is not one of these formats, or malformed, is left to the decoder to judge."""
+    limit = limits.max_image_segments
+    if limit is not None and _segments(memoryview(data), limit) > limit:
+        raise MediaError(source, f"image header of more than {limit} segments (markers, chunks or blocks) is over "
+                                 f"max_image_segments={limit}", OVER_LIMIT)
+
+
+def _segments(b: memoryview, limit: int) -> int:
+    """How many segments `check_image_segments` counts in `b` (at most a little over `limit`: it stops there)."""
+    n, end = 0, len(b)
+    if b[:3] == b"\xff\xd8\xff":                         # JPEG: markers up to the start of scan
+        pos = 2
+        while pos + 1 < end and n <= limit:
+            if b[pos] != 0xFF:                          # stray bytes: Pillow steps over them one by one
+                nxt = bytes(b[pos:pos + limit + 1]).find(b"\xff")
+                step = nxt if nxt >= 0 else min(limit + 1, end - pos)
+                n, pos = n + step, pos + step
+                continue
+            marker = b[pos + 1]
+            n += 1
+            if marker == 0xDA:                          # start of scan: the rest is the decoder's, in C
+                break
+            if marker in (0x00, 0x01, 0xFF) or 0xD0 <= marker <= 0xD9:   # fill, escaped or standalone
+                pos += 1 if marker == 0xFF else 2
+                continue
+            if pos + 4 > end:
+                break
+            pos += 2 + int.from_bytes(b[pos + 2:pos + 4], "big")
+    elif b[:8] == b"\x89PNG\r\n\x1a\n":                 # PNG: every chunk (those after the image data too)
+        pos = 8
+        while pos + 8 <= end and n <= limit:
+            n += 1
+            if b[pos + 4:pos + 8] == b"IEND":
+                break
+            pos += 12 + int.from_bytes(b[pos:pos + 4], "big")
+    elif b[:6] in (b"GIF87a", b"GIF89a") and end > 13:  # GIF: blocks up to the first image
+        pos = 13 + (3 << ((b[10] & 7) + 1) if b[10] & 0x80 else 0)
+        while pos < end and n <= limit:
+            kind = b[pos]
+            n += 1
+            if kind in (0x2C, 0x3B):                    # the first image, or the trailer
+                break
+            pos += 1
+            if kind == 0x21:                            # an extension: its label, then sub-blocks to a 0
+                pos += 1
+                while pos < end and n <= limit:
+                    size = b[pos]
+                    n, pos = n + 1, pos + 1 + size
+                    if size == 0:
+                        break
+    return n
 
 
 _PILLOW_LIMIT_LOCK = threading.Lock()

@@ -98,8 +98,11 @@ def decode_identity() -> str:
 
     from ushash.data import media
 
-    return json.dumps({"version": media.DECODE_VERSION, "file_limits": dataclasses.asdict(media.FILE_LIMITS),
-                       "svg_size": media.SVG_SIZE}, sort_keys=True)
+    limits = dataclasses.asdict(media.FILE_LIMITS)
+    if limits["max_image_segments"] is None:   # a limit added later: unset, it refuses nothing, and the stores
+        del limits["max_image_segments"]      # made before it keep their fingerprint
+    return json.dumps({"version": media.DECODE_VERSION, "file_limits": limits, "svg_size": media.SVG_SIZE},
+                      sort_keys=True)
 
 
 def _source_key(row, sizes: dict) -> str:

