@@ -119,6 +119,10 @@ def http_cases() -> list[tuple[str, str, object, str, tuple[int, ...]]]:
         ("batch_unknown_tenant", "/v1/lookup_batch", {"modality": "text", "features": [feats], "tenant": "initech"},
          (404,)),
         ("body_over_limit", "/v1/store", {**ok, "value": "v" * (3 << 20)}, (413,)),
+        # under max_body_bytes, but more JSON values than max_json_values (each ~70 MB of Python objects parsed)
+        ("features_flood", "/v1/lookup", b'{"modality":"text","features":[' + b"[]," * 600_000 + b"[]]}", (413,)),
+        ("batch_flood", "/v1/lookup_batch", b'{"modality":"text","features":[' + b"[]," * 600_000 + b"[]]}", (413,)),
+        ("value_flood", "/v1/store", b'{"modality":"text","text":"a","value":[' + b"{}," * 600_000 + b"{}]}", (413,)),
     ]
     for name, route, body, statuses in bodies:
         out.append((f"body:{name}", route, body, ADMIN, statuses))

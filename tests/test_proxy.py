@@ -191,6 +191,28 @@ def _image_chat(url, text="what is in this picture"):
                                                                       {"type": "image_url", "image_url": {"url": url}}]}]}
 
 
+def test_a_body_of_more_json_values_than_the_limit_is_forwarded_unparsed(monkeypatch):
+    """Over max_json_values the proxy does not parse the body (8 MB of `{},` is ~200 MB of Python objects) and
+    does not refuse it either: the upstream gets it byte for byte and answers; nothing is stored."""
+    from ushash.serving import service
+
+    head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=24, aligned=True, seed=0)
+    cache = SemanticCache(head, {"radius": 4, "payload_threshold": 0.9, "cross_modal": False})
+    monkeypatch.setattr(cache, "query", lambda m, data=None, features=None: cache.encoder(m, None, _feats(m, data)))
+    up = Upstream()
+    body = json.dumps(chat("what is a frog")).encode()
+    parsed, loads = [], service.loads_json
+    monkeypatch.setattr(service, "loads_json", lambda raw: parsed.append(raw) or loads(raw))
+    client = TestClient(create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(up),
+                                         max_json_values=service.json_values_bound(body)))
+    assert client.post("/v1/chat/completions", content=body).headers["x-cache"] == "miss" and parsed == [body]
+    bigger = json.dumps(chat("what is a frog", extra=[0])).encode()
+    for _ in range(2):
+        r = client.post("/v1/chat/completions", content=bigger)
+        assert r.status_code == 200 and r.headers["x-cache"] == "bypass" and r.json() == {"answer": len(up.calls)}
+    assert [c[1] for c in up.calls[1:]] == [json.loads(bigger)] * 2 and parsed == [body]
+
+
 def test_requests_holding_what_the_proxy_cannot_key_pass_through(setup):
     """Keyed by the rest of the body, two requests that differ only in what the proxy cannot read would
     share an answer (the one about a.png served for b.png): such requests are passed through, never stored."""

@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+import orjson
 import pytest
 from conftest import write_tiny_export
 from fastapi.testclient import TestClient
@@ -17,7 +18,7 @@ from PIL import Image
 from ushash.serving import connection
 from ushash.serving.cache import SemanticCache
 from ushash.serving.localhost import free_port, wait_until_up
-from ushash.serving.service import check_binding, create_app, is_loopback
+from ushash.serving.service import check_binding, create_app, is_loopback, json_values_bound
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -99,6 +100,66 @@ def test_malformed_and_oversized_bodies(client):
     assert r.status_code == 422
     r = client.get("/nope")
     assert r.status_code == 404
+
+
+def test_a_body_of_more_json_values_than_the_limit_is_refused_before_it_is_parsed(export_dir):
+    """max_json_values bounds what a body parses to (8 MB of `0,0,...` once became 216 MB of Python objects):
+    over it, a 413 naming the setting on every route, the features fast path included; at it, answered."""
+    cache = SemanticCache.from_export(export_dir, {"radius": 4})
+    feats = [0.5] * 16
+    lookup = {"modality": "text", "features": feats}
+    at = json_values_bound(orjson.dumps(lookup))
+    assert at == 19                                    # the object, "text", the list and its 16 numbers
+    with TestClient(create_app(cache, max_json_values=at)) as c:
+        assert c.post("/v1/lookup", json=lookup).json() == {"hit": False}
+        for route, body in (("/v1/lookup", {**lookup, "features": feats + [0.5]}),
+                            ("/v1/lookup_batch", {"modality": "text", "features": [feats]}),
+                            ("/v1/store", {**lookup, "value": 1})):
+            r = c.post(route, content=orjson.dumps(body), headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "max_json_values" in r.json()["error"], (route, r.text)
+    assert cache.stats()["entries"] == 0
+
+
+def test_the_json_values_bound_is_an_upper_bound():
+    """Against a count of the parsed values, on seeded random documents whose strings hold commas and
+    brackets; exact when no string does and no container is empty."""
+    import json
+    import random
+
+    def count(x):
+        if isinstance(x, list):
+            return 1 + sum(count(v) for v in x)
+        if isinstance(x, dict):
+            return 1 + sum(count(v) for v in x.values())
+        return 1
+
+    def doc(rng, depth=0):
+        r = rng.random()
+        if depth < 4 and r < 0.3:
+            return [doc(rng, depth + 1) for _ in range(rng.randrange(4))]
+        if depth < 4 and r < 0.5:
+            return {f"k{i}": doc(rng, depth + 1) for i in range(rng.randrange(4))}
+        return rng.choice([0, 1.5, None, True, "", "a", "x,y", "[{", "]},"])
+
+    rng = random.Random(0)
+    exact = 0
+    for _ in range(2000):
+        d = doc(rng)
+        raw = json.dumps(d).encode()
+        n, bound = count(d), json_values_bound(raw)
+        assert bound >= n, raw
+        if not any(ch in s for s in _strings(d) for ch in ",[{") and b"[]" not in raw and b"{}" not in raw:
+            assert bound == n, raw
+            exact += 1
+    assert exact > 500
+
+
+def _strings(x):
+    if isinstance(x, list):
+        return [s for v in x for s in _strings(v)]
+    if isinstance(x, dict):
+        return list(x) + [s for v in x.values() for s in _strings(v)]
+    return [x] if isinstance(x, str) else []
 
 
 @pytest.mark.parametrize("raw", [b"[]", b"null", b"42", b'"text"', b'{"modality": null}',
@@ -219,6 +280,8 @@ def test_bytes_values_from_a_python_replica_come_back_as_base64(export_dir):
 
 
 @pytest.mark.parametrize("kw,match", [({"max_body_bytes": 0}, "max_body_bytes"), ({"max_body_bytes": -5}, "max_body_bytes"),
+                                      ({"max_json_values": 0}, "max_json_values"),
+                                      ({"max_json_values": True}, "max_json_values"),
                                       ({"tokens": {"short": ["acme"]}}, "16 printable"),
                                       ({"tokens": {"x" * 20: "acme"}}, "list of tenant"),
                                       ({"tokens": {"x" * 20: ["initech"]}}, "not served"),

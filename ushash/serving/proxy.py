@@ -23,7 +23,8 @@ encoding the request, the search and the check) and, on a forwarded request, the
 Tenants: `tokens` maps a bearer token to a tenant; with a map, a request without a known token is 401.
 Without one, `token` (or USHASH_PROXY_TOKEN) is the one accepted token, required when the proxy binds
 beyond loopback, and every request is tenant `default`. Errors as `ushash.serve`: 400 for a body that is
-not JSON, 401, 404 for an unknown tenant, 413 over `max_body_bytes`, 502 when the upstream fails.
+not JSON, 401, 404 for an unknown tenant, 413 over `max_body_bytes`, 502 when the upstream fails. A body of
+more JSON values than `max_json_values` (counted on its bytes) is not parsed: it is forwarded as it came.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ProxyConfig:
     text_path: Optional[str] = None   # dotted path of the text in a non-chat body (e.g. input.prompt)
     image_path: Optional[str] = None  # dotted path of a base64 image in a non-chat body
     max_body_bytes: int = 8 << 20     # larger request bodies get 413
+    max_json_values: int = 1 << 20    # a body of more JSON values (counted on its bytes) is forwarded unparsed
     max_answer_bytes: int = 1 << 20   # larger upstream answers are passed through, not stored
     upstream_timeout_s: float = 60.0
     ttl_s: Optional[float] = None     # stored answers' TTL; None: the cache's
@@ -195,11 +197,12 @@ def _digest(s: str) -> str:
 def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: dict | None = None,
                      text_path: str | None = None, image_path: str | None = None,
                      max_body_bytes: int = ProxyConfig.max_body_bytes,
+                     max_json_values: int = ProxyConfig.max_json_values,
                      max_answer_bytes: int = ProxyConfig.max_answer_bytes, timeout_s: float = 60.0,
                      ttl_s: float | None = None, transport=None):
     import httpx
 
-    from ushash.serving.service import _BodyLimit, _ServerFaults, bearer_credentials, loads_json
+    from ushash.serving.service import _BodyLimit, _ServerFaults, bearer_credentials, loads_json, too_many_values
 
     app = FastAPI(title="ushash caching proxy")
     tokens = dict(tokens or {})
@@ -236,6 +239,12 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         raw = await request.body()
+        # as received, bytes for bytes: a header value outside ASCII (obs-text) is forwarded, not re-encoded
+        fwd_headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in HOP | {"authorization"}]
+        if too_many_values(raw, max_json_values):
+            # more than the cache would parse (8 MB of `{},` is ~200 MB of Python objects): the upstream's to
+            # answer or refuse, as it came, its answer relayed as it arrives (whether it streams is unread)
+            return await forward(path, raw, fwd_headers, True, None, "bypass", "")
         try:
             body = loads_json(raw)
         except (ValueError, RecursionError):   # nested past the recursion limit too: 400, not 500
@@ -250,8 +259,6 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         except RecursionError:   # a part or role nested past what the parser took and Python's str() can
             return err(400, "the request body is nested too deep")
         stream = body.get("stream") is True   # OpenAI's flag is a JSON boolean: "no" is not a stream
-        # as received, bytes for bytes: a header value outside ASCII (obs-text) is forwarded, not re-encoded
-        fwd_headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in HOP | {"authorization"}]
 
         def passthrough():   # forwarded as it came, never stored
             return forward(path, raw, fwd_headers, stream, None, "bypass", "")
@@ -370,6 +377,7 @@ def build(cfg):
     cache = cache_from_cfg(cfg)
     app = create_proxy_app(cache, str(cfg.upstream), token=token, tokens=tokens, text_path=cfg.get("text_path"),
                            image_path=cfg.get("image_path"), max_body_bytes=int(cfg.max_body_bytes),
+                           max_json_values=int(cfg.max_json_values),
                            max_answer_bytes=int(cfg.max_answer_bytes), timeout_s=float(cfg.upstream_timeout_s),
                            ttl_s=cfg.get("ttl_s"))
     return app, host, int(cfg.port), cache
