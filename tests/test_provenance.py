@@ -82,6 +82,23 @@ def test_labels_key_tells_every_list_of_labels_apart():
     assert labels_key(["animals", "cats"]) == "animals|cats"  # plain labels: the digests of existing stores
 
 
+def test_a_nul_inside_a_row_field_is_refused():
+    """The digests join id, group and source with NUL: ("a\\0b", "c") and ("a", "b\\0c") once gave one
+    fingerprint. Such a row is refused, naming the field; every other character stays allowed."""
+    import pytest
+
+    from ushash.data.rows import Row
+    from ushash.data.store import rows_fingerprint
+
+    for field in ("id", "group", "source"):
+        kw = {"modality": "text", "id": "a", "group": "g", "source": "a frog", field: "x\0y"}
+        with pytest.raises(ValueError, match=f"its {field} holds a NUL character"):
+            Row(**kw)
+    odd = [Row("text", "a\nb", "g|h", "a caption\nwith a newline\x01"), Row("text", "b", "g", "x")]
+    assert rows_fingerprint(odd) != rows_fingerprint([Row("text", "a", "b\ng|h", "a caption\nwith a newline\x01"),
+                                                      Row("text", "b", "g", "x")])
+
+
 def test_another_way_of_decoding_makes_another_store(tmp_path, monkeypatch):
     """The same rows decoded otherwise (a decode setting, or DECODE_VERSION for a change no setting shows)
     are another store, never the old one reused."""

@@ -27,6 +27,10 @@ class Row:
     def __post_init__(self):
         if self.modality not in MODALITIES:
             raise ValueError(f"Row {self.id!r}: unknown modality {self.modality!r}; expected one of {MODALITIES}")
+        for name in ("id", "group", "source"):
+            # the store's digests join these with NUL: one inside would let two row lists share a digest
+            if "\0" in getattr(self, name):
+                raise ValueError(f"Row {self.id!r}: its {name} holds a NUL character; remove it from the data set")
 
 
 def check_unique(rows: list[Row], where: str) -> None:
