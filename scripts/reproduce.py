@@ -50,6 +50,8 @@ STEPS = {
                         "--export exports/budget-emoji-offline --calibrations experiments/budget --out experiments/gptcache",
     "proxy_overhead": "python benchmarks/proxy_overhead.py --export exports/budget-tuxpaint-offline "
                       "--images data/tuxpaint/stamps --out experiments/proxy",
+    # what hostile bodies cost the service with its bounds and with each lifted (docs/cache.md)
+    "hostile_input": "python benchmarks/hostile_input.py",
     # the failure modes and the adaptive policies in simulated time (docs/cache.md), tables and plots in docs/failures
     "failures": "python -m ushash.cachesim scenario=all out=docs/failures",
     "adaptive_ttl": "python -m ushash.cachesim scenario=adaptive_ttl out=docs/failures",
@@ -141,6 +143,7 @@ PRINTED_BLOCKS = {
     "payload_tuxpaint": ("docs/payloads.md", "payload-tuxpaint"),
     "payload_synthetic": ("docs/payloads.md", "payload-synthetic"),
     "payload_speed": ("docs/payloads.md", "payload-speed"),
+    "hostile_input": ("docs/cache.md", "hostile-input"),
 }
 # a sweep's summary: block -> (file, experiment, step)
 SWEEP_BLOCKS = {

@@ -1,0 +1,134 @@
+"""What hostile bodies cost the service with its bounds, against the same bodies with each bound lifted (the
+reference), measured in the same run and process.
+
+    python benchmarks/hostile_input.py [--repeats 3]
+
+Images: the header floods of the bad-input corpus (tests/hostile_corpus.py) at 5.6 MB, what an 8 MB base64
+body carries, decoded under the service's media limits (`MediaLimits()`), and under the same limits with
+`max_image_segments` lifted. JSON: 8 MB bodies (the default `max_body_bytes`) through the service's app in
+process (`create_app` over a tiny export, FastAPI's TestClient), with `max_json_values` at its default and
+lifted. Per case: the answer, CPU seconds (median of the repeats) and the peak RSS above the level before the
+request (the process's VmHWM, reset before each; "n/a" where the kernel does not allow the reset).
+Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))   # the corpus and the tiny export the tests use
+
+BODY = 8 << 20
+IMAGE_BYTES = 5_600_000
+CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def peak_mb() -> float | None:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def measure(fn, repeats: int) -> tuple[str, float, float | None]:
+    """(fn's answer, median CPU seconds, the largest peak RSS above the level before a call, MB)."""
+    can_reset = os.access(CLEAR_REFS, os.W_OK)
+    cpus, peaks, answer = [], [], ""
+    for _ in range(repeats):
+        if can_reset:
+            with open(CLEAR_REFS, "w") as f:
+                f.write("5")
+        before = rss_mb()
+        t0 = time.process_time()
+        answer = fn()
+        cpus.append(time.process_time() - t0)
+        peak = peak_mb() if can_reset else None
+        peaks.append(None if peak is None else max(0.0, peak - before))
+    return answer, statistics.median(cpus), (max(peaks) if None not in peaks else None)
+
+
+def image_cases():
+    import hostile_corpus as hc
+    from ushash.data import media
+
+    bounded, lifted = media.MediaLimits(), media.MediaLimits(max_image_segments=None)
+    for name, data in hc.header_floods(IMAGE_BYTES):
+        def decode(limits, data=data):
+            try:
+                img = media.decode_bytes("image", data, None, limits=limits)
+                return f"decoded, {img.width} x {img.height}"
+            except media.MediaError as e:
+                return f"refused ({e.code})"
+        yield f"image: {name}", len(data), lambda d=decode: d(bounded), lambda d=decode: d(lifted)
+
+
+def json_cases():
+    from conftest import write_tiny_export
+    from fastapi.testclient import TestClient
+
+    from ushash.serving.cache import SemanticCache
+    from ushash.serving.service import create_app
+
+    export = write_tiny_export(Path(tempfile.mkdtemp(prefix="hostile-bench-")) / "tiny-64b")
+    clients = {}
+    for label, limit in (("bounded", None), ("lifted", 1 << 62)):
+        cache = SemanticCache.from_export(export, {"radius": 4})
+        app = create_app(cache) if limit is None else create_app(cache, max_json_values=limit)
+        clients[label] = TestClient(app)
+        clients[label].post("/v1/lookup", json={"modality": "text", "features": [0.1] * 16})   # warm
+    head = b'{"modality":"text",'
+    bodies = [
+        ("/v1/lookup", "features of 0,0,...", head + b'"features":[', b"0,", b"0]}"),
+        ("/v1/lookup_batch", "rows of [],[],...", head + b'"features":[', b"[],", b"[]]}"),
+        ("/v1/store", "a value of {},{},...", head + b'"text":"a","value":[', b"{},", b"{}]}"),
+    ]
+    for route, what, start, unit, end in bodies:
+        body = start + unit * ((BODY - len(start) - len(end)) // len(unit)) + end
+
+        def post(label, route=route, body=body):
+            r = clients[label].post(route, content=body, headers={"content-type": "application/json"})
+            return f"{r.status_code}"
+        yield f"{route}: {what}", len(body), lambda p=post: p("bounded"), lambda p=post: p("lifted")
+
+
+def fmt_mb(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    rows = []
+    for cases in (image_cases(), json_cases()):
+        for name, size, bounded, lifted in cases:
+            b, l_ = measure(bounded, args.repeats), measure(lifted, args.repeats)
+            rows.append((name, size, b, l_))
+    print(f"Each case {args.repeats} times, median CPU; peak RSS above the level before the request, the largest "
+          f"of the repeats (MB). The reference is the same request with the bound lifted (`max_image_segments=None`, "
+          f"`max_json_values=2^62`).\n")
+    print("| body | bytes | bounded: answer | CPU s | peak MB | bound lifted: answer | CPU s | peak MB | CPU, lifted / bounded |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, size, (ba, bc, bp), (la, lc, lp) in rows:
+        ratio = f"{lc / bc:.0f}x" if bc > 0 else "–"
+        print(f"| {name} | {size:,} | {ba} | {bc:.3f} | {fmt_mb(bp)} | {la} | {lc:.3f} | {fmt_mb(lp)} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
