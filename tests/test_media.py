@@ -412,6 +412,31 @@ def test_header_segments_are_counted_as_pillow_reads_them():
                 media.decode_bytes("image", data, None, limits=media.MediaLimits(max_image_segments=n - 1))
 
 
+def test_damaged_headers_are_counted_without_an_error_of_their_own():
+    """Seeded mutations (bytes changed, cut, inserted) of real and flooded JPEG, PNG and GIF files: the count
+    never raises, and decoding them under a low limit gives a decoded image or a MediaError, nothing else."""
+    import random
+
+    rng = random.Random(0)
+    seeds = [hc.saved("JPEG"), hc.saved("PNG"), hc.saved("GIF"), *(d for _, d in hc.header_floods(3000))]
+    limits = media.MediaLimits(max_image_segments=64)
+    for _ in range(1500):
+        d = bytearray(rng.choice(seeds))
+        for _ in range(rng.randrange(1, 6)):
+            op, at = rng.random(), rng.randrange(len(d) + 1)
+            if op < 0.4 and at < len(d):
+                d[at] = rng.randrange(256)
+            elif op < 0.7:
+                d = d[:at]
+            else:
+                d[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 8)))
+        assert media._segments(memoryview(bytes(d)), 64) >= 0
+        try:
+            media.decode_bytes("image", bytes(d), None, limits=limits)
+        except MediaError:
+            pass
+
+
 def test_dataset_files_have_no_segment_limit(tmp_path):
     """The loaders' limits refuse nothing a data set holds, and a feature store's identity does not name the
     limit they leave unset (stores made before it keep their fingerprint)."""
