@@ -451,6 +451,21 @@ def test_dataset_files_have_no_segment_limit(tmp_path):
     assert media.FILE_LIMITS.max_image_segments is None and "max_image_segments" not in decode_identity()
 
 
+def test_a_file_is_counted_without_being_read_whole(tmp_path, monkeypatch):
+    """Under a service's limits a file is mapped for the count, not read: the pixel limit still refuses a
+    large image from its header alone."""
+    def read(p):
+        raise AssertionError("the whole file was read")
+
+    monkeypatch.setattr(media, "_read", read)
+    ok, big = tmp_path / "ok.png", tmp_path / "big.png"
+    ok.write_bytes(hc.png())
+    big.write_bytes(hc.png_header_only(12000, 12000))
+    assert media.load_image(ok, limits=SERVICE).size == (8, 8)
+    with pytest.raises(MediaError, match="max_pixels"):
+        media.load_image(big, limits=SERVICE)
+
+
 @pytest.mark.parametrize("name", ["eps", "eps_binary_header", "pdf", "tiff", "psd_magic"])
 def test_only_the_encoders_formats_are_opened(name, monkeypatch):
     import PIL.EpsImagePlugin

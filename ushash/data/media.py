@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import math
+import mmap
 import os
 import re
 import threading
@@ -159,8 +160,12 @@ def load_image(path: str | os.PathLike, svg_size: int = SVG_SIZE, limits: MediaL
     _check_file(p)
     if p.suffix.lower() in SVG_SUFFIXES:
         return _flatten(_rasterise_svg(_read(p), p, svg_size, limits), p)
-    if limits.max_image_segments is not None:
-        check_image_segments(_read(p), p, limits)
+    if limits.max_image_segments is not None:   # mapped, not read: the count touches the headers' pages only
+        try:
+            with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                check_image_segments(mapped, p, limits)
+        except (OSError, ValueError) as e:
+            raise MediaError(p, f"cannot read file ({type(e).__name__}: {e})") from e
     return _decode_image(p, p, limits)
 
 
@@ -199,7 +204,11 @@ def check_image_segments(data: bytes, source, limits: MediaLimits) -> None:
     million comment blocks 0.7 s and ~270 MB. A real image holds tens. Counted on the bytes, stopping at the
     limit; what is not one of these formats, or malformed, is left to the decoder to judge."""
     limit = limits.max_image_segments
-    if limit is not None and _segments(memoryview(data), limit) > limit:
+    if limit is None:
+        return
+    with memoryview(data) as view:   # released on return (a mapped file can then be closed)
+        n = _segments(view, limit)
+    if n > limit:
         raise MediaError(source, f"image header of more than {limit} segments (markers, chunks or blocks) is over "
                                  f"max_image_segments={limit}", OVER_LIMIT)
 
