@@ -30,20 +30,16 @@ IMAGE_BYTES = 5_600_000
 CLEAR_REFS = "/proc/self/clear_refs"
 
 
-def peak_mb() -> float | None:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+def status_mb(key: str) -> float | None:
+    """A memory line of /proc/self/status (VmHWM, VmRSS) in MB; None where there is no /proc (macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return None
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def measure(fn, repeats: int) -> tuple[str, float, float | None]:
@@ -54,12 +50,12 @@ def measure(fn, repeats: int) -> tuple[str, float, float | None]:
         if can_reset:
             with open(CLEAR_REFS, "w") as f:
                 f.write("5")
-        before = rss_mb()
+        before = status_mb("VmRSS")
         t0 = time.process_time()
         answer = fn()
         cpus.append(time.process_time() - t0)
-        peak = peak_mb() if can_reset else None
-        peaks.append(None if peak is None else max(0.0, peak - before))
+        peak = status_mb("VmHWM") if can_reset else None
+        peaks.append(None if peak is None or before is None else max(0.0, peak - before))
     return answer, statistics.median(cpus), (max(peaks) if None not in peaks else None)
 
 
@@ -78,14 +74,14 @@ def image_cases():
         yield f"image: {name}", len(data), lambda d=decode: d(bounded), lambda d=decode: d(lifted)
 
 
-def json_cases():
+def json_cases(tmp: str):
     from conftest import write_tiny_export
     from fastapi.testclient import TestClient
 
     from ushash.serving.cache import SemanticCache
     from ushash.serving.service import create_app
 
-    export = write_tiny_export(Path(tempfile.mkdtemp(prefix="hostile-bench-")) / "tiny-64b")
+    export = write_tiny_export(Path(tmp) / "tiny-64b")
     clients = {}
     for label, limit in (("bounded", None), ("lifted", 1 << 62)):
         cache = SemanticCache.from_export(export, {"radius": 4})
@@ -116,10 +112,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     rows = []
-    for cases in (image_cases(), json_cases()):
-        for name, size, bounded, lifted in cases:
-            b, l_ = measure(bounded, args.repeats), measure(lifted, args.repeats)
-            rows.append((name, size, b, l_))
+    with tempfile.TemporaryDirectory(prefix="hostile-bench-") as tmp:
+        for cases in (image_cases(), json_cases(tmp)):
+            for name, size, bounded, lifted in cases:
+                b, l_ = measure(bounded, args.repeats), measure(lifted, args.repeats)
+                rows.append((name, size, b, l_))
     print(f"Each case {args.repeats} times, median CPU; peak RSS above the level before the request, the largest "
           f"of the repeats (MB). The reference is the same request with the bound lifted (`max_image_segments=None`, "
           f"`max_json_values=2^62`).\n")
