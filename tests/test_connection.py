@@ -83,3 +83,15 @@ def test_each_request_of_a_kept_alive_connection_has_its_own_budget(server):
     pad = int(connection.MAX_HEAD_BYTES * 0.6)
     out = _exchange(server, _request(pad, close=False) * 2 + _request(pad))
     assert out.count(b"HTTP/1.1 200 ") == 3, out[:300]
+
+
+def test_the_bound_is_on_whichever_protocol_uvicorn_picks():
+    """httptools' protocol (no limit of its own) gets the counting one; h11's bounds heads itself, at the same
+    size. Recognised by class, not by name."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    if issubclass(AutoHTTPProtocol, H11Protocol):
+        assert connection.SERVER_OPTIONS["h11_max_incomplete_event_size"] == connection.MAX_HEAD_BYTES
+    else:
+        assert "data_received" in connection.Protocol.__dict__

@@ -30,8 +30,16 @@ def _protocol():
     import socket
 
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    bounded = AutoHTTPProtocol.__name__ == "HttpToolsProtocol"
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:   # httptools not installed: uvicorn's auto protocol is h11's
+        HttpToolsProtocol = None
+    bounded = HttpToolsProtocol is not None and issubclass(AutoHTTPProtocol, HttpToolsProtocol)
+    if not bounded and not issubclass(AutoHTTPProtocol, H11Protocol):   # h11 bounds heads itself (SERVER_OPTIONS)
+        raise RuntimeError(f"uvicorn's HTTP protocol {AutoHTTPProtocol.__name__} is neither httptools' nor h11's: "
+                           f"the request-head bound of ushash.serving.connection cannot be applied to it")
 
     class Protocol(AutoHTTPProtocol):
         def connection_made(self, transport):
