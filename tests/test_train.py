@@ -80,6 +80,30 @@ def test_checkpoint_describes_itself_and_eval_writes_tables(tmp_path):
     assert ck["hyper_parameters"]["in_dims"] == {"image": 16, "text": 12, "audio": 8}
 
 
+def test_an_evaluation_is_keyed_by_the_checkpoint_bytes_it_loaded(tmp_path, monkeypatch):
+    """The checkpoint is read once: replaced while it is evaluated (a retrain writing best.ckpt again), the
+    tables still name the bytes that made them (they were hashed from a second read, after loading)."""
+    import hashlib
+
+    from ushash.evaluation import evaluate
+
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 200, "val": 80, "test": 80},
+                                       n_classes=4, dims={"image": 8, "text": 8})
+    out = run_train(_cfg(tmp_path, "trainer.max_epochs=1"), splits=splits)
+    ckpt = Path(out["last"])
+    original = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    loaded = evaluate.load_checkpoint
+
+    def load_then_replace(*a, **kw):
+        module = loaded(*a, **kw)
+        ckpt.write_bytes(Path(out["best"]).read_bytes() + b"retrained")
+        return module
+
+    monkeypatch.setattr(evaluate, "load_checkpoint", load_then_replace)
+    res = run_eval(compose("eval", [f"paths.root={tmp_path}", f"ckpt={ckpt}"]))
+    assert json.loads((Path(res["out"]) / "results.json").read_text())["settings"]["checkpoint_sha256"] == original
+
+
 def test_resume_from_last(tmp_path):
     splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 200, "val": 80, "test": 80},
                                        n_classes=4, dims={"image": 8, "text": 8})

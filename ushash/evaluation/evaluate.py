@@ -33,16 +33,6 @@ def methods_for(module, encoder_name: str) -> dict:
     return methods
 
 
-def file_sha256(path) -> str:
-    """sha256 of a file read in 1 MiB blocks (a checkpoint is not held whole a second time; Python 3.10 has
-    no hashlib.file_digest)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def default_out(prov: dict, cfg, settings: dict) -> str:
     """`<run>/<checkpoint file>-<split>[-vs-<database>]-<digest>`: keyed by everything that made the tables (the
     checkpoint's bytes, the splits, k, the denominator, the protocols), so another checkpoint of the same run
@@ -54,8 +44,10 @@ def default_out(prov: dict, cfg, settings: dict) -> str:
     return f"{run}/{name}-{settings_digest(settings)}"
 
 
-def run_eval(cfg: DictConfig, module=None) -> dict:
-    module = module or load_checkpoint(cfg.ckpt)
+def run_eval(cfg: DictConfig) -> dict:
+    ckpt = Path(str(cfg.ckpt))
+    raw = ckpt.read_bytes() if ckpt.is_file() else None   # read once: the tables are keyed by the bytes loaded
+    module = load_checkpoint(ckpt, data=raw)
     prov = module.hparams.provenance or {}
     enc = prov["encoder"]
     features_dir = resolve_features_dir(prov, cfg)
@@ -64,7 +56,7 @@ def run_eval(cfg: DictConfig, module=None) -> dict:
     database = stored_split(prov, db_name, features_dir) if db_name and db_name != cfg.split else None
     rows = retrieval.evaluate(split, methods_for(module, enc["name"]), k=int(cfg.k), database=database,
                               protocols=tuple(cfg.protocols), denominator=str(cfg.denominator))
-    settings = {"checkpoint_sha256": file_sha256(cfg.ckpt), "split": cfg.split, "database": db_name or cfg.split,
+    settings = {"checkpoint_sha256": hashlib.sha256(raw).hexdigest(), "split": cfg.split, "database": db_name or cfg.split,
                 "k": int(cfg.k), "denominator": str(cfg.denominator), "protocols": list(cfg.protocols)}
     out = Path(cfg.out) if cfg.out else Path(cfg.paths.experiments_dir) / "eval" / default_out(prov, cfg, settings)
     out.mkdir(parents=True, exist_ok=True)

@@ -261,14 +261,16 @@ class _KeepRawWeights(WeightAveraging):
         return None
 
 
-def load_checkpoint(path, map_location="cpu") -> USHashModule:
-    """Rebuild a trained module from its checkpoint alone (weights_only: no pickle of code objects)."""
+def load_checkpoint(path, map_location="cpu", data: bytes | None = None) -> USHashModule:
+    """Rebuild a trained module from its checkpoint alone (weights_only: no pickle of code objects). `data`:
+    the file's bytes, already read (what a caller keys a result by is then exactly what was loaded)."""
+    import io
     from pathlib import Path
     path = Path(path)
-    if not path.exists():
+    if data is None and not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist; runs write checkpoints/<run>/last.ckpt")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path if data is None else io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:
         raise ValueError(f"{path} is not a readable ushash checkpoint ({type(e).__name__}: {e})") from e
     hp = ckpt.get("hyper_parameters")
