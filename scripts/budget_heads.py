@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # keys of the resolved config that do not change the head (where things go, whether to resume)
-NOT_RECIPE = ("paths", "run_name", "resume", "extract", "eval", "sweep", "logger")
+NOT_RECIPE = ("paths", "run_name", "resume", "extract", "eval", "sweep", "search", "logger")
 
 
 def config_key(overrides: list[str], stores: dict | None = None) -> tuple[str, dict]:

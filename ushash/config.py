@@ -133,6 +133,7 @@ class RootConfig:
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sweep: Any = None                 # the sweep's settings (ushash/evaluation/sweep.py), set by experiment files
+    search: Any = None                # the search's settings (ushash/evaluation/search.py), set by configs/search.yaml
     # the config groups (each with its own YAML; model and space with their schemas)
     paths: Any = None
     data: Any = None
