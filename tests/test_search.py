@@ -57,6 +57,28 @@ def test_search_chooses_on_val_resumes_and_continues(tmp_path, monkeypatch):
     assert [s for s, _ in trained][:1] == [0] and len(trained) in (1, 2)   # the trial, and seed 1 if it is chosen
 
 
+def test_a_search_on_a_manifest_without_an_experiment_file(tmp_path):
+    """A new user's data, brought in through the manifest: no experiment file, no sweep block."""
+    import numpy as np
+    from PIL import Image
+
+    media = tmp_path / "media"
+    media.mkdir()
+    rng, recs = np.random.default_rng(0), []
+    for i in range(40):
+        Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(media / f"{i}.png")
+        recs.append({"id": f"i{i}", "image": f"{i}.png", "text": f"item number {i} of {i % 4}",
+                     "split": ["train", "train", "train", "val", "test"][i % 5]})
+    (media / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = compose("search", [f"paths.root={tmp_path}", "data=manifest", f"data.path={media / 'm.jsonl'}",
+                             "data.name=mine", "encoder=tiny", "trainer.accelerator=cpu", "trainer.max_epochs=2",
+                             "trainer.enable_progress_bar=false", "bits=16", "extract.num_workers=0",
+                             "extract.progress=false", "method=ushash", "search.trials=2", "search.seeds=[0]"])
+    report = search.run_search(cfg)
+    assert len(report["trials"]) == 2 and Path(report["folder"]).parent == tmp_path / "experiments" / "search"
+    assert Path(report["folder"]).name.startswith("mine-tiny-ushash-16b-s0-")
+
+
 @pytest.mark.parametrize("extra,space,match", [
     (["method=itq"], None, "trains nothing"),
     (["method=pairwise"], {"model.nope": {"low": 1, "high": 2}}, "not a setting"),

@@ -122,7 +122,8 @@ def run_search(cfg: DictConfig) -> dict:
                 OmegaConf.update(tcfg, key, value, merge=False)
             if seed is not None:
                 tcfg.seed = int(seed)
-            tcfg.sweep.name = str(Path("search") / out.name)
+            # the runs under the study's folder (a command without an experiment file has no sweep block)
+            tcfg.sweep = {**(to_dict(tcfg.get("sweep")) or {}), "name": str(Path("search") / out.name)}
         return run_one(tcfg, splits)
 
     def objective(trial) -> float:
