@@ -1,0 +1,58 @@
+"""Train one set's search choice on another set, over seeds 0-2: is what val chose on one set better on the
+other set's val too (the rule a default changes by, docs/baselines.md)?
+
+    python scripts/search_cross.py --to tuxpaint      # emoji's US-HASH choice, trained on Tux Paint
+
+Reads the newest US-HASH search report of the other set (experiments/search/<experiment>-ushash-64b-s0-*/
+search.json, made by `python -m ushash.search`) and runs `python -m ushash.sweep -m experiment=sweep_<to>64
+method=ushash seed=0,1,2 <its chosen settings>`; the sweep aggregates into the experiment's variants/ folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETS = {"tuxpaint": ("sweep_tuxpaint64", "tuxpaint-offline-64b"), "emoji": ("sweep_emoji64", "emoji-offline-64b")}
+
+
+def newest_search(dataset: str, method: str = "ushash") -> dict | None:
+    found = sorted((ROOT / "experiments" / "search").glob(f"{SETS[dataset][1]}-{method}-64b-s0-*/search.json"),
+                   key=lambda f: f.stat().st_mtime)
+    return json.loads(found[-1].read_text()) if found else None
+
+
+def exact(v) -> str:
+    return "null" if v is None else repr(v) if isinstance(v, float) else str(v)
+
+
+def cross_overrides(to: str) -> tuple[str, list[str]] | None:
+    """(the set whose choice it is, the sweep's overrides) for training that choice on `to`; None without a
+    report of the other set."""
+    other = next(d for d in SETS if d != to)
+    rep = newest_search(other)
+    if rep is None:
+        return None
+    return other, ["method=ushash", "seed=0,1,2", *(f"{k}={exact(v)}" for k, v in rep["chosen"]["params"].items())]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--to", choices=sorted(SETS), required=True)
+    args = ap.parse_args(argv)
+    got = cross_overrides(args.to)
+    if got is None:
+        raise SystemExit(f"no US-HASH search report of the other set: run python -m ushash.search first")
+    other, overrides = got
+    cmd = [sys.executable, "-m", "ushash.sweep", "-m", f"experiment={SETS[args.to][0]}", *overrides]
+    print(f"{other}'s choice on {args.to}: python -m ushash.sweep -m experiment={SETS[args.to][0]} {' '.join(overrides)}",
+          flush=True)
+    raise SystemExit(subprocess.call(cmd, cwd=ROOT))
+
+
+if __name__ == "__main__":
+    main()
