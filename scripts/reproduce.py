@@ -63,7 +63,10 @@ STEPS = {
 }
 # the budgeted search on val (docs/baselines.md "A budgeted search on val"): every trained method alike, both real
 # sets at 64 bits, then the choice and the defaults over seeds 0-2
-SEARCH_SETS = {"tuxpaint": "sweep_tuxpaint64", "emoji": "sweep_emoji64"}
+sys.path.insert(0, str(ROOT / "scripts"))
+from search_cross import SETS as _SEARCH, cross_overrides, newest_search  # noqa: E402
+
+SEARCH_SETS = {d: exp_file for d, (exp_file, _) in _SEARCH.items()}
 SEARCH_METHODS = ("ushash", "pairwise", "csq", "orthohash")
 SEARCH_TRIALS = 24
 for _set, _exp in SEARCH_SETS.items():
@@ -463,14 +466,11 @@ def search_body() -> str | None:
     from ushash.evaluation.search import _mean_std
 
     rows, steps = [], []
-    for dataset, exp_file in SEARCH_SETS.items():
-        exp = SWEEP_BLOCKS[f"{dataset}-64b"][1]
+    for dataset in SEARCH_SETS:
         for method in SEARCH_METHODS:
-            found = sorted((ROOT / "experiments" / "search").glob(f"{exp}-{method}-64b-s0-*/search.json"),
-                           key=lambda f: f.stat().st_mtime)
-            if not found:
+            rep = newest_search(dataset, method)
+            if rep is None:
                 continue
-            rep = json.loads(found[-1].read_text())
             steps.append(f"search_{dataset}_{method}")
             seeds = rep.get("over_seeds", {})
             cells = []
@@ -501,8 +501,6 @@ def search_body() -> str | None:
 def cross_table(steps: list[str]) -> str:
     """Each set's US-HASH choice trained on the other set over seeds 0-2 (`search_cross_<set>`, a variant of the
     set's 64-bit experiment), beside that set's defaults over the same seeds (its own search's)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from search_cross import SETS, cross_overrides, newest_search
     from ushash.evaluation.search import _mean_std
     from ushash.evaluation.sweep import variant_dir
 
@@ -512,7 +510,7 @@ def cross_table(steps: list[str]) -> str:
         if got is None or own is None:
             continue
         other, overrides = got
-        res = variant_dir(ROOT / "experiments" / SETS[to][1], overrides) / "results.json"
+        res = variant_dir(ROOT / "experiments" / _SEARCH[to][1], overrides) / "results.json"
         if not res.exists() or "defaults" not in own.get("over_seeds", {}):
             continue
         agg = json.loads(res.read_text())
