@@ -463,7 +463,7 @@ def search_body() -> str | None:
     search.json): the trial chosen on val, and the defaults and the choice over seeds, val score and test
     mAP@10 (tie-aware, paired and label), mean ± std."""
     sys.path.insert(0, str(ROOT))
-    from ushash.evaluation.search import _mean_std
+    from ushash.evaluation.search import _mean_std, _override_value
 
     rows, steps = [], []
     for dataset in SEARCH_SETS:
@@ -480,7 +480,7 @@ def search_body() -> str | None:
                            _mean_std([t.get("label") for t in rec["test"]])] if rec else ["–"] * 3)
             chosen = rep["chosen"]
             what = "the defaults" if rep["defaults"] and chosen["number"] == rep["defaults"]["number"] else \
-                ", ".join(f"`{k}={_fmt_param(v)}`" for k, v in chosen["params"].items())
+                ", ".join(f"`{k}={_override_value(v)}`" for k, v in chosen["params"].items())
             rows.append(f"| {dataset} | {method} | {len(rep['trials'])} | {chosen['number']}: {what} | "
                         + " | ".join(cells) + f" | `{Path(rep['folder']).name}` |")
     if not rows:
@@ -528,10 +528,6 @@ def cross_table(steps: list[str]) -> str:
             "the sweep over seeds 0, 1, 2), beside that set's defaults over the same seeds:\n\n"
             "| set | settings | val score | test paired | test label | defaults: val score | test paired | test label |\n"
             "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
-
-
-def _fmt_param(v) -> str:
-    return "null" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
 
 
 def bars_body() -> str | None:

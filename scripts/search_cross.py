@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 SETS = {"tuxpaint": ("sweep_tuxpaint64", "tuxpaint-offline-64b"), "emoji": ("sweep_emoji64", "emoji-offline-64b")}
 
 
@@ -26,10 +27,6 @@ def newest_search(dataset: str, method: str = "ushash") -> dict | None:
     return json.loads(found[-1].read_text()) if found else None
 
 
-def exact(v) -> str:
-    return "null" if v is None else repr(v) if isinstance(v, float) else str(v)
-
-
 def cross_overrides(to: str) -> tuple[str, list[str]] | None:
     """(the set whose choice it is, the sweep's overrides) for training that choice on `to`; None without a
     report of the other set."""
@@ -37,7 +34,10 @@ def cross_overrides(to: str) -> tuple[str, list[str]] | None:
     rep = newest_search(other)
     if rep is None:
         return None
-    return other, ["method=ushash", "seed=0,1,2", *(f"{k}={exact(v)}" for k, v in rep["chosen"]["params"].items())]
+    from ushash.evaluation.search import _override_value   # as the search's own report writes the command
+
+    return other, ["method=ushash", "seed=0,1,2",
+                   *(f"{k}={_override_value(v, exact=True)}" for k, v in rep["chosen"]["params"].items())]
 
 
 def main(argv=None) -> None:

@@ -120,6 +120,20 @@ def test_a_body_of_more_json_values_than_the_limit_is_refused_before_it_is_parse
     assert cache.stats()["entries"] == 0
 
 
+def test_the_json_values_bound_is_counted_once_per_request(client, monkeypatch):
+    """A /v1/lookup body the features fast path passes on to the app (text, data_b64) is not counted again."""
+    from ushash.serving import service
+
+    counted, bound = [], service.json_values_bound
+    monkeypatch.setattr(service, "json_values_bound", lambda raw: counted.append(len(raw)) or bound(raw))
+    for route, body in (("/v1/lookup", {"modality": "text", "text": "a frog"}),
+                        ("/v1/lookup", {"modality": "text", "features": [0.1] * 16}),
+                        ("/v1/store", {"modality": "text", "text": "a frog", "value": 1})):
+        counted.clear()
+        assert client.post(route, json=body).status_code == 200
+        assert len(counted) == 1, route
+
+
 def test_the_json_values_bound_is_an_upper_bound():
     """Against a count of the parsed values, on seeded random documents whose strings hold commas and
     brackets; exact when no string does and no container is empty."""
