@@ -92,7 +92,7 @@ ABLATION_SETS = {"tuxpaint": ("sweep_tuxpaint64", "tuxpaint-offline-64b"), "emoj
 ABLATIONS = {
     "shipped defaults": "",
     "no distillation (model.loss.distill=0)": "model.loss.distill=0",
-    "fixed temperature 0.5 (model.learn_temperature=false)": "model.learn_temperature=false",
+    "fixed temperature 0.84 (model.learn_temperature=false)": "model.learn_temperature=false",
     "random-init 2-layer MLP (model.init=random model.layers=2)": "model.init=random model.layers=2",
     "angular distillation target (model.distill_kernel=angular)": "model.distill_kernel=angular",
     "distillation within modalities too (model.distill_pairs=all)": "model.distill_pairs=all",
@@ -135,7 +135,9 @@ for _set, (_exp, _) in ABLATION_SETS.items():
 
 # the previous recipe against the shipped one, 3 seeds (docs/baselines.md "The recipe against the previous one"):
 # a variant of each set's 64-bit experiment, beside the experiment's own US-HASH runs (the shipped defaults)
-PREVIOUS_RECIPE = ["method=ushash", "seed=0,1,2", "model.lr=0.001", "model.head_lr=0.0001", "model.ema_epochs=null"]
+PREVIOUS_RECIPE = ["method=ushash", "seed=0,1,2", "model.lr=0.003", "model.temperature=0.5", "model.loss.distill=10",
+                   "model.loss.float=0.5"]
+PREVIOUS_LABEL = "previous (lr 3e-3, temperature 0.5, distill 10, float 0.5)"
 LATE_EPOCH = 5  # the later epochs' mean val score: from this epoch on (the best epoch's score is their maximum)
 for _set, (_exp, _) in ABLATION_SETS.items():
     STEPS[f"previous_recipe_{_set}"] = f"python -m ushash.sweep -m experiment={_exp} {' '.join(PREVIOUS_RECIPE)}"
@@ -424,7 +426,7 @@ def previous_recipe_body() -> str | None:
         if not (base.exists() and prev.exists()):
             continue
         steps += [f"sweep_{dataset}64", f"previous_recipe_{dataset}"]
-        for label, res in (("shipped", base), ("previous (lr 1e-3, heads 1e-4, no average)", prev)):
+        for label, res in (("shipped", base), (PREVIOUS_LABEL, prev)):
             agg = json.loads(res.read_text())
             runs = [r for r in agg["runs"] if r["method"] == "ushash" and r.get("val_scores")]
             summ = agg["summary"]["ushash"]["64"]

@@ -31,7 +31,7 @@ def test_search_chooses_on_val_resumes_and_continues(tmp_path, monkeypatch):
     cfg = lambda *x: _cfg(tmp_path, "method=pairwise", "search.seeds=[0,1]", *x)
     report = search.run_search(cfg("search.trials=3"))
     assert [t["number"] for t in report["trials"]] == [0, 1, 2]
-    assert report["trials"][0]["params"] == {"model.lr": 0.003, "method.args.scale": 0.5, "method.args.w_quant": 0.1,
+    assert report["trials"][0]["params"] == {"model.lr": 0.009, "method.args.scale": 0.5, "method.args.w_quant": 0.1,
                                              "model.ema_epochs": 4.0}        # the defaults, as composed
     best = max(t["val_score"] for t in report["trials"])
     assert report["chosen"]["val_score"] == best and report["defaults"]["number"] == 0
