@@ -102,7 +102,7 @@ ABLATIONS = {
     "start chosen on val after training from each (model.prototypes_from=val)": "model.prototypes_from=val",
     "no moving average of the weights (model.ema_epochs=null)": "model.ema_epochs=null",
     "a longer moving average (model.ema_epochs=8)": "model.ema_epochs=8",
-    "the previous rates: 1e-3, heads 1e-4 (model.lr=0.001 model.head_lr=0.0001)": "model.lr=0.001 model.head_lr=0.0001",
+    "the first recipe's rates: 1e-3, heads 1e-4 (model.lr=0.001 model.head_lr=0.0001)": "model.lr=0.001 model.head_lr=0.0001",
     "contrastive temperature starting at 0.1 (model.temperature=0.1)": "model.temperature=0.1",
 }
 
@@ -133,14 +133,17 @@ START_VAL = ["method=ushash", "seed=0,1,2", "model.prototypes_from=val"]
 for _set, (_exp, _) in ABLATION_SETS.items():
     STEPS[f"start_val_{_set}"] = f"python -m ushash.sweep -m experiment={_exp} {' '.join(START_VAL)}"
 
-# the previous recipe against the shipped one, 3 seeds (docs/baselines.md "The recipe against the previous one"):
-# a variant of each set's 64-bit experiment, beside the experiment's own US-HASH runs (the shipped defaults)
+# the previous recipe against the shipped one, 3 seeds (docs/baselines.md "The recipe against the previous one"): a
+# variant of each set's 64-bit and bits experiments, beside the experiments' own US-HASH runs (the shipped defaults)
 PREVIOUS_RECIPE = ["method=ushash", "seed=0,1,2", "model.lr=0.003", "model.temperature=0.5", "model.loss.distill=10",
                    "model.loss.float=0.5"]
 PREVIOUS_LABEL = "previous (lr 3e-3, temperature 0.5, distill 10, float 0.5)"
 LATE_EPOCH = 5  # the later epochs' mean val score: from this epoch on (the best epoch's score is their maximum)
+PREVIOUS_BITS = [*PREVIOUS_RECIPE, "bits=16,32,128"]  # the same at the other lengths, beside the bits experiments
 for _set, (_exp, _) in ABLATION_SETS.items():
     STEPS[f"previous_recipe_{_set}"] = f"python -m ushash.sweep -m experiment={_exp} {' '.join(PREVIOUS_RECIPE)}"
+for _set, (_exp, _) in BITS_SETS.items():
+    STEPS[f"previous_bits_{_set}"] = f"python -m ushash.sweep -m experiment={_exp} {' '.join(PREVIOUS_BITS)}"
 
 # a markdown file a step writes, published as it is: block -> (file, step, the markdown)
 RESULT_BLOCKS = {
@@ -414,34 +417,40 @@ def start_val_body() -> str | None:
 
 
 def previous_recipe_body() -> str | None:
-    """Per set: the shipped recipe's 3 seeds (the 64-bit experiment's US-HASH runs) against the previous
-    recipe's (the variant): the kept checkpoint's val score, the mean val score of the later epochs (not a
-    maximum over noisy epochs), and test mAP@10, each mean ± std over the seeds."""
+    """Per set and code length: the shipped recipe's 3 seeds (the 64-bit and the bits experiments' US-HASH
+    runs) against the previous recipe's (their variants): the kept checkpoint's val score, the mean val score
+    of the later epochs (not a maximum over noisy epochs), and test mAP@10, each mean ± std over the seeds."""
     sys.path.insert(0, str(ROOT))
     from ushash.evaluation.sweep import variant_dir
     ms = lambda xs: f"{np.mean(xs):.4f} ± {np.std(xs, ddof=1):.4f}"
     rows, steps = [], []
-    for dataset, (_, exp) in ABLATION_SETS.items():
-        base, prev = ROOT / "experiments" / exp / "results.json", variant_dir(ROOT / "experiments" / exp, PREVIOUS_RECIPE) / "results.json"
-        if not (base.exists() and prev.exists()):
-            continue
-        steps += [f"sweep_{dataset}64", f"previous_recipe_{dataset}"]
-        for label, res in (("shipped", base), (PREVIOUS_LABEL, prev)):
-            agg = json.loads(res.read_text())
-            runs = [r for r in agg["runs"] if r["method"] == "ushash" and r.get("val_scores")]
-            summ = agg["summary"]["ushash"]["64"]
-            test = lambda p: "{:.3f} ± {:.3f}".format(*summ[p]["tie_map@10"]["mean"][:2])
-            rows.append(f"| {dataset} | {label} | {len(runs)} | {ms([r['val_score'] for r in runs])} | "
-                        f"{ms([np.mean(r['val_scores'][LATE_EPOCH:]) for r in runs])} | {test('paired')} | {test('label')} |")
+    for dataset in ABLATION_SETS:
+        grids = [(ABLATION_SETS[dataset][1], PREVIOUS_RECIPE, f"sweep_{dataset}64", f"previous_recipe_{dataset}"),
+                 (BITS_SETS[dataset][1], PREVIOUS_BITS, f"sweep_{dataset}", f"previous_bits_{dataset}")]
+        for exp, overrides, base_step, prev_step in grids:
+            base = ROOT / "experiments" / exp / "results.json"
+            prev = variant_dir(ROOT / "experiments" / exp, overrides) / "results.json"
+            if not (base.exists() and prev.exists()):
+                continue
+            steps += [base_step, prev_step]
+            found = {label: json.loads(res.read_text()) for label, res in (("shipped", base), (PREVIOUS_LABEL, prev))}
+            for bits in sorted({int(b) for b in found[PREVIOUS_LABEL]["summary"]["ushash"]}):
+                for label, agg in found.items():
+                    runs = [r for r in agg["runs"] if r["method"] == "ushash" and r["bits"] == bits and r.get("val_scores")]
+                    summ = agg["summary"]["ushash"][str(bits)]
+                    test = lambda p: "{:.3f} ± {:.3f}".format(*summ[p]["tie_map@10"]["mean"][:2])
+                    rows.append(f"| {dataset} | {bits} | {label} | {len(runs)} | {ms([r['val_score'] for r in runs])} | "
+                                f"{ms([np.mean(r['val_scores'][LATE_EPOCH:]) for r in runs])} | {test('paired')} | {test('label')} |")
     if not rows:
         return None
     dated = sorted({rec["date"] for rec in filter(None, map(stamp_record, steps))})
-    return (f"Generated by `./run reproduce` steps `sweep_<set>64` and `previous_recipe_<set>` (`python -m ushash.sweep -m "
-            f"experiment=sweep_<set>64 {' '.join(PREVIOUS_RECIPE)}`; {', '.join(dated)}; {made_on(steps)}). US-HASH's codes "
-            f"at 64 bits, mean ± std over the seeds; val score: the kept checkpoint's (the best epoch's); later epochs: "
-            f"the mean val score of epochs {LATE_EPOCH} onwards; test: tie-aware mAP@10, mean over directions.\n\n"
-            "| set | recipe | seeds | val score | later epochs' val | test paired | test label |\n"
-            "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+    return (f"Generated by `./run reproduce` steps `sweep_<set>64`, `sweep_<set>`, `previous_recipe_<set>` and "
+            f"`previous_bits_<set>` (`python -m ushash.sweep -m experiment=sweep_<set>64 {' '.join(PREVIOUS_RECIPE)}`, and "
+            f"`experiment=sweep_<set>` with `bits=16,32,128`; {', '.join(dated)}; {made_on(steps)}). US-HASH's codes, "
+            f"mean ± std over the seeds; val score: the kept checkpoint's (the best epoch's); later epochs: the mean val "
+            f"score of epochs {LATE_EPOCH} onwards; test: tie-aware mAP@10, mean over directions.\n\n"
+            "| set | bits | recipe | seeds | val score | later epochs' val | test paired | test label |\n"
+            "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
 def trained_bits_body() -> str | None:
@@ -484,7 +493,7 @@ def search_body() -> str | None:
             what = "the defaults" if rep["defaults"] and chosen["number"] == rep["defaults"]["number"] else \
                 ", ".join(f"`{k}={_override_value(v)}`" for k, v in chosen["params"].items())
             rows.append(f"| {dataset} | {method} | {len(rep['trials'])} | {chosen['number']}: {what} | "
-                        + " | ".join(cells) + f" | `{Path(rep['folder']).name}` |")
+                        + " | ".join(cells) + f" | {trials_read(rep['trials'])} | `{Path(rep['folder']).name}` |")
     if not rows:
         return None
     cross = cross_table(steps)
@@ -496,8 +505,20 @@ def search_body() -> str | None:
             "directions, mean ± std over the seeds. Every trial, with its test scores for reading only: "
             "`experiments/search/<folder>/search.md`.\n\n"
             "| set | method | trials | chosen on val (trial: settings) | defaults: val | test paired | test label "
-            "| chosen: val | test paired | test label | folder |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+            "| chosen: val | test paired | test label | trials: distinct val scores; val-test paired correlation; "
+            "best test paired trial | folder |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(rows) + cross)
+
+
+def trials_read(trials: list[dict]) -> str:
+    """What a search's trials say of val as a guide to test (for reading; test chose nothing): how many
+    distinct val scores, the correlation of val score and test paired mAP@10 over the trials, and which
+    trial scored best on test paired."""
+    val = np.array([t["val_score"] for t in trials], dtype=float)
+    paired = np.array([t["test"]["paired"] for t in trials], dtype=float)
+    distinct = len(np.unique(val.round(6)))
+    corr = f"{np.corrcoef(val, paired)[0, 1]:.2f}" if distinct > 1 and paired.std() > 0 else "–"
+    return f"{distinct}; {corr}; {trials[int(np.argmax(paired))]['number']}"
 
 
 def cross_table(steps: list[str]) -> str:
