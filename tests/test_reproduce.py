@@ -115,3 +115,45 @@ def test_a_block_states_the_machine_its_runs_recorded_not_the_publishing_one(tmp
     (stamps / f"{r.ablation_step('a', 0)}.json").write_text((stamps / "s2.json").read_text())
     body = r.ablation_body()
     assert "2 x86_64 cores (AMD EPYC), no GPU, torch 2.14.1" in body and "publishing" not in body
+
+
+def test_search_trials_read_against_a_naive_reading():
+    """The search table's reading column: distinct val scores, the val-test paired correlation over the trials
+    (against the textbook formula), the best test paired trial (the first of a tie); none without spread."""
+    r = _reproduce()
+    val, paired = [0.30, 0.32, 0.32, 0.29, 0.35], [0.20, 0.26, 0.21, 0.22, 0.26]
+    trials = [{"number": i, "val_score": v, "test": {"paired": p}} for i, (v, p) in enumerate(zip(val, paired))]
+    mv, mp = sum(val) / 5, sum(paired) / 5
+    cov = sum((v - mv) * (p - mp) for v, p in zip(val, paired))
+    corr = cov / (sum((v - mv) ** 2 for v in val) * sum((p - mp) ** 2 for p in paired)) ** 0.5
+    assert r.trials_read(trials) == f"4; {corr:.2f}; 1"
+    same = [{"number": i, "val_score": 0.3, "test": {"paired": p}} for i, p in enumerate(paired)]
+    assert r.trials_read(same) == "1; –; 1"
+
+
+def test_previous_recipe_block_has_a_row_per_set_length_and_recipe(tmp_path, monkeypatch):
+    """The recipe against the previous one: the shipped runs of the 64-bit and the bits experiments beside the
+    previous recipe's variants, one row per (set, length, recipe), val means from the runs themselves."""
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "ABLATION_SETS", {"a": ("sweep_a64", "a-64b")})
+    monkeypatch.setattr(r, "BITS_SETS", {"a": ("sweep_a", "a-bits")})
+    from ushash.evaluation.sweep import variant_dir
+
+    def write(folder, bits, v):
+        runs = [{"method": "ushash", "bits": b, "seed": s, "val_score": v + 0.01 * s, "val_scores": [0.1] * 5 + [v] * 3}
+                for b in bits for s in range(3)]
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps(
+            {"runs": runs, "summary": _summary({"ushash": {b: (0.2, 0.4) for b in bits}})}))
+
+    exp = tmp_path / "experiments"
+    write(exp / "a-64b", [64], 0.40)
+    write(variant_dir(exp / "a-64b", r.PREVIOUS_RECIPE), [64], 0.38)
+    write(exp / "a-bits", [16, 32, 64, 128], 0.30)
+    write(variant_dir(exp / "a-bits", r.PREVIOUS_BITS), [16, 32, 128], 0.28)
+    rows = [line for line in r.previous_recipe_body().splitlines() if line.startswith("| a |")]
+    assert [row.split(" | ")[1:3] for row in rows] == [
+        [b, label] for b in ("64", "16", "32", "128") for label in ("shipped", r.PREVIOUS_LABEL)]
+    assert rows[0].split(" | ")[4] == "0.4100 ± 0.0100" and rows[1].split(" | ")[4] == "0.3900 ± 0.0100"
+    assert rows[2].split(" | ")[4:6] == ["0.3100 ± 0.0100", "0.3000 ± 0.0000"]
