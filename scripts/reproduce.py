@@ -260,6 +260,11 @@ def stamp_record(step: str) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
+def tie_cell(summ_bits: dict, protocol: str) -> str:
+    """'mean ± std' of a sweep summary's tie-aware mAP@10 over directions, at one length (summary[method][bits])."""
+    return "{:.3f} ± {:.3f}".format(*summ_bits[protocol]["tie_map@10"]["mean"][:2])
+
+
 def made_on(steps: list[str]) -> str:
     """The machines and package versions the steps ran on, as their stamps recorded them (not this process's:
     a publish on another machine must not restate the runs' provenance), e.g. "2 x86_64 cores, no GPU,
@@ -395,7 +400,7 @@ def start_val_body() -> str | None:
                    for p in ("paired", "label")}
             lines.append(f"| {dataset} | {run['seed']} | " + " | ".join(f"{res['starts'][s]:.4f}" for s in ("itq", "lsh"))
                          + f" | {res.get('start')} | {tie['paired']:.3f} | {tie['label']:.3f} |")
-        cell = lambda summ, m, p: "{:.3f} ± {:.3f}".format(*summ[m]["64"][p]["tie_map@10"]["mean"][:2])
+        cell = lambda summ, m, p: tie_cell(summ[m]["64"], p)
         val_p, val_l = cell(agg["summary"], "ushash", "paired"), cell(agg["summary"], "ushash", "label")
         itq_p, flt_p = ref["summary"]["itq"]["64"]["paired"]["tie_map@10"]["mean"][0], \
             ref["summary"]["float"]["64"]["paired"]["tie_map@10"]["mean"][0]
@@ -438,9 +443,9 @@ def previous_recipe_body() -> str | None:
                 for label, agg in found.items():
                     runs = [r for r in agg["runs"] if r["method"] == "ushash" and r["bits"] == bits and r.get("val_scores")]
                     summ = agg["summary"]["ushash"][str(bits)]
-                    test = lambda p: "{:.3f} ± {:.3f}".format(*summ[p]["tie_map@10"]["mean"][:2])
                     rows.append(f"| {dataset} | {bits} | {label} | {len(runs)} | {ms([r['val_score'] for r in runs])} | "
-                                f"{ms([np.mean(r['val_scores'][LATE_EPOCH:]) for r in runs])} | {test('paired')} | {test('label')} |")
+                                f"{ms([np.mean(r['val_scores'][LATE_EPOCH:]) for r in runs])} | {tie_cell(summ, 'paired')} | "
+                                f"{tie_cell(summ, 'label')} |")
     if not rows:
         return None
     dated = sorted({rec["date"] for rec in filter(None, map(stamp_record, steps))})
@@ -540,8 +545,7 @@ def cross_table(steps: list[str]) -> str:
         summ = agg["summary"]["ushash"]["64"]
         d = own["over_seeds"]["defaults"]
         rows.append(f"| {to} | {other}'s choice | {_mean_std([r['val_score'] for r in agg['runs']])} | "
-                    f"{summ['paired']['tie_map@10']['mean'][0]:.3f} ± {summ['paired']['tie_map@10']['mean'][1]:.3f} | "
-                    f"{summ['label']['tie_map@10']['mean'][0]:.3f} ± {summ['label']['tie_map@10']['mean'][1]:.3f} | "
+                    f"{tie_cell(summ, 'paired')} | {tie_cell(summ, 'label')} | "
                     f"{_mean_std(d['val_score'])} | {_mean_std([t['paired'] for t in d['test']])} | "
                     f"{_mean_std([t['label'] for t in d['test']])} |")
         steps.append(f"search_cross_{to}")
