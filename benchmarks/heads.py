@@ -62,6 +62,8 @@ def main(n=20000, batch=256, steps=60, repeats=5):
         decay = mod.ema_decay() if average is not None else 0.0
         model.train()
         gain = float(np.sqrt(model.dim))
+        hp = mod.hparams   # the module's own loss weights, read once (the module looks them up every step)
+        w = {k: float(hp[f"w_{k}"]) for k in ("contrastive", "float", "distill", "quant", "balance", "decor", "proto")}
         for xa, xb, gi in plain:
             (za, la), (zb, lb) = model("image", xa), model("text", xb)
             ha, hb = torch.tanh(gain * la), torch.tanh(gain * lb)
@@ -70,11 +72,11 @@ def main(n=20000, batch=256, steps=60, repeats=5):
                 tb = torch.nn.functional.normalize(teacher["text"](xb), dim=-1)
             t, tf = 1 / scale.exp().clamp(max=100), 1 / fscale.exp().clamp(max=100)
             hs = torch.cat([ha, hb])
-            loss = (losses.contrastive(ha, hb, gi, gi, t, similarity="cosine")
-                    + 0.5 * losses.contrastive(za, zb, gi, gi, tf, similarity="cosine")
-                    + 10.0 * losses.similarity_distillation(ha, hb, ta, tb)
-                    + 0.1 * losses.quantization(hs) + 0.1 * losses.balance(hs) + 0.01 * losses.decorrelation(hs)
-                    + 0.01 * losses.prototype(model.prototypes))
+            loss = (w["contrastive"] * losses.contrastive(ha, hb, gi, gi, t, similarity="cosine")
+                    + w["float"] * losses.contrastive(za, zb, gi, gi, tf, similarity="cosine")
+                    + w["distill"] * losses.similarity_distillation(ha, hb, ta, tb)
+                    + w["quant"] * losses.quantization(hs) + w["balance"] * losses.balance(hs)
+                    + w["decor"] * losses.decorrelation(hs) + w["proto"] * losses.prototype(model.prototypes))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
