@@ -48,6 +48,9 @@ STEPS = {
                         "--export exports/budget-emoji-offline --out experiments/budget",
     "gptcache_compare": "python benchmarks/gptcache/compare.py --export exports/budget-tuxpaint-offline "
                         "--export exports/budget-emoji-offline --calibrations experiments/budget --out experiments/gptcache",
+    # the hit check's request side: its fp32 z (shipped) or its own payload, on the same heads and streams
+    "payload_query": "python benchmarks/payload_query.py --export exports/budget-tuxpaint-offline "
+                     "--export exports/budget-emoji-offline --out experiments/payload_query",
     "proxy_overhead": "python benchmarks/proxy_overhead.py --export exports/budget-tuxpaint-offline "
                       "--images data/tuxpaint/stamps --out experiments/proxy",
     # what hostile bodies cost the service with its bounds and with each lifted (docs/cache.md)
@@ -81,6 +84,7 @@ NEEDS = {
     "false_hit_budget": ["budget_heads"],
     "gptcache_compare": ["budget_heads", "false_hit_budget"],
     "proxy_overhead": ["budget_heads"],
+    "payload_query": ["budget_heads"],
     "cachekey_tuxpaint": ["budget_heads"],
     "cachekey_emoji": ["budget_heads"],
 }
@@ -152,6 +156,7 @@ RESULT_BLOCKS = {
     "false-hit-budget": ("docs/cache.md", "false_hit_budget", "experiments/budget/results.md"),
     "gptcache": ("docs/cache.md", "gptcache_compare", "experiments/gptcache/results.md"),
     "proxy": ("docs/cache.md", "proxy_overhead", "experiments/proxy/results.md"),
+    "payload-query": ("docs/cache.md", "payload_query", "experiments/payload_query/results.md"),
     **{f"failures-{s}": ("docs/cache.md", "failures", f"docs/failures/{s}.md") for s in ("penetration", "breakdown", "avalanche")},
     "adaptive-ttl": ("docs/cache.md", "adaptive_ttl", "docs/failures/adaptive_ttl.md"),
     "qos": ("docs/cache.md", "qos", "docs/failures/qos.md"),

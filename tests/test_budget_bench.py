@@ -154,3 +154,57 @@ def test_head_runs_are_named_after_the_resolved_recipe():
     stores = {"train": "0" * 16, "val": "1" * 16}
     assert heads.config_key(ov, stores)[0] == heads.config_key(ov, dict(stores))[0] != a
     assert heads.config_key(ov, {**stores, "val": "2" * 16})[0] != heads.config_key(ov, stores)[0]
+
+
+@pytest.fixture(scope="module")
+def payload_query():
+    return _load("payload_query_bench", "benchmarks/payload_query.py")
+
+
+def test_payload_query_best_on_val_against_a_naive_scan(payload_query):
+    """The point with the most val hits whose bound meets the target (threshold <= the floor), ties to the
+    smaller radius then the higher threshold: checked against a plain scan of every grid cell, ties included."""
+    from ushash.serving.calibration import clopper_pearson_upper
+    pq = payload_query
+    rng = np.random.default_rng(3)
+    R, T = len(pq.RADII), len(pq.THRESHOLDS)
+    for trial in range(40):
+        n = rng.integers(0, 6, size=(R, T)) * 100          # coarse counts: many equal hit counts (ties)
+        bad = np.where(rng.random((R, T)) < 0.5, 0, rng.integers(0, 8, size=(R, T)))
+        bad = np.minimum(bad, n)
+        floor = float(rng.choice([1.0, 0.98, 0.9]))
+        got = pq.best_on_val(n, bad, floor, 0.01, 0.05)
+        cells = [(int(n[i, j]), -int(r), float(t), int(r)) for i, r in enumerate(pq.RADII) for j, t in enumerate(pq.THRESHOLDS)
+                 if t <= floor + 1e-9 and n[i, j] > 0 and clopper_pearson_upper(int(bad[i, j]), int(n[i, j]), 0.05) <= 0.01]
+        if not cells:
+            assert got is None
+            continue
+        h, _, t, r = max(cells)
+        assert got == (r, t, h), trial
+
+
+def test_payload_query_request_side_gives_an_exact_repeat_cosine_one(payload_query):
+    """The request through its own payload codec meets its own record at cosine 1 (to float rounding), where
+    the fp32 z meets the INT4 record below 1; z rows are returned untouched for the shipped side."""
+    from types import SimpleNamespace
+    from ushash.serving.payload.codec import PayloadCodec
+    pq = payload_query
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(30, 64)).astype(np.float32)
+    z /= np.linalg.norm(z, axis=1, keepdims=True)
+    mods = np.array(["image"] * 20 + ["text"] * 10)
+    codec = PayloadCodec.default(64, ("image", "text"))
+    records = {m: (np.flatnonzero(mods == m), codec.encode(m, z[mods == m])) for m in ("image", "text")}
+    head = SimpleNamespace(payload=codec)
+    enc = SimpleNamespace(z=z, modality=mods, records=records, cls=np.arange(30))
+    assert pq.request_rows(head, enc, "z") is z
+    raw = pq.cosines(head, enc, pq.request_rows(head, enc, "z"))
+    own = pq.cosines(head, enc, pq.request_rows(head, enc, "payload"))
+    floors_raw, floors_own = pq.repeat_floor(enc, raw), pq.repeat_floor(enc, own)
+    assert floors_raw["image"] < 0.999 and floors_own["image"] > 1 - 1e-5
+    assert floors_own["text"] > 1 - 1e-5
+    # the naive reference: decode every record, cosine with each request row
+    for m, (idx, recs) in records.items():
+        dec = codec.decode(m, recs)
+        ref = z @ dec.T / np.linalg.norm(dec, axis=1)
+        np.testing.assert_allclose(raw[:, idx], ref, atol=2e-6)
