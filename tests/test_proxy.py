@@ -387,3 +387,22 @@ def test_the_model_service_bounds_an_image_before_decoding_it():
     flood = dict(hc.header_floods(5_600_000))["jpeg_app_marker_flood"]
     r = TestClient(app).post("/v1/chat/completions", json=chat("what is this", flood))
     assert r.status_code == 400 and "max_image_segments" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("kw", [{"max_body_bytes": 0}, {"max_json_values": -1}, {"max_answer_bytes": True},
+                                {"max_json_values": 2.5}])
+def test_proxy_bounds_are_checked_when_the_app_is_made(kw):
+    """A bound on what one request may cost that is not a positive integer is refused, naming it (a zero
+    `max_json_values` once forwarded every body unparsed, so nothing was ever cached)."""
+    cache = SemanticCache(LSHHead({"text": 16}, bits=64))
+    with pytest.raises(ValueError, match=f"{next(iter(kw))} must be a positive integer"):
+        create_proxy_app(cache, "http://upstream", **kw)
+
+
+def test_proxy_bounds_are_checked_before_the_export_is_loaded():
+    import ushash.serving.proxy as proxy
+    from ushash.config import compose
+
+    cfg = compose("proxy", ["export=does/not/exist", "upstream=http://127.0.0.1:1", "max_answer_bytes=0"])
+    with pytest.raises(SystemExit, match="max_answer_bytes must be a positive integer; got 0"):
+        proxy.build(cfg)

@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ushash.serving import connection
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
 from ushash.serving.messages import decode_base64, decode_data_url, images_digest, json_digest, read_content
+from ushash.serving.service import MAX_JSON_VALUES, check_limits
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class ProxyConfig:
     text_path: Optional[str] = None   # dotted path of the text in a non-chat body (e.g. input.prompt)
     image_path: Optional[str] = None  # dotted path of a base64 image in a non-chat body
     max_body_bytes: int = 8 << 20     # larger request bodies get 413
-    max_json_values: int = 1 << 20    # a body of more JSON values (counted on its bytes) is forwarded unparsed
+    max_json_values: int = MAX_JSON_VALUES  # a body of more JSON values (counted on its bytes) is forwarded unparsed
     max_answer_bytes: int = 1 << 20   # larger upstream answers are passed through, not stored
     upstream_timeout_s: float = 60.0
     ttl_s: Optional[float] = None     # stored answers' TTL; None: the cache's
@@ -204,6 +205,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
 
     from ushash.serving.service import _BodyLimit, _ServerFaults, bearer_credentials, loads_json, too_many_values
 
+    check_limits(max_body_bytes=max_body_bytes, max_json_values=max_json_values, max_answer_bytes=max_answer_bytes)
     app = FastAPI(title="ushash caching proxy")
     tokens = dict(tokens or {})
     for t in tokens.values():
@@ -374,6 +376,10 @@ def build(cfg):
     if any(not isinstance(v, str) for v in tokens.values()):
         raise SystemExit("tokens must map each bearer token to one tenant name, e.g. tokens={<token>:acme}")
     tokens = {str(k): v for k, v in tokens.items()}
+    try:   # before the export is loaded
+        check_limits(**{k: cfg.get(k) for k in ("max_body_bytes", "max_json_values", "max_answer_bytes")})
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     cache = cache_from_cfg(cfg)
     app = create_proxy_app(cache, str(cfg.upstream), token=token, tokens=tokens, text_path=cfg.get("text_path"),
                            image_path=cfg.get("image_path"), max_body_bytes=int(cfg.max_body_bytes),
