@@ -35,6 +35,16 @@ def pools_and_streams(head, features_dir: Path, n_val: int, n_test: int):
     return dataset, val, test, sv, st
 
 
+def stream_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every benchmark of the budget heads' streams takes alike (this one, payload_query.py,
+    gptcache/compare.py): the exports, their feature stores, and the val and test stream lengths."""
+    ap.add_argument("--export", action="append", required=True)
+    ap.add_argument("--features-dir", default=str(ROOT / "data" / "features"))
+    ap.add_argument("--requests", type=int, default=40000, help="val stream (calibration)")
+    ap.add_argument("--test-requests", type=int, default=20000)
+    return ap
+
+
 def run(export: str, features_dir: Path, budgets, n_val: int, n_test: int, settings: CalibrationSettings,
         out_dir: Path) -> dict:
     head = load_export(export)
@@ -119,11 +129,8 @@ def resumed(export: str, a, settings: CalibrationSettings) -> dict:
 def main(argv=None):
     from ushash.core.provenance import machine_summary
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--export", action="append", required=True)
-    ap.add_argument("--features-dir", default=str(ROOT / "data" / "features"))
+    stream_arguments(ap)
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.01])
-    ap.add_argument("--requests", type=int, default=40000)
-    ap.add_argument("--test-requests", type=int, default=20000)
     ap.add_argument("--marginal", type=int, default=1)
     ap.add_argument("--count", default="hits", choices=["hits", "distinct", "items"])
     ap.add_argument("--path", default="split", choices=["hits", "split"])

@@ -36,7 +36,10 @@ sys.path.insert(0, str(ROOT))
 from ushash.core.io import atomic_write, write_json  # noqa: E402
 from ushash.serving.artifact import load_export  # noqa: E402
 from ushash.serving.calibration import clopper_pearson_upper, pair_name  # noqa: E402
-from ushash.sim.calibrate import encode_pool, offline_counts, pool_and_stream  # noqa: E402
+from ushash.sim.calibrate import encode_pool, offline_counts  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from false_hit_budget import pools_and_streams, stream_arguments  # noqa: E402
 
 SIDES = ("z", "payload")   # the request's fp32 z | the request through its own modality's payload codec
 RADII = np.arange(11)
@@ -88,8 +91,7 @@ def best_on_val(n: np.ndarray, bad: np.ndarray, floor: float, target: float, del
 
 def run(export: str, features_dir: Path, n_val: int, n_test: int, target: float, delta: float) -> dict:
     head = load_export(export)
-    dataset, val, sv = pool_and_stream(head, features_dir, "val", n_val, seed=0)
-    _, test, st = pool_and_stream(head, features_dir, "test", n_test, seed=1)
+    dataset, val, test, sv, st = pools_and_streams(head, features_dir, n_val, n_test)
     ev, et = encode_pool(head, val), encode_pool(head, test)
     out = {"dataset": dataset, "revision": head.revision, "payload": {m: head.payload[m].name for m in ev.records},
            "val_requests": n_val, "test_requests": n_test, "sides": {}}
@@ -152,11 +154,7 @@ def markdown(results: list[dict], meta: dict) -> str:
 
 def main(argv=None):
     from ushash.core.provenance import machine_summary
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--export", action="append", required=True)
-    ap.add_argument("--features-dir", default=str(ROOT / "data" / "features"))
-    ap.add_argument("--requests", type=int, default=40000, help="val stream (as false_hit_budget.py)")
-    ap.add_argument("--test-requests", type=int, default=20000)
+    ap = stream_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--budget", type=float, default=0.01)
     ap.add_argument("--confidence", type=float, default=0.95)
     ap.add_argument("--out", default=str(ROOT / "experiments" / "payload_query"))

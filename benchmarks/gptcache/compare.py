@@ -278,12 +278,10 @@ def markdown(results: list[dict], meta: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--export", action="append", required=True)
-    ap.add_argument("--features-dir", default=str(ROOT / "data" / "features"))
+    from false_hit_budget import stream_arguments
+
+    ap = stream_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--embeddings", nargs="+", default=["z", "features"], choices=["z", "features"])
-    ap.add_argument("--requests", type=int, default=40000, help="val stream (as false_hit_budget.py)")
-    ap.add_argument("--test-requests", type=int, default=20000)
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.01])
     ap.add_argument("--calibrations", default=str(ROOT / "experiments" / "budget"),
                     help="folder of <dataset>-<budget>.calibration.json (false_hit_budget.py --out): ushash measured "
