@@ -24,6 +24,7 @@ cache's calibrated hit rate. Writes results.json and results.md to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from ushash.core.io import atomic_write, write_json  # noqa: E402
 from ushash.serving.artifact import load_export  # noqa: E402
 from ushash.serving.calibration import clopper_pearson_upper, pair_name  # noqa: E402
-from ushash.sim.calibrate import encode_pool, offline_counts  # noqa: E402
+from ushash.sim.calibrate import encode_pool, offline_counts, payload_cosines  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from false_hit_budget import pools_and_streams, stream_arguments  # noqa: E402
@@ -60,14 +61,14 @@ def request_rows(head, enc, side: str) -> np.ndarray:
 
 
 def cosines(head, enc, rows: np.ndarray) -> np.ndarray:
-    """cos[q, e]: request row q against entry e's decoded payload, by the codec's own scoring (as
-    ushash.sim.calibrate.payload_cosines, with the request rows given)."""
-    n = len(enc.cls)
-    cos = np.zeros((n, n), np.float32)
-    for m, (idx, recs) in enc.records.items():
-        for q in range(n):
-            cos[q, idx] = head.payload.scores(m, np.ascontiguousarray(rows[q]), recs, checked=False)
-    return cos
+    """cos[q, e]: request row q against entry e's decoded payload: the calibration's own
+    ushash.sim.calibrate.payload_cosines, with the request rows given in place of z."""
+    return payload_cosines(head, dataclasses.replace(enc, z=rows))
+
+
+def cell(radius: int, threshold: float) -> tuple[int, int]:
+    """The grid indices of (radius, threshold)."""
+    return int(np.flatnonzero(RADII == radius)[0]), int(np.flatnonzero(np.isclose(THRESHOLDS, threshold))[0])
 
 
 def repeat_floor(enc, cos: np.ndarray) -> dict[str, float]:
@@ -101,16 +102,16 @@ def run(export: str, features_dir: Path, n_val: int, n_test: int, target: float,
         counts_val = offline_counts(ev, cv, np.asarray(sv), THRESHOLDS, RADII)
         counts_test = offline_counts(et, ct, np.asarray(st), THRESHOLDS, RADII)
         pairs = {}
+        di, dj = cell(*DEFAULT)
         for m in sorted(ev.records):
             k = pair_name(m, m)
             (nv, bv), (nt, bt) = counts_val[k], counts_test[k]
-            di, dj = int(np.flatnonzero(RADII == DEFAULT[0])[0]), int(np.flatnonzero(np.isclose(THRESHOLDS, DEFAULT[1]))[0])
             pick = best_on_val(nv, bv, floors_val[m], target, delta)
             row = {"repeat_floor_val": floors_val[m], "repeat_floor_test": floors_test[m],
                    "default": {"hits": int(nt[di, dj]), "false_hits": int(bt[di, dj])}, "chosen": None}
             if pick is not None:
                 r, t, hv = pick
-                i, j = int(np.flatnonzero(RADII == r)[0]), int(np.flatnonzero(np.isclose(THRESHOLDS, t))[0])
+                i, j = cell(r, t)
                 row["chosen"] = {"radius": r, "threshold": t, "val_hits": hv, "val_false_hits": int(bv[i, j]),
                                  "hits": int(nt[i, j]), "false_hits": int(bt[i, j])}
             pairs[k] = row

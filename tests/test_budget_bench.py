@@ -188,6 +188,7 @@ def test_payload_query_request_side_gives_an_exact_repeat_cosine_one(payload_que
     the fp32 z meets the INT4 record below 1; z rows are returned untouched for the shipped side."""
     from types import SimpleNamespace
     from ushash.serving.payload.codec import PayloadCodec
+    from ushash.sim.calibrate import Encoded
     pq = payload_query
     rng = np.random.default_rng(0)
     z = rng.normal(size=(30, 64)).astype(np.float32)
@@ -196,7 +197,8 @@ def test_payload_query_request_side_gives_an_exact_repeat_cosine_one(payload_que
     codec = PayloadCodec.default(64, ("image", "text"))
     records = {m: (np.flatnonzero(mods == m), codec.encode(m, z[mods == m])) for m in ("image", "text")}
     head = SimpleNamespace(payload=codec)
-    enc = SimpleNamespace(z=z, modality=mods, records=records, cls=np.arange(30))
+    enc = Encoded(modality=mods, codes=np.zeros((30, 8), np.uint8), z=z, records=records, cls=np.arange(30),
+                  key=list(range(30)))
     assert pq.request_rows(head, enc, "z") is z
     raw = pq.cosines(head, enc, pq.request_rows(head, enc, "z"))
     own = pq.cosines(head, enc, pq.request_rows(head, enc, "payload"))

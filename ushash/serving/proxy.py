@@ -205,7 +205,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
 
     from ushash.serving.service import _BodyLimit, _ServerFaults, bearer_credentials, loads_json, too_many_values
 
-    check_limits(max_body_bytes=max_body_bytes, max_json_values=max_json_values, max_answer_bytes=max_answer_bytes)
+    check_limits({"max_body_bytes": max_body_bytes, "max_json_values": max_json_values,
+                  "max_answer_bytes": max_answer_bytes})
     app = FastAPI(title="ushash caching proxy")
     tokens = dict(tokens or {})
     for t in tokens.values():
@@ -376,10 +377,7 @@ def build(cfg):
     if any(not isinstance(v, str) for v in tokens.values()):
         raise SystemExit("tokens must map each bearer token to one tenant name, e.g. tokens={<token>:acme}")
     tokens = {str(k): v for k, v in tokens.items()}
-    try:   # before the export is loaded
-        check_limits(**{k: cfg.get(k) for k in ("max_body_bytes", "max_json_values", "max_answer_bytes")})
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    check_limits({k: cfg.get(k) for k in ("max_body_bytes", "max_json_values", "max_answer_bytes")}, SystemExit)
     cache = cache_from_cfg(cfg)
     app = create_proxy_app(cache, str(cfg.upstream), token=token, tokens=tokens, text_path=cfg.get("text_path"),
                            image_path=cfg.get("image_path"), max_body_bytes=int(cfg.max_body_bytes),

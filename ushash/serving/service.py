@@ -423,19 +423,20 @@ class _FastJSONRoute(APIRoute):
         return route_handler
 
 
-def check_limits(**limits) -> None:
-    """Refuse a bound on what one request may cost that is not a positive integer (ValueError naming it):
-    the service's and the proxy's `max_body_bytes`, `max_json_values`, `max_answer_bytes`."""
+def check_limits(limits: dict, error: type[Exception] = ValueError) -> None:
+    """Refuse a bound on what one request may cost that is not a positive integer (`error` naming it; the
+    verbs pass SystemExit, to refuse at start before loading the export): the service's and the proxy's
+    `max_body_bytes`, `max_json_values`, `max_answer_bytes`."""
     for name, v in limits.items():
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive integer; got {v!r}")
+            raise error(f"{name} must be a positive integer; got {v!r}")
 
 
 def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeConfig.max_body_bytes,
                tokens: Optional[dict] = None, max_json_values: int = MAX_JSON_VALUES) -> FastAPI:
     """The FastAPI app serving `cache`. Tests call this directly. `token` may use every tenant; `tokens`
     maps further tokens to the tenants each may use."""
-    check_limits(max_body_bytes=max_body_bytes, max_json_values=max_json_values)
+    check_limits({"max_body_bytes": max_body_bytes, "max_json_values": max_json_values})
     scoped = check_tokens(tokens, cache.config.tenants)
     cache.warm_up()   # the compiled kernels loaded before the first request, not during it
     if token is not None and token in scoped:
@@ -638,10 +639,7 @@ def build(cfg: DictConfig):
     tokens = tokens_of(cfg)
     host = str(cfg.host)
     check_binding(host, token, tokens)
-    try:
-        check_limits(max_body_bytes=cfg.get("max_body_bytes"), max_json_values=cfg.get("max_json_values"))
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    check_limits({k: cfg.get(k) for k in ("max_body_bytes", "max_json_values")}, SystemExit)
     port = cfg.get("port")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise SystemExit(f"port must be an integer in 1..65535; got {port!r}")
