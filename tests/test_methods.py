@@ -213,6 +213,35 @@ def test_trained_objectives_run_and_backpropagate(name):
     assert mod.model.heads["image"][0].weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("name", ["ushash", "pairwise", "csq", "orthohash"])
+@pytest.mark.parametrize("distill_pairs", ["cross", "all"])
+def test_a_full_batch_is_read_as_a_view_with_the_gathers_exact_loss_and_gradients(name, distill_pairs, monkeypatch):
+    """Every row present (the usual batch): the objectives index by a view, not a boolean gather; the loss and every
+    gradient are bit for bit those of the gather (rows forced to return the mask), teacher and a 3rd modality included."""
+    from ushash.hashing.methods import csq, pairwise, ushash as us
+    from ushash.hashing.module import USHashModule
+    dims = {"image": 8, "text": 6, "audio": 5}
+    g = torch.Generator().manual_seed(0)
+    x = {m: torch.randn(12, d, generator=g) for m, d in dims.items()}
+    gid = torch.arange(12)
+    results, view = [], us.rows
+    assert view(torch.ones(3, dtype=torch.bool)) is us.EVERY_ROW and view(torch.tensor([True, False])) is not us.EVERY_ROW
+    for rows in (view, lambda mask: mask):
+        for module in (us, pairwise, csq):
+            monkeypatch.setattr(module, "rows", rows)
+        torch.manual_seed(0)
+        mod = USHashModule(in_dims=dims, bits=16, dim=16, hidden=16, method=name, distill_pairs=distill_pairs,
+                           method_args={"classes": "groups"} if name in ("csq", "orthohash") else {}, n_train_groups=12)
+        mod.log = mod.log_dict = lambda *a, **k: None
+        batch = {m: (x[m], gid, torch.ones(12, dtype=torch.bool)) for m in dims}
+        loss = mod.training_step(batch, 0)
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in mod.named_parameters() if p.grad is not None}))
+    (fast, fast_grads), (gathered, gathered_grads) = results
+    assert torch.equal(fast, gathered) and fast_grads.keys() == gathered_grads.keys() and fast_grads
+    assert all(torch.equal(fast_grads[k], gathered_grads[k]) for k in fast_grads)
+
+
 def test_a_fitted_method_cannot_be_trained():
     from ushash.hashing.module import USHashModule
     with pytest.raises(ValueError, match="fitted, not trained"):

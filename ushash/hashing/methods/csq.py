@@ -22,6 +22,7 @@ import torch
 
 from ushash.hashing import losses
 from ushash.hashing.methods import MethodSpec, register
+from ushash.hashing.methods.ushash import rows, stacked
 
 
 def _pseudo_classes(module, args, n_classes: int) -> np.ndarray:
@@ -37,9 +38,9 @@ def _pseudo_classes(module, args, n_classes: int) -> np.ndarray:
     emb = np.zeros((len(ts.groups), space.dim))
     for m in ts.modalities:  # the batcher's rows per group: ts.members indexes its one vocabulary
         y = space.transform(m, split.tables[m].x)
-        for g, rows in enumerate(ts.members[m]):
-            if rows:
-                emb[g] += y[rows].sum(axis=0)
+        for g, idx in enumerate(ts.members[m]):
+            if idx:
+                emb[g] += y[idx].sum(axis=0)
     emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
     km = faiss.Kmeans(emb.shape[1], n_classes, niter=25, seed=int(args.get("centre_seed", 0)) + 1,
                       spherical=True, verbose=False)
@@ -80,9 +81,10 @@ def class_losses(module, h, g, present, args, loss: Callable) -> tuple[torch.Ten
     total, n = ref.new_zeros(()), 0
     for m in h:
         if present[m].any():
-            total = total + loss(h[m][present[m]], table, cls[g[m][present[m]]])
+            keep = rows(present[m])
+            total = total + loss(h[m][keep], table, cls[g[m][keep]])
             n += 1
-    hs = torch.cat([h[m][present[m]] for m in h])
+    hs = stacked(h, present)
     return total / max(n, 1), losses.quantization(hs)
 
 

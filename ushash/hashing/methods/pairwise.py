@@ -15,7 +15,7 @@ import torch
 
 from ushash.hashing import losses
 from ushash.hashing.methods import MethodSpec, register
-from ushash.hashing.methods.ushash import cross_modal_pairs, stacked
+from ushash.hashing.methods.ushash import cross_modal_pairs, rows, stacked
 
 
 def objective(module, h, z, g, present, args, teacher=None):
@@ -29,7 +29,7 @@ def objective(module, h, z, g, present, args, teacher=None):
     hs = stacked(h, present)
     # bit balance per modality (DCMH's F1 / G1 terms): on the stacked codes, one modality's codes being the
     # negation of the other's would look balanced
-    bal = torch.stack([losses.balance(h[m][present[m]]) for m in h if present[m].any()]).mean()
+    bal = torch.stack([losses.balance(h[m][rows(present[m])]) for m in h if present[m].any()]).mean()
     parts = {"pairwise": l_pair / max(n, 1), "quant": losses.quantization(hs), "balance": bal}
     weights = {"pairwise": 1.0, "quant": float(args.get("w_quant", 0.1)), "balance": float(args.get("w_balance", 0.1))}
     return parts, weights

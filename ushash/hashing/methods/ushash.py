@@ -17,16 +17,24 @@ from ushash.hashing import losses
 from ushash.hashing.methods import MethodSpec, register
 
 
+EVERY_ROW = slice(None)   # a mask whose rows are all present: indexing by it is a view, not a gather (and its backward a scatter)
+
+
+def rows(mask: torch.Tensor):
+    """`mask`, or EVERY_ROW when it keeps every row (the usual batch): the same rows, the same values, no copy."""
+    return EVERY_ROW if bool(mask.all()) else mask
+
+
 def cross_modal_pairs(h: dict, present: dict):
-    """(a, b, both) for every pair of modalities with at least two rows present in both."""
+    """(a, b, both) for every pair of modalities with at least two rows present in both; `both` indexes them."""
     for a, b in itertools.combinations(h, 2):
         both = present[a] & present[b]
         if both.sum() >= 2:
-            yield a, b, both
+            yield a, b, rows(both)
 
 
 def stacked(h: dict, present: dict) -> torch.Tensor:
-    return torch.cat([h[m][present[m]] for m in h])
+    return torch.cat([h[m][rows(present[m])] for m in h])
 
 
 def label_positives(module, ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
