@@ -7,13 +7,17 @@ References measured in the same run:
   torch._foreach_lerp_; no Lightning module, no logging, no hyper-parameter lookups). The module's loop
   updates its average as Lightning's WeightAveraging does after each step (torch's AveragedModel);
 - codes: a bare matmul + sign + np.packbits of the same features through the same weights.
-Prints medians over repeats and the ratios.
+Each run prints the medians over its repeats and their ratios; with --runs N, N runs (each from a fresh module) and
+a markdown table of them with the median ratio and its range (what docs/benchmarks.md publishes: the machines are
+shared, and one run's ratio moves by several hundredths).
 
-    ./run bench heads
+    ./run bench heads             # one run
+    ./run bench heads --runs 7    # the published table
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -26,7 +30,11 @@ from ushash.hashing import losses
 from ushash.hashing.module import USHashModule
 
 
-def main(n=20000, batch=256, steps=60, repeats=5):
+REPEATS = 15   # interleaved repeats per run: one loop of 60 steps lasts about half a second, and the machines are shared
+
+
+def measure(n=20000, batch=256, steps=60, repeats=REPEATS) -> dict:
+    """One run: {"module", "bare"} training steps/s and {"encode", "packbits"} codes/s, medians over `repeats`."""
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     x = {"image": torch.from_numpy(rng.normal(size=(n, 1280)).astype(np.float32)),
@@ -89,8 +97,6 @@ def main(n=20000, batch=256, steps=60, repeats=5):
         t0 = time.perf_counter(); module_loop(); t_mod.append(time.perf_counter() - t0)
         t0 = time.perf_counter(); bare_loop(); t_bare.append(time.perf_counter() - t0)
     sm, sb = steps / statistics.median(t_mod), steps / statistics.median(t_bare)
-    print(f"training, batch {batch}, 64 bits: US-HASH module {sm:.1f} steps/s; bare loop (same objective) {sb:.1f} steps/s; "
-          f"ratio {sm / sb:.2f}x")
 
     # codes emitted per second
     feats = x["image"].numpy()
@@ -106,10 +112,50 @@ def main(n=20000, batch=256, steps=60, repeats=5):
         t_ref.append(time.perf_counter() - t0)
     assert (ref == packed).all() and len(lin) == 1
     ce, cr = n / statistics.median(t_enc), n / statistics.median(t_ref)
-    print(f"codes: USHash.encode {ce:,.0f} codes/s; bare forward + packbits {cr:,.0f} codes/s; ratio {ce / cr:.2f}x")
     assert codes.pack(np.ones((1, 64))).shape == (1, 8)
+    return {"module": sm, "bare": sb, "encode": ce, "packbits": cr}
+
+
+def table(runs: list[dict], started: str, ended: str, batch=256, repeats=REPEATS) -> str:
+    """The runs as a markdown table, each ratio's median and range below it."""
+    from ushash.core.provenance import cpu_model
+    train = [r["module"] / r["bare"] for r in runs]
+    emit = [r["encode"] / r["packbits"] for r in runs]
+    lines = [f"### Head training steps/s and codes/s: {len(runs)} runs, each the median of {repeats} interleaved repeats",
+             "",
+             f"{started} to {ended} UTC; {cpu_model()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}; "
+             f"fixed inputs: seeded 1280-d image + 384-d text features, batch {batch}, 64 bits, the shipped recipe",
+             "",
+             "| run | US-HASH module steps/s | bare loop steps/s | training ratio | `USHash.encode` codes/s "
+             "| bare forward + `np.packbits` codes/s | codes ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for i, (r, a, b) in enumerate(zip(runs, train, emit), 1):
+        lines.append(f"| {i} | {r['module']:.1f} | {r['bare']:.1f} | {a:.2f}x | {r['encode']:,.0f} | {r['packbits']:,.0f} | {b:.2f}x |")
+    lines += ["",
+              f"Training: median ratio **{statistics.median(train):.2f}x** (range {min(train):.2f}-{max(train):.2f}x); "
+              f"codes: median ratio {statistics.median(emit):.2f}x (range {min(emit):.2f}-{max(emit):.2f}x)."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=1, help="runs, each from a fresh module (default 1)")
+    args = ap.parse_args()
+    if args.runs < 1:
+        raise SystemExit(f"--runs {args.runs}: expected at least 1")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    started, runs = time.strftime("%Y-%m-%d %H:%M", time.gmtime()), []
+    for _ in range(args.runs):
+        r = measure()
+        runs.append(r)
+        if args.runs == 1:
+            print(f"training, batch 256, 64 bits: US-HASH module {r['module']:.1f} steps/s; bare loop (same objective) "
+                  f"{r['bare']:.1f} steps/s; ratio {r['module'] / r['bare']:.2f}x")
+            print(f"codes: USHash.encode {r['encode']:,.0f} codes/s; bare forward + packbits {r['packbits']:,.0f} codes/s; "
+                  f"ratio {r['encode'] / r['packbits']:.2f}x")
+    if args.runs > 1:
+        print(table(runs, started, time.strftime("%H:%M", time.gmtime())))
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     main()

@@ -38,6 +38,8 @@ STEPS = {
     "payload_tuxpaint": "python benchmarks/payload.py quality --ckpt checkpoints/demo-tuxpaint-offline-64b-s0/best.ckpt",
     "payload_synthetic": "python benchmarks/payload.py quality --synthetic",
     "payload_speed": "python benchmarks/payload.py speed",
+    # head training steps/s against the bare loop, and codes/s (docs/benchmarks.md)
+    "heads_speed": "python benchmarks/heads.py --runs 7",
     "export_demo": "python -m ushash.export ckpt=checkpoints/demo-tuxpaint-offline-64b-s0/best.ckpt out=exports/demo-tux64 "
                    "overwrite=true",  # the export follows the demo checkpoint, which a reproduce may train again
     "cachesim_tuxpaint": "python -m ushash.cachesim export=exports/demo-tux64 out=experiments/cachesim/demo-tuxpaint64",
@@ -168,6 +170,7 @@ PRINTED_BLOCKS = {
     "payload_tuxpaint": ("docs/payloads.md", "payload-tuxpaint"),
     "payload_synthetic": ("docs/payloads.md", "payload-synthetic"),
     "payload_speed": ("docs/payloads.md", "payload-speed"),
+    "heads_speed": ("docs/benchmarks.md", "heads-speed"),
     "hostile_input": ("docs/cache.md", "hostile-input"),
 }
 # a sweep's summary: block -> (file, experiment, step)
