@@ -118,12 +118,12 @@ def measure(n=20000, batch=256, steps=60, repeats=REPEATS) -> dict:
 
 def table(runs: list[dict], started: str, ended: str, batch=256, repeats=REPEATS) -> str:
     """The runs as a markdown table, each ratio's median and range below it."""
-    from ushash.core.provenance import cpu_model
+    from ushash.core.provenance import machine_summary
     train = [r["module"] / r["bare"] for r in runs]
     emit = [r["encode"] / r["packbits"] for r in runs]
     lines = [f"### Head training steps/s and codes/s: {len(runs)} runs, each the median of {repeats} interleaved repeats",
              "",
-             f"{started} to {ended} UTC; {cpu_model()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}; "
+             f"{started} to {ended} UTC; {machine_summary()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}; "
              f"fixed inputs: seeded 1280-d image + 384-d text features, batch {batch}, 64 bits, the shipped recipe",
              "",
              "| run | US-HASH module steps/s | bare loop steps/s | training ratio | `USHash.encode` codes/s "

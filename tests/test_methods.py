@@ -226,7 +226,7 @@ def test_a_full_batch_is_read_as_a_view_with_the_gathers_exact_loss_and_gradient
     gid = torch.arange(12)
     results, view = [], us.rows
     assert view(torch.ones(3, dtype=torch.bool)) is us.EVERY_ROW and view(torch.tensor([True, False])) is not us.EVERY_ROW
-    for rows in (view, lambda mask: mask):
+    for rows in (view, lambda mask, kept=None: mask):
         for module in (us, pairwise, csq):
             monkeypatch.setattr(module, "rows", rows)
         torch.manual_seed(0)

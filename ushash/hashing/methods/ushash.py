@@ -20,17 +20,20 @@ from ushash.hashing.methods import MethodSpec, register
 EVERY_ROW = slice(None)   # a mask whose rows are all present: indexing by it is a view, not a gather (and its backward a scatter)
 
 
-def rows(mask: torch.Tensor):
-    """`mask`, or EVERY_ROW when it keeps every row (the usual batch): the same rows, the same values, no copy."""
-    return EVERY_ROW if bool(mask.all()) else mask
+def rows(mask: torch.Tensor, kept: int | None = None):
+    """`mask`, or EVERY_ROW when it keeps every row (the usual batch): the same rows, the same values, no copy.
+    kept: how many rows it keeps, where the caller has counted them already."""
+    full = bool(mask.all()) if kept is None else kept == len(mask)
+    return EVERY_ROW if full else mask
 
 
 def cross_modal_pairs(h: dict, present: dict):
     """(a, b, both) for every pair of modalities with at least two rows present in both; `both` indexes them."""
     for a, b in itertools.combinations(h, 2):
         both = present[a] & present[b]
-        if both.sum() >= 2:
-            yield a, b, rows(both)
+        kept = int(both.sum())
+        if kept >= 2:
+            yield a, b, rows(both, kept)
 
 
 def stacked(h: dict, present: dict) -> torch.Tensor:
