@@ -8,11 +8,19 @@ machine. Steps resume: sweeps skip finished runs, so an interrupted reproduce co
     ./run reproduce sweep_emoji     # one step, then publish
     ./run reproduce readme          # the README's verbs in the order written (after the demo)
     ./run reproduce publish         # only rewrite the blocks from the results already on disk
+
+A step's stamp (experiments/reproduce/<step>.json: command, date, machine, versions) records the digests of
+the results its blocks are published from, and of the results of the steps it needs as it read them. publish
+writes nothing while any results on disk are not the ones their stamp describes (rewritten by a command run
+outside reproduce, or a failed run) or were made from other results of a step they need (budget_heads run
+again under the cache benchmarks): it names each and the steps to rerun, so a page never states one run's
+provenance over another run's numbers, or one head's table beside numbers measured on another.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -219,6 +227,9 @@ def run_step(name: str) -> None:
         rc = subprocess.call(argv_of(line), cwd=ROOT, stdout=out, stderr=err)
     stamp = {"command": line, "date": datetime.date.today().isoformat(), "machine": machine(),
              "versions": versions(), "wall_s": round(time.perf_counter() - t0, 1), "returncode": rc}
+    if not rc:
+        stamp["outputs"] = digests(name)
+        stamp["made_from"] = {n: digests(n) for n in NEEDS.get(name, [])}
     log.with_suffix(".json").write_text(json.dumps(stamp, indent=1) + "\n")
     if rc:
         raise SystemExit(f"[reproduce] {name} failed (exit {rc}); its output: {log}, {log.with_suffix('.err')}")
@@ -260,6 +271,50 @@ def run_readme() -> None:
         rc = subprocess.call([sys.executable, *words[1:]], cwd=ROOT)
         if rc:
             raise SystemExit(f"[reproduce] readme: `{' '.join(words)}` failed (exit {rc})")
+
+
+def outputs_of(step: str) -> list[str]:
+    """The files of `step` that publish reads (repository-relative): the markdown of its result and sweep
+    blocks and the JSON beside each (results.md's results.json, <name>.md's <name>.json)."""
+    mds = [md for _, s, md in RESULT_BLOCKS.values() if s == step]
+    mds += [f"experiments/{exp}/results.md" for _, exp, s in SWEEP_BLOCKS.values() if s == step]
+    return sorted({p for md in mds for p in (md, str(Path(md).with_suffix(".json")))})
+
+
+def digests(step: str) -> dict[str, str]:
+    """{file: sha256} of the files of `outputs_of(step)` that exist."""
+    return {p: hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in outputs_of(step) if (ROOT / p).is_file()}
+
+
+def unstamped() -> tuple[list[str], list[str]]:
+    """(why, step) for every step whose results on disk its stamp does not describe: no stamp, a failed last
+    run, a stamp without digests, results changed since the stamp, or results made from other results of a
+    step it needs than the ones here. A step none of whose results are here is not listed (its blocks are
+    left as they are)."""
+    problems, steps = [], []
+    for step in sorted({s for _, s, _ in RESULT_BLOCKS.values()} | {s for _, _, s in SWEEP_BLOCKS.values()}):
+        now = digests(step)
+        if not now:
+            continue
+        rec = stamp_record(step)
+        if rec is None:
+            why = "no stamp: these results were not made by ./run reproduce"
+        elif rec.get("returncode"):
+            why = f"its last run ({rec.get('date')}) failed with exit {rec['returncode']}"
+        elif "outputs" not in rec:
+            why = "its stamp records no digests of its results"
+        elif rec["outputs"] != now:
+            changed = sorted(p for p in set(rec["outputs"]) | set(now) if rec["outputs"].get(p) != now.get(p))
+            why = f"{', '.join(changed)} changed since its run of {rec.get('date')} (made outside ./run reproduce?)"
+        else:
+            other = [n for n, was in sorted(rec.get("made_from", {}).items()) if was != digests(n)]
+            if not other:
+                continue
+            why = f"it was made from other {' and '.join(other)} results than the ones here"
+        problems.append(f"{step}: {why}")
+        steps.append(step)
+    order = list(STEPS)   # a step after the steps it needs, as ./run reproduce runs them
+    return problems, sorted(steps, key=lambda s: order.index(s) if s in order else len(order))
 
 
 def stamp_record(step: str) -> dict | None:
@@ -701,6 +756,10 @@ def blocks() -> list[tuple[str, str]]:
 
 
 def publish() -> None:
+    problems, steps = unstamped()
+    if problems:
+        raise SystemExit("[reproduce] publish wrote nothing: results their stamps do not describe\n  "
+                         + "\n  ".join(problems) + f"\nrerun: ./run reproduce {' '.join(steps)}")
     for name, (doc, exp, step) in SWEEP_BLOCKS.items():
         body = sweep_body(exp, step)
         if body:

@@ -157,3 +157,89 @@ def test_previous_recipe_block_has_a_row_per_set_length_and_recipe(tmp_path, mon
         [b, label] for b in ("64", "16", "32", "128") for label in ("shipped", r.PREVIOUS_LABEL)]
     assert rows[0].split(" | ")[4] == "0.4100 ± 0.0100" and rows[1].split(" | ")[4] == "0.3900 ± 0.0100"
     assert rows[2].split(" | ")[4:6] == ["0.3100 ± 0.0100", "0.3000 ± 0.0000"]
+
+
+def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_describe(tmp_path, monkeypatch):
+    """A results file rewritten outside reproduce, or downstream results made from an upstream step's earlier
+    results (budget_heads run again under the cache benchmarks), stop publish before it writes any block."""
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "machine", lambda: "2 x86_64 cores (test CPU), no GPU")
+    write = tmp_path / "write.py"
+    write.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True)\n"
+                     "p.write_text(sys.argv[2])\n")
+    monkeypatch.setattr(r, "STEPS", {"heads": f"python {write} experiments/heads/results.md heads-A",
+                                     "bench": f"python {write} experiments/bench/results.md bench-1"})
+    monkeypatch.setattr(r, "NEEDS", {"bench": ["heads"]})
+    monkeypatch.setattr(r, "RESULT_BLOCKS", {"heads": ("doc.md", "heads", "experiments/heads/results.md"),
+                                             "bench": ("doc.md", "bench", "experiments/bench/results.md")})
+    for table in ("SWEEP_BLOCKS", "PRINTED_BLOCKS"):
+        monkeypatch.setattr(r, table, {})
+    monkeypatch.setattr(r, "MADE_BLOCKS", {})
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- reproduce:heads -->\nold\n<!-- /reproduce:heads -->\n<!-- reproduce:bench -->\nold\n"
+                   "<!-- /reproduce:bench -->\n")
+
+    # results with no stamp at all (a command run by hand): refused, nothing written
+    r.run_step("heads")
+    (tmp_path / "experiments" / "reproduce" / "heads.json").unlink()
+    try:
+        r.publish()
+        raise AssertionError("publish wrote results no stamp describes")
+    except SystemExit as e:
+        assert "heads: no stamp" in str(e) and "./run reproduce heads" in str(e)
+    assert "old" in doc.read_text() and "heads-A" not in doc.read_text()
+
+    r.run_step("heads")
+    r.run_step("bench")
+    stamp = json.loads((tmp_path / "experiments" / "reproduce" / "bench.json").read_text())
+    assert list(stamp["outputs"]) == ["experiments/bench/results.md"]
+    assert list(stamp["made_from"]) == ["heads"]
+    r.publish()
+    text = doc.read_text()
+    assert "heads-A" in text and "bench-1" in text and "test CPU" in text and "old" not in text
+
+    # the upstream results rewritten by hand: the stamp does not describe them
+    (tmp_path / "experiments" / "heads" / "results.md").write_text("heads-B")
+    try:
+        r.publish()
+        raise AssertionError("publish wrote results their stamp does not describe")
+    except SystemExit as e:
+        msg = str(e)
+        assert "heads: experiments/heads/results.md changed since its run" in msg
+        assert "bench: it was made from other heads results than the ones here" in msg
+        assert msg.endswith("rerun: ./run reproduce heads bench")
+    assert doc.read_text() == text
+
+    # the upstream step run again with other results: the downstream step was made from the earlier ones
+    monkeypatch.setitem(r.STEPS, "heads", f"python {write} experiments/heads/results.md heads-B")
+    r.run_step("heads")
+    try:
+        r.publish()
+        raise AssertionError("publish wrote a benchmark of other heads beside the new heads' table")
+    except SystemExit as e:
+        assert "bench: it was made from other heads results than the ones here" in str(e)
+        assert str(e).endswith("rerun: ./run reproduce bench")
+    assert doc.read_text() == text
+
+    r.run_step("bench")
+    r.publish()
+    assert "heads-B" in doc.read_text() and "heads-A" not in doc.read_text()
+
+    # a failed run's stamp does not describe the results left from before it
+    monkeypatch.setitem(r.STEPS, "bench", f"python {tmp_path / 'missing.py'}")
+    try:
+        r.run_step("bench")
+    except SystemExit:
+        pass
+    try:
+        r.publish()
+        raise AssertionError("publish stamped old results with a failed run")
+    except SystemExit as e:
+        assert "bench: its last run" in str(e) and "failed with exit" in str(e)
+
+
+def test_the_committed_stamps_describe_the_committed_results():
+    """Every published result on disk is the one its stamp recorded (so ./run reproduce publish can run)."""
+    problems, steps = _reproduce().unstamped()
+    assert not problems, "\n".join(problems) + f"\nrerun: ./run reproduce {' '.join(steps)}"
