@@ -159,6 +159,17 @@ for _set, (_exp, _) in ABLATION_SETS.items():
 for _set, (_exp, _) in BITS_SETS.items():
     STEPS[f"previous_bits_{_set}"] = f"python -m ushash.sweep -m experiment={_exp} {' '.join(PREVIOUS_BITS)}"
 
+# a step that is a variant multirun of an experiment: step -> (its experiment's folder, the variant's overrides);
+# its results are the variant folder's (ushash.evaluation.sweep.variant_dir)
+VARIANT_STEPS = {
+    **{ablation_step(_set, _i): (_exp, ablation_overrides(_label))
+       for _set, (_, _exp) in ABLATION_SETS.items() for _i, _label in enumerate(ABLATIONS)},
+    **{f"trained_bits_{_set}": (_exp, TRAINED_BITS) for _set, (_, _exp) in BITS_SETS.items()},
+    **{f"start_val_{_set}": (_exp, START_VAL) for _set, (_, _exp) in ABLATION_SETS.items()},
+    **{f"previous_recipe_{_set}": (_exp, PREVIOUS_RECIPE) for _set, (_, _exp) in ABLATION_SETS.items()},
+    **{f"previous_bits_{_set}": (_exp, PREVIOUS_BITS) for _set, (_, _exp) in BITS_SETS.items()},
+}
+
 # a markdown file a step writes, published as it is: block -> (file, step, the markdown)
 RESULT_BLOCKS = {
     "cachesim-tuxpaint": ("docs/cache.md", "cachesim_tuxpaint", "experiments/cachesim/demo-tuxpaint64/results.md"),
@@ -275,9 +286,15 @@ def run_readme() -> None:
 
 def outputs_of(step: str) -> list[str]:
     """The files of `step` that publish reads (repository-relative): the markdown of its result and sweep
-    blocks and the JSON beside each (results.md's results.json, <name>.md's <name>.json)."""
+    blocks, or of its variant folder, and the JSON beside each (results.md's results.json, <name>.md's
+    <name>.json)."""
     mds = [md for _, s, md in RESULT_BLOCKS.values() if s == step]
     mds += [f"experiments/{exp}/results.md" for _, exp, s in SWEEP_BLOCKS.values() if s == step]
+    if step in VARIANT_STEPS:
+        from ushash.evaluation.sweep import variant_dir
+
+        exp, overrides = VARIANT_STEPS[step]
+        mds.append(str(variant_dir(ROOT / "experiments" / exp, overrides).relative_to(ROOT) / "results.md"))
     return sorted({p for md in mds for p in (md, str(Path(md).with_suffix(".json")))})
 
 
@@ -292,7 +309,8 @@ def unstamped() -> tuple[list[str], list[str]]:
     step it needs than the ones here. A step none of whose results are here is not listed (its blocks are
     left as they are)."""
     problems, steps = [], []
-    for step in sorted({s for _, s, _ in RESULT_BLOCKS.values()} | {s for _, _, s in SWEEP_BLOCKS.values()}):
+    for step in sorted({s for _, s, _ in RESULT_BLOCKS.values()} | {s for _, _, s in SWEEP_BLOCKS.values()}
+                       | set(VARIANT_STEPS)):
         now = digests(step)
         if not now:
             continue

@@ -243,3 +243,15 @@ def test_the_committed_stamps_describe_the_committed_results():
     """Every published result on disk is the one its stamp recorded (so ./run reproduce publish can run)."""
     problems, steps = _reproduce().unstamped()
     assert not problems, "\n".join(problems) + f"\nrerun: ./run reproduce {' '.join(steps)}"
+
+
+def test_a_variant_steps_results_are_its_variant_folders():
+    from ushash.evaluation.sweep import variant_dir
+
+    r = _reproduce()
+    step = r.ablation_step("tuxpaint", 1)
+    folder = variant_dir(r.ROOT / "experiments" / "tuxpaint-offline-64b", r.ablation_overrides(list(r.ABLATIONS)[1]))
+    rel = folder.relative_to(r.ROOT)
+    assert r.outputs_of(step) == [str(rel / "results.json"), str(rel / "results.md")]
+    assert r.outputs_of("trained_bits_emoji")[0].startswith("experiments/emoji-offline-bits/variants/")
+    assert r.outputs_of("budget_heads") == ["experiments/budget-heads/results.json", "experiments/budget-heads/results.md"]
