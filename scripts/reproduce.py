@@ -87,6 +87,8 @@ for _set, _exp in SEARCH_SETS.items():
         STEPS[f"search_{_set}_{_m}"] = f"python -m ushash.search experiment={_exp} method={_m} search.trials={SEARCH_TRIALS}"
     # the other set's US-HASH choice trained on this one (scripts/search_cross.py), over seeds 0-2
     STEPS[f"search_cross_{_set}"] = f"python scripts/search_cross.py --to {_set}"
+SEARCH_STEPS = {f"search_{_set}_{_m}": (_set, _m) for _set in SEARCH_SETS for _m in SEARCH_METHODS}
+CROSS_STEPS = {f"search_cross_{_set}": _set for _set in SEARCH_SETS}
 # steps run first (once per reproduce) when a step is asked for: they resume, so a finished one costs seconds
 NEEDS = {
     "search_cross_tuxpaint": ["search_emoji_ushash"],
@@ -286,15 +288,22 @@ def run_readme() -> None:
 
 def outputs_of(step: str) -> list[str]:
     """The files of `step` that publish reads (repository-relative): the markdown of its result and sweep
-    blocks, or of its variant folder, and the JSON beside each (results.md's results.json, <name>.md's
-    <name>.json)."""
+    blocks, of its variant folder or of its search report, and the JSON beside each (results.md's
+    results.json, <name>.md's <name>.json)."""
     mds = [md for _, s, md in RESULT_BLOCKS.values() if s == step]
     mds += [f"experiments/{exp}/results.md" for _, exp, s in SWEEP_BLOCKS.values() if s == step]
-    if step in VARIANT_STEPS:
-        from ushash.evaluation.sweep import variant_dir
+    from ushash.evaluation.sweep import variant_dir
 
-        exp, overrides = VARIANT_STEPS[step]
-        mds.append(str(variant_dir(ROOT / "experiments" / exp, overrides).relative_to(ROOT) / "results.md"))
+    variant = VARIANT_STEPS.get(step)
+    if step in CROSS_STEPS:   # the other set's choice, as the step found it (None: no report of the other set)
+        got = cross_overrides(CROSS_STEPS[step])
+        variant = got and (_SEARCH[CROSS_STEPS[step]][1], got[1])
+    if variant:
+        mds.append(str(variant_dir(ROOT / "experiments" / variant[0], variant[1]).relative_to(ROOT) / "results.md"))
+    if step in SEARCH_STEPS:   # the newest report of its set and method: the one search_body publishes
+        rep = newest_search(*SEARCH_STEPS[step])
+        if rep is not None:
+            mds.append(f"{rep['folder']}/search.md")
     return sorted({p for md in mds for p in (md, str(Path(md).with_suffix(".json")))})
 
 
@@ -310,7 +319,7 @@ def unstamped() -> tuple[list[str], list[str]]:
     left as they are)."""
     problems, steps = [], []
     for step in sorted({s for _, s, _ in RESULT_BLOCKS.values()} | {s for _, _, s in SWEEP_BLOCKS.values()}
-                       | set(VARIANT_STEPS)):
+                       | set(VARIANT_STEPS) | set(SEARCH_STEPS) | set(CROSS_STEPS)):
         now = digests(step)
         if not now:
             continue

@@ -255,3 +255,28 @@ def test_a_variant_steps_results_are_its_variant_folders():
     assert r.outputs_of(step) == [str(rel / "results.json"), str(rel / "results.md")]
     assert r.outputs_of("trained_bits_emoji")[0].startswith("experiments/emoji-offline-bits/variants/")
     assert r.outputs_of("budget_heads") == ["experiments/budget-heads/results.json", "experiments/budget-heads/results.md"]
+
+
+def test_the_search_steps_results_are_their_reports():
+    r = _reproduce()
+    for step, (dataset, method) in r.SEARCH_STEPS.items():
+        rep = r.newest_search(dataset, method)
+        if rep is not None:   # a report names its folder relative to the root
+            assert r.outputs_of(step) == [f"{rep['folder']}/search.json", f"{rep['folder']}/search.md"]
+
+
+def test_no_committed_file_names_the_checkouts_own_path():
+    """Results and reports are written relative to the root: a committed file naming where this checkout lies
+    would name one machine's paths (a search report once recorded its absolute folder)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    needle = str(ROOT).encode()
+    named = [f.decode() for f in files if f and (ROOT / f.decode()).is_file()
+             and needle in (ROOT / f.decode()).read_bytes()]
+    assert named == [], f"these committed files name {ROOT}: {named}"

@@ -36,7 +36,7 @@ def test_search_chooses_on_val_resumes_and_continues(tmp_path, monkeypatch):
     best = max(t["val_score"] for t in report["trials"])
     assert report["chosen"]["val_score"] == best and report["defaults"]["number"] == 0
     for t in report["trials"]:   # each trial's val score is its run's own, read back from the sweep's result.json
-        res = json.loads(next((Path(report["folder"]) / "runs").glob(f"{t['run']}/result.json")).read_text())
+        res = json.loads(next((tmp_path / report["folder"] / "runs").glob(f"{t['run']}/result.json")).read_text())
         assert res["val_score"] == t["val_score"] and set(t["test"]) == {"paired", "label"}
     # 3 trials at seed 0, then seed 1 of the defaults and of the chosen settings (the same run when trial 0 wins)
     chosen_is_default = report["chosen"]["number"] == 0
@@ -44,7 +44,8 @@ def test_search_chooses_on_val_resumes_and_continues(tmp_path, monkeypatch):
     seeds = report["over_seeds"]
     assert seeds["defaults"]["val_score"][0] == report["defaults"]["val_score"]   # seed 0: the trial's own run
     assert seeds["chosen"]["val_score"][0] == report["chosen"]["val_score"] and len(seeds["chosen"]["test"]) == 2
-    folder = Path(report["folder"])
+    assert not Path(report["folder"]).is_absolute()   # relative to the root: a report names no machine's paths
+    folder = tmp_path / report["folder"]
     assert {p.name for p in folder.iterdir()} >= {"study.db", "search.json", "search.md", "history.png", "runs"}
     text = (folder / "search.md").read_text()
     assert "chosen" in text and "Over seeds" in text and "seed=0,1,2" in report["seeds_command"]
@@ -75,7 +76,7 @@ def test_a_search_on_a_manifest_without_an_experiment_file(tmp_path):
                              "trainer.enable_progress_bar=false", "bits=16", "extract.num_workers=0",
                              "extract.progress=false", "method=ushash", "search.trials=2", "search.seeds=[0]"])
     report = search.run_search(cfg)
-    assert len(report["trials"]) == 2 and Path(report["folder"]).parent == tmp_path / "experiments" / "search"
+    assert len(report["trials"]) == 2 and Path(report["folder"]).parent == Path("experiments") / "search"
     assert Path(report["folder"]).name.startswith("mine-tiny-ushash-16b-s0-")
 
 

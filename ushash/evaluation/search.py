@@ -28,6 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ushash.config import to_dict
+from ushash.data.extract import relative_to_root
 from ushash.core.io import atomic_write, settings_digest, write_json
 from ushash.evaluation import retrieval
 from ushash.evaluation.sweep import open_splits, run_one, run_settings, sweep_settings
@@ -171,7 +172,7 @@ def summarise(study, cfg: DictConfig, space: dict, out: Path, defaults: dict) ->
     return {"method": methods.get(cfg.method.name).name, "bits": int(cfg.bits), "seed": int(cfg.seed),
             "experiment": sweep_settings(cfg)["name"], "space": space, "trials": rows,
             "defaults": next((r for r in rows if r["params"] == defaults), None), "chosen": chosen,
-            "seeds_command": seeds_cmd, "folder": str(out)}
+            "seeds_command": seeds_cmd, "folder": relative_to_root(out, cfg.paths.root)}
 
 
 def experiment_name() -> str | None:
