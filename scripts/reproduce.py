@@ -569,7 +569,7 @@ def search_body() -> str | None:
     search.json): the trial chosen on val, and the defaults and the choice over seeds, val score and test
     mAP@10 (tie-aware, paired and label), mean ± std."""
     sys.path.insert(0, str(ROOT))
-    from ushash.evaluation.search import _mean_std, _override_value
+    from ushash.evaluation.search import mean_std, override_value
 
     rows, steps = [], []
     for dataset in SEARCH_SETS:
@@ -582,11 +582,11 @@ def search_body() -> str | None:
             cells = []
             for label in ("defaults", "chosen"):
                 rec = seeds.get(label)
-                cells += ([_mean_std(rec["val_score"]), _mean_std([t.get("paired") for t in rec["test"]]),
-                           _mean_std([t.get("label") for t in rec["test"]])] if rec else ["–"] * 3)
+                cells += ([mean_std(rec["val_score"]), mean_std([t.get("paired") for t in rec["test"]]),
+                           mean_std([t.get("label") for t in rec["test"]])] if rec else ["–"] * 3)
             chosen = rep["chosen"]
             what = "the defaults" if rep["defaults"] and chosen["number"] == rep["defaults"]["number"] else \
-                ", ".join(f"`{k}={_override_value(v)}`" for k, v in chosen["params"].items())
+                ", ".join(f"`{k}={override_value(v)}`" for k, v in chosen["params"].items())
             rows.append(f"| {dataset} | {method} | {len(rep['trials'])} | {chosen['number']}: {what} | "
                         + " | ".join(cells) + f" | {trials_read(rep['trials'])} | `{Path(rep['folder']).name}` |")
     if not rows:
@@ -619,7 +619,7 @@ def trials_read(trials: list[dict]) -> str:
 def cross_table(steps: list[str]) -> str:
     """Each set's US-HASH choice trained on the other set over seeds 0-2 (`search_cross_<set>`, a variant of the
     set's 64-bit experiment), beside that set's defaults over the same seeds (its own search's)."""
-    from ushash.evaluation.search import _mean_std
+    from ushash.evaluation.search import mean_std
     from ushash.evaluation.sweep import variant_dir
 
     rows = []
@@ -634,10 +634,10 @@ def cross_table(steps: list[str]) -> str:
         agg = json.loads(res.read_text())
         summ = agg["summary"]["ushash"]["64"]
         d = own["over_seeds"]["defaults"]
-        rows.append(f"| {to} | {other}'s choice | {_mean_std([r['val_score'] for r in agg['runs']])} | "
+        rows.append(f"| {to} | {other}'s choice | {mean_std([r['val_score'] for r in agg['runs']])} | "
                     f"{tie_cell(summ, 'paired')} | {tie_cell(summ, 'label')} | "
-                    f"{_mean_std(d['val_score'])} | {_mean_std([t['paired'] for t in d['test']])} | "
-                    f"{_mean_std([t['label'] for t in d['test']])} |")
+                    f"{mean_std(d['val_score'])} | {mean_std([t['paired'] for t in d['test']])} | "
+                    f"{mean_std([t['label'] for t in d['test']])} |")
         steps.append(f"search_cross_{to}")
     if not rows:
         return ""

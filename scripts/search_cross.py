@@ -34,10 +34,10 @@ def cross_overrides(to: str) -> tuple[str, list[str]] | None:
     rep = newest_search(other)
     if rep is None:
         return None
-    from ushash.evaluation.search import _override_value   # as the search's own report writes the command
+    from ushash.evaluation.search import override_value   # as the search's own report writes the command
 
     return other, ["method=ushash", "seed=0,1,2",
-                   *(f"{k}={_override_value(v, exact=True)}" for k, v in rep["chosen"]["params"].items())]
+                   *(f"{k}={override_value(v, exact=True)}" for k, v in rep["chosen"]["params"].items())]
 
 
 def main(argv=None) -> None:

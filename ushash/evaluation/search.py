@@ -165,7 +165,7 @@ def summarise(study, cfg: DictConfig, space: dict, out: Path, defaults: dict) ->
     rows = [{"number": t.number, "params": t.params, "val_score": t.value, "test": t.user_attrs.get("test", {}),
              "run": t.user_attrs.get("run")} for t in done]
     chosen = max(rows, key=lambda r: (r["val_score"], -r["number"]))
-    overrides = " ".join(f"{k}={_override_value(v, exact=True)}" for k, v in chosen["params"].items())
+    overrides = " ".join(f"{k}={override_value(v, exact=True)}" for k, v in chosen["params"].items())
     exp = experiment_name()
     seeds_cmd = (f"python -m ushash.sweep -m{f' experiment={exp}' if exp else ''} method={cfg.method.name} "
                  f"bits={int(cfg.bits)} seed=0,1,2 {overrides}")
@@ -184,7 +184,7 @@ def experiment_name() -> str | None:
         return None
 
 
-def _override_value(v, exact: bool = False) -> str:
+def override_value(v, exact: bool = False) -> str:
     """A trial's value as an override: exact (repr) for a command that must give the trial's run again, else
     to 4 significant digits for a table."""
     if v is None:
@@ -206,7 +206,7 @@ def markdown(report: dict) -> str:
     for r in report["trials"]:
         default = report["defaults"] is not None and r["number"] == report["defaults"]["number"]
         mark = "chosen" if r["number"] == report["chosen"]["number"] else ("defaults" if default else "")
-        cells = [_override_value(r["params"].get(k)) for k in keys]
+        cells = [override_value(r["params"].get(k)) for k in keys]
         t = r["test"]
         lines.append(f"| {r['number']} | " + " | ".join(cells) + f" | {r['val_score']:.4f} | "
                      f"{_num(t.get('paired'))} | {_num(t.get('label'))} | {mark} |")
@@ -214,7 +214,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _mean_std(xs) -> str:
+def mean_std(xs) -> str:
+    """'mean ± std' (sample std) of the values that are not None, to 3 decimals; the value alone for one, – for none."""
     import numpy as np
 
     xs = [x for x in xs if x is not None]
@@ -227,9 +228,9 @@ def seeds_table(report: dict) -> list[str]:
     """The defaults and the chosen settings over the seeds: val score, test paired and label, mean ± std."""
     rows = []
     for label, rec in report.get("over_seeds", {}).items():
-        rows.append(f"| {label} (trial {report[label]['number']}) | {len(rec['seeds'])} | {_mean_std(rec['val_score'])} | "
-                    f"{_mean_std([t.get('paired') for t in rec['test']])} | "
-                    f"{_mean_std([t.get('label') for t in rec['test']])} |")
+        rows.append(f"| {label} (trial {report[label]['number']}) | {len(rec['seeds'])} | {mean_std(rec['val_score'])} | "
+                    f"{mean_std([t.get('paired') for t in rec['test']])} | "
+                    f"{mean_std([t.get('label') for t in rec['test']])} |")
     if not rows:
         return []
     return ["", "Over seeds (the chosen settings and the defaults, each trained with every seed):", "",
@@ -243,7 +244,7 @@ def _num(x) -> str:
 def plot_history(report: dict, path: Path) -> None:
     """Val score per trial and the best so far, with each trial's test paired mAP@10 beside (for reading, not
     choosing)."""
-    from ushash.evaluation.plots import plt
+    from ushash.evaluation.plots import plt, save_figure
 
     n = [r["number"] for r in report["trials"]]
     val = [r["val_score"] for r in report["trials"]]
@@ -257,7 +258,4 @@ def plot_history(report: dict, path: Path) -> None:
     ax.set_title(f"{report['method']}, {report['bits']} bits: search on val ({report['experiment']})", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path, dpi=110)
