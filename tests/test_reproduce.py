@@ -173,7 +173,7 @@ def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_desc
     monkeypatch.setattr(r, "NEEDS", {"bench": ["heads"]})
     monkeypatch.setattr(r, "RESULT_BLOCKS", {"heads": ("doc.md", "heads", "experiments/heads/results.md"),
                                              "bench": ("doc.md", "bench", "experiments/bench/results.md")})
-    for table in ("SWEEP_BLOCKS", "PRINTED_BLOCKS"):
+    for table in ("SWEEP_BLOCKS", "PRINTED_BLOCKS", "VARIANT_STEPS", "SEARCH_STEPS", "CROSS_STEPS"):
         monkeypatch.setattr(r, table, {})
     monkeypatch.setattr(r, "MADE_BLOCKS", {})
     doc = tmp_path / "doc.md"
