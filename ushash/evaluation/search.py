@@ -28,8 +28,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ushash.config import to_dict
-from ushash.data.extract import relative_to_root
 from ushash.core.io import atomic_write, settings_digest, write_json
+from ushash.data.extract import relative_to_root
 from ushash.evaluation import retrieval
 from ushash.evaluation.sweep import open_splits, run_one, run_settings, sweep_settings
 from ushash.hashing import methods
