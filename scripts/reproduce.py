@@ -317,10 +317,16 @@ def unstamped() -> tuple[list[str], list[str]]:
     run, a stamp without digests, results changed since the stamp, or results made from other results of a
     step it needs than the ones here. A step none of whose results are here is not listed (its blocks are
     left as they are)."""
-    problems, steps = [], []
+    problems, steps, read = [], [], {}
+
+    def current(step: str) -> dict[str, str]:   # each step's files read once (a needed step's by every step after it)
+        if step not in read:
+            read[step] = digests(step)
+        return read[step]
+
     for step in sorted({s for _, s, _ in RESULT_BLOCKS.values()} | {s for _, _, s in SWEEP_BLOCKS.values()}
                        | set(VARIANT_STEPS) | set(SEARCH_STEPS) | set(CROSS_STEPS)):
-        now = digests(step)
+        now = current(step)
         if not now:
             continue
         rec = stamp_record(step)
@@ -334,7 +340,7 @@ def unstamped() -> tuple[list[str], list[str]]:
             changed = sorted(p for p in set(rec["outputs"]) | set(now) if rec["outputs"].get(p) != now.get(p))
             why = f"{', '.join(changed)} changed since its run of {rec.get('date')} (made outside ./run reproduce?)"
         else:
-            other = [n for n, was in sorted(rec.get("made_from", {}).items()) if was != digests(n)]
+            other = [n for n, was in sorted(rec.get("made_from", {}).items()) if was != current(n)]
             if not other:
                 continue
             why = f"it was made from other {' and '.join(other)} results than the ones here"

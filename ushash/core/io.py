@@ -1,8 +1,8 @@
 """Files: one atomic write (temp file in the same folder, fsync, rename) and one inter-process lock.
 
 Every artifact ushash writes (feature-store metadata, results, checkpoints' companions, exports) goes
-through `atomic_write` or `write_json`, so a reader never sees half a file and a crash leaves the old file
-whole. `exclusive(path)` is `filelock.FileLock` with a message when another process holds the lock.
+through `atomic_write` or `write_json` (a plot through `save_figure`), so a reader never sees half a file and
+a crash leaves the old file whole. `exclusive(path)` is `filelock.FileLock` with a message when another process holds the lock.
 `settings_digest` names a folder by everything that made what it holds.
 """
 
@@ -39,6 +39,18 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: float | None = None) -> Path:
+    """Write a matplotlib figure as a PNG at `path` atomically and close it (dpi None: matplotlib's default)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return atomic_write(path, buf.getvalue())
 
 
 def _umask() -> int:

@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ushash.core.io import atomic_write  # noqa: E402
+from ushash.core.io import save_figure  # noqa: E402
 
 _STYLE = {"float": dict(linestyle="--"), "codes": dict(linestyle="-", marker="o", markersize=4)}
 
@@ -91,17 +91,6 @@ def _save(fig, path: Path, axes=None) -> Path:
     if axes is not None:
         _legend(fig, axes)
     return save_figure(fig, path, dpi=72)
-
-
-def save_figure(fig, path: Path, dpi: int) -> Path:
-    """Write `fig` as a PNG at `path` atomically (a crash leaves the previous file, never half a plot) and close it."""
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    plt.close(fig)
-    atomic_write(Path(path), buf.getvalue())
-    return Path(path)
 
 
 def _vs_bits(agg: dict, out: Path, metric: str, label: str, fname: str, codes_only: bool = False) -> Path | None:

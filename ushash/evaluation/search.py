@@ -28,7 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ushash.config import to_dict
-from ushash.core.io import atomic_write, settings_digest, write_json
+from ushash.core.io import atomic_write, save_figure, settings_digest, write_json
 from ushash.data.extract import relative_to_root
 from ushash.evaluation import retrieval
 from ushash.evaluation.sweep import open_splits, run_one, run_settings, sweep_settings
@@ -244,7 +244,7 @@ def _num(x) -> str:
 def plot_history(report: dict, path: Path) -> None:
     """Val score per trial and the best so far, with each trial's test paired mAP@10 beside (for reading, not
     choosing)."""
-    from ushash.evaluation.plots import plt, save_figure
+    from ushash.evaluation.plots import plt
 
     n = [r["number"] for r in report["trials"]]
     val = [r["val_score"] for r in report["trials"]]

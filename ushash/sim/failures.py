@@ -370,14 +370,12 @@ def markdown(res: dict, f: FailuresConfig) -> str:
 def plot(res: dict, f: FailuresConfig, path, title: str = "") -> None:
     """Per simulated second: hit rate, the service's peak calls in flight (with its limit) and the p99,
     one line per set of defences."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ushash.core.io import atomic_write
+    from ushash.core.io import save_figure
 
     fig, axes = plt.subplots(3, 1, figsize=(11, 9), dpi=100, sharex=True)
     runs = {"steady": res["steady"], **res["runs"]}
@@ -409,10 +407,7 @@ def plot(res: dict, f: FailuresConfig, path, title: str = "") -> None:
 
     fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def run_failures(cfg) -> dict:

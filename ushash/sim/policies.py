@@ -199,27 +199,16 @@ def markdown_qos(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _save(fig, path) -> None:
-    import io
-
-    import matplotlib.pyplot as plt
-
-    from ushash.core.io import atomic_write
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
-
-
 def _finish(fig, axes, title: str, path) -> None:
     """The figures' common end: the legend right of the top axes, the title wrapped, saved."""
     import textwrap
 
+    from ushash.core.io import save_figure
+
     axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_adaptive(res: dict, path, title: str) -> None:

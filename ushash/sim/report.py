@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import io
 import logging
 from pathlib import Path
 
 from ushash.config import to_dict
-from ushash.core.io import atomic_write, settings_digest, write_json
+from ushash.core.io import atomic_write, save_figure, settings_digest, write_json
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +116,7 @@ def plot_sweep(sweep: dict, rows: list[dict], path: Path, title: str = "") -> No
     axes[1].legend(fontsize=7, loc="lower right")
     fig.suptitle(title + "  (point labels: Hamming radius or cosine threshold)", fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def write_report(out: Path, info: dict, rows: list[dict], sweep: dict, title: str = "", settings: dict | None = None) -> str:
