@@ -55,6 +55,7 @@ class LossConfig:
     balance: Weight = 0.1              # each bit half on
     decor: Weight = 0.01               # bits decorrelated
     proto: Weight = 0.01               # prototypes near-orthogonal
+    margin: Weight = 0.0               # different items' codes model.margin_fraction of the bits apart (off; for cache keys)
 
 
 @dataclass
@@ -81,6 +82,7 @@ class ModelConfig:
     beta_start: float = 1.0
     beta_end: float = 16.0
     distill_kernel: str = "cosine"    # code similarity asked for a teacher cosine t: cosine (t) or angular (1 - 2 arccos(t) / pi)
+    margin_fraction: float = 0.125    # the Hamming margin of model.loss.margin, as a fraction of the bits (8 of 64)
     distill_pairs: str = "cross"      # pairs distilled: cross (image-text, ...) or all (within a modality too)
     loss: LossConfig = field(default_factory=LossConfig)
 

@@ -6,6 +6,7 @@
 - `balance`: each bit is +1 on half the batch (mean of each bit near 0).
 - `decorrelation`: bits carry different information (off-diagonal of the bit covariance near 0).
 - `prototype`: prototypes stay near-orthogonal, so bits do not collapse onto each other.
+- `hamming_margin`: codes of different items kept a share of the bits apart (a cache-key option, off by default).
 """
 
 from __future__ import annotations
@@ -80,6 +81,20 @@ def similarity_distillation(ha: torch.Tensor, hb: torch.Tensor, ta: torch.Tensor
     with torch.no_grad():
         target = distill_target(ta @ tb.T, kernel)
     return ((ha @ hb.T / ha.shape[1] - target) ** 2).mean()
+
+
+def hamming_margin(h: torch.Tensor, g: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Rows of different groups at least `fraction` of the bits apart: the mean over those pairs of
+    relu(1 - d_ij / fraction)^2, with d_ij = (1 - cos(h_i, h_j)) / 2 the share of bits in which they differ (exact
+    for codes, and independent of how far tanh() has saturated, so it holds the codes sign() will make). A
+    cache keyed by codes at radius r serves another item's answer for a pair closer than r bits: this keeps
+    such pairs apart, where distillation and the contrastive term let near neighbours share a code."""
+    hn = F.normalize(h, dim=-1)
+    d = (1 - hn @ hn.T) / 2
+    other = g[:, None] != g[None, :]
+    if not other.any():
+        return h.new_zeros(())
+    return (F.relu(1.0 - d[other] / fraction) ** 2).mean()
 
 
 def quantization(h: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ class USHashModule(pl.LightningModule):
                  head_lr: float | None = _M.head_lr, w_contrastive: float = _L.contrastive, w_float: float = _L.float,
                  w_quant: float = _L.quant, w_balance: float = _L.balance, w_decor: float = _L.decor,
                  w_proto: float = _L.proto, w_distill: float = _L.distill, distill_kernel: str = _M.distill_kernel,
+                 w_margin: float = _L.margin, margin_fraction: float = _M.margin_fraction,
                  distill_pairs: str = _M.distill_pairs, prototypes_from: str = _M.prototypes_from,
                  ema_epochs: float | None = _M.ema_epochs, max_epochs: int = 30,
                  provenance: dict | None = None, method: str = "ushash", method_args: dict | None = None,
@@ -85,6 +86,9 @@ class USHashModule(pl.LightningModule):
             raise ValueError(f"model.distill_kernel={distill_kernel!r}: expected one of {losses.DISTILL_KERNELS}")
         if distill_pairs not in DISTILL_PAIRS:
             raise ValueError(f"model.distill_pairs={distill_pairs!r}: expected one of {DISTILL_PAIRS}")
+        if not (isinstance(margin_fraction, (int, float)) and not isinstance(margin_fraction, bool)
+                and 0 < margin_fraction <= 0.5):
+            raise ValueError(f"model.margin_fraction={margin_fraction!r}: expected a share of the bits in (0, 0.5]")
         if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0):
             raise ValueError(f"model.temperature={temperature!r}: expected a positive number")
         if ema_epochs is not None and not (isinstance(ema_epochs, (int, float)) and not isinstance(ema_epochs, bool)

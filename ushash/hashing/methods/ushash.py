@@ -82,8 +82,10 @@ def objective(module, h, z, g, present, args, teacher=None, positives=None):
         "quant": losses.quantization(hs), "balance": losses.balance(hs), "decor": losses.decorrelation(hs),
         "proto": losses.prototype(module.model.prototypes),
     }
+    if hp.w_margin:  # off by default: no term, the objective as it was
+        parts["margin"] = losses.hamming_margin(hs, stacked(g, present), hp.margin_fraction)
     weights = {"contrastive": hp.w_contrastive, "float": hp.w_float, "distill": hp.w_distill, "quant": hp.w_quant,
-               "balance": hp.w_balance, "decor": hp.w_decor, "proto": hp.w_proto}
+               "balance": hp.w_balance, "decor": hp.w_decor, "proto": hp.w_proto, "margin": hp.w_margin}
     return parts, weights
 
 
