@@ -1,11 +1,14 @@
 """Train and export the heads the false-hit budget is measured on, from the shipped training defaults.
 
     python scripts/budget_heads.py [--data tuxpaint emoji] [--encoder offline]
+    python scripts/budget_heads.py --override model.loss.margin=10 --name margin --out experiments/budget-heads-margin
 
 Per data set: `python -m ushash.extract data=<d> encoder=<e>` (train, val and test; stores that exist are
 reused), `python -m ushash.train data=<d> encoder=<e>` (no other override: bits, seed and the recipe are
 the defaults of configs/ and ushash/config.py), then `python -m ushash.export` of its best.ckpt to
-exports/budget-<d>-<e> (a stable name the benchmarks read). The run's folder is named after a hash of the
+exports/budget-<d>-<e> (a stable name the benchmarks read). `--override KEY=VALUE` (repeatable) trains a
+variant of the recipe instead, named `--name` in its run and export (exports/budget-<d>-<e>-<name>), so a
+variant never replaces the shipped defaults' heads. The run's folder is named after a hash of the
 resolved training config, of the code, numerical packages and CPU model that train it (`ushash.core.provenance.made_by`)
 and of the content of the train and val stores (`FeatureSplit.content`)
 (checkpoints/budget-<d>-<e>-<bits>b-s<seed>-<hash>), so
@@ -60,15 +63,17 @@ def extract_stores(overrides: list[str]) -> dict:
     return {sp: splits[sp].content for sp in ("train", "val")}
 
 
-def export_name(data: str, encoder: str) -> str:
-    return f"budget-{data}-{encoder}"
+def export_name(data: str, encoder: str, name: str | None = None) -> str:
+    return f"budget-{data}-{encoder}" + (f"-{name}" if name else "")
 
 
-def build(data: str, encoder: str) -> dict:
-    overrides = [f"data={data}", f"encoder={encoder}"]
+def build(data: str, encoder: str, variant: list[str] = (), name: str | None = None) -> dict:
+    if variant and not name:
+        raise SystemExit("budget_heads: --override trains a variant of the defaults; name it with --name")
+    overrides = [f"data={data}", f"encoder={encoder}", *variant]
     stores = extract_stores(overrides)
     key, recipe = config_key(overrides, stores)
-    run = f"budget-{data}-{encoder}-{recipe['bits']}b-s{recipe['seed']}-{key}"
+    run = f"{export_name(data, encoder, name)}-{recipe['bits']}b-s{recipe['seed']}-{key}"
     run_dir = ROOT / "checkpoints" / run
     done = run_dir / "done.json"
     py = sys.executable
@@ -80,7 +85,7 @@ def build(data: str, encoder: str) -> dict:
     else:
         print(f"[budget_heads] {run}: trained (done.json)", flush=True)
     state = json.loads(done.read_text())
-    out = ROOT / "exports" / export_name(data, encoder)
+    out = ROOT / "exports" / export_name(data, encoder, name)
     manifest = out / "manifest.json"
     current = json.loads(manifest.read_text()).get("revision") if manifest.exists() else None
     if current is None or current != state.get("revision") or \
@@ -111,10 +116,13 @@ def main(argv=None):
     ap.add_argument("--data", nargs="+", default=["tuxpaint", "emoji"])
     ap.add_argument("--encoder", default="offline")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "budget-heads"))
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a training override of the defaults (repeatable); needs --name")
+    ap.add_argument("--name", default=None, help="the variant's name in its runs and exports")
     a = ap.parse_args(argv)
     built = []
     for d in a.data:
-        built.append(build(d, a.encoder))
+        built.append(build(d, a.encoder, a.override, a.name))
         print(json.dumps(built[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,8 +134,10 @@ def main(argv=None):
                      f"{b['val_score']} ({b['best_epoch']} of {b['epochs_run']}) |")
     (out / "results.md").write_text(
         f"Commands per data set: `python -m ushash.extract data=<d> encoder={a.encoder}`, `python -m ushash.train "
-        f"data=<d> encoder={a.encoder} run_name=<run>` (the shipped defaults: the run name is the only other "
-        f"override), `python -m ushash.export ckpt=checkpoints/<run>/best.ckpt out=<export> overwrite=true`.\n\n"
+        f"data=<d> encoder={a.encoder} {' '.join(a.override) + ' ' if a.override else ''}run_name=<run>` "
+        f"({'the shipped defaults but for ' + ', '.join(a.override) if a.override else 'the shipped defaults'}: "
+        f"the run name is the only other override), `python -m ushash.export ckpt=checkpoints/<run>/best.ckpt "
+        f"out=<export> overwrite=true`.\n\n"
         + "\n".join(lines) + "\n")
 
 

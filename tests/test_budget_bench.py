@@ -156,6 +156,18 @@ def test_head_runs_are_named_after_the_resolved_recipe():
     assert heads.config_key(ov, {**stores, "val": "2" * 16})[0] != heads.config_key(ov, stores)[0]
 
 
+def test_a_variant_of_the_recipe_is_named_apart_from_the_defaults_heads():
+    """--override trains another head: it must be named (--name), and its export never takes the defaults' name,
+    which the budget benchmarks read."""
+    heads = _load("budget_heads", "scripts/budget_heads.py")
+    assert heads.export_name("tuxpaint", "offline") == "budget-tuxpaint-offline"
+    assert heads.export_name("tuxpaint", "offline", "margin") == "budget-tuxpaint-offline-margin"
+    assert (heads.config_key(["data=tuxpaint", "encoder=offline", "model.loss.margin=10"])[0]
+            != heads.config_key(["data=tuxpaint", "encoder=offline"])[0])
+    with pytest.raises(SystemExit, match="--name"):   # refused before anything is extracted or trained
+        heads.build("tuxpaint", "offline", ["model.loss.margin=10"])
+
+
 @pytest.fixture(scope="module")
 def payload_query():
     return _load("payload_query_bench", "benchmarks/payload_query.py")
