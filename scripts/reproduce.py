@@ -73,6 +73,13 @@ STEPS = {
     **{f"cachekey_{d}": f"python -m ushash.cachesim export=exports/budget-{d}-offline cache.radius=2 "
                         f"methods=[exact,lsh_codes_only,ushash,ushash_codes_only] out=experiments/cachesim/cachekey-{d}64"
        for d in ("tuxpaint", "emoji")},
+    # the same question of heads trained with the Hamming margin between items (an option, not a default)
+    "budget_heads_margin": "python scripts/budget_heads.py --data tuxpaint emoji --override model.loss.margin=10 "
+                           "--name margin --out experiments/budget-heads-margin",
+    **{f"cachekey_margin_{d}": f"python -m ushash.cachesim export=exports/budget-{d}-offline-margin cache.radius=2 "
+                               f"methods=[exact,lsh_codes_only,ushash,ushash_codes_only] "
+                               f"out=experiments/cachesim/cachekey-margin-{d}64"
+       for d in ("tuxpaint", "emoji")},
 }
 # the budgeted search on val (docs/baselines.md "A budgeted search on val"): every trained method alike, both real
 # sets at 64 bits, then the choice and the defaults over seeds 0-2
@@ -99,6 +106,8 @@ NEEDS = {
     "payload_query": ["budget_heads"],
     "cachekey_tuxpaint": ["budget_heads"],
     "cachekey_emoji": ["budget_heads"],
+    "cachekey_margin_tuxpaint": ["budget_heads_margin"],
+    "cachekey_margin_emoji": ["budget_heads_margin"],
 }
 # the recipe's ablation (docs/baselines.md "Ablation"): each option of the US-HASH recipe changed alone, on both
 # real sets at 64 bits; label -> the overrides (the shipped defaults first). A step per (set, row), each a
@@ -120,6 +129,7 @@ ABLATIONS = {
     "a longer moving average (model.ema_epochs=8)": "model.ema_epochs=8",
     "the first recipe's rates: 1e-3, heads 1e-4 (model.lr=0.001 model.head_lr=0.0001)": "model.lr=0.001 model.head_lr=0.0001",
     "contrastive temperature starting at 0.1 (model.temperature=0.1)": "model.temperature=0.1",
+    "a Hamming margin between items' codes, 8 of 64 bits (model.loss.margin=10)": "model.loss.margin=10",
 }
 
 
@@ -185,6 +195,9 @@ RESULT_BLOCKS = {
     "qos": ("docs/cache.md", "qos", "docs/failures/qos.md"),
     "cachekey-tuxpaint": ("docs/baselines.md", "cachekey_tuxpaint", "experiments/cachesim/cachekey-tuxpaint64/results.md"),
     "cachekey-emoji": ("docs/baselines.md", "cachekey_emoji", "experiments/cachesim/cachekey-emoji64/results.md"),
+    "budget-heads-margin": ("docs/baselines.md", "budget_heads_margin", "experiments/budget-heads-margin/results.md"),
+    **{f"cachekey-margin-{d}": ("docs/baselines.md", f"cachekey_margin_{d}",
+                                f"experiments/cachesim/cachekey-margin-{d}64/results.md") for d in ("tuxpaint", "emoji")},
 }
 # a step whose printed markdown is published as is: step -> (file, block)
 PRINTED_BLOCKS = {
