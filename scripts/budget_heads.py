@@ -67,7 +67,7 @@ def export_name(data: str, encoder: str, name: str | None = None) -> str:
     return f"budget-{data}-{encoder}" + (f"-{name}" if name else "")
 
 
-def build(data: str, encoder: str, variant: list[str] = (), name: str | None = None) -> dict:
+def build(data: str, encoder: str, variant: tuple[str, ...] = (), name: str | None = None) -> dict:
     if variant and not name:
         raise SystemExit("budget_heads: --override trains a variant of the defaults; name it with --name")
     overrides = [f"data={data}", f"encoder={encoder}", *variant]
@@ -122,7 +122,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     built = []
     for d in a.data:
-        built.append(build(d, a.encoder, a.override, a.name))
+        built.append(build(d, a.encoder, tuple(a.override), a.name))
         print(json.dumps(built[-1]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

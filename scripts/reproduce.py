@@ -69,18 +69,29 @@ STEPS = {
     "failures": "python -m ushash.cachesim scenario=all out=docs/failures",
     "adaptive_ttl": "python -m ushash.cachesim scenario=adaptive_ttl out=docs/failures",
     "qos": "python -m ushash.cachesim scenario=qos out=docs/failures",
-    # US-HASH codes as a cache key (docs/baselines.md): the same heads, codes only at radius 2, beside LSH codes of z
-    **{f"cachekey_{d}": f"python -m ushash.cachesim export=exports/budget-{d}-offline cache.radius=2 "
-                        f"methods=[exact,lsh_codes_only,ushash,ushash_codes_only] out=experiments/cachesim/cachekey-{d}64"
-       for d in ("tuxpaint", "emoji")},
-    # the same question of heads trained with the Hamming margin between items (an option, not a default)
+    # heads trained with the Hamming margin between items (an option, not a default), for the cache-key question
     "budget_heads_margin": "python scripts/budget_heads.py --data tuxpaint emoji --override model.loss.margin=10 "
                            "--name margin --out experiments/budget-heads-margin",
-    **{f"cachekey_margin_{d}": f"python -m ushash.cachesim export=exports/budget-{d}-offline-margin cache.radius=2 "
-                               f"methods=[exact,lsh_codes_only,ushash,ushash_codes_only] "
-                               f"out=experiments/cachesim/cachekey-margin-{d}64"
-       for d in ("tuxpaint", "emoji")},
 }
+# US-HASH codes as a cache key (docs/baselines.md): each set of budget heads, codes only at radius 2, beside LSH codes
+# of their z. Heads -> (the step that trains them, their export's suffix); a step per (heads, set): cachekey_<heads><set>
+CACHEKEY_HEADS = {"": ("budget_heads", ""), "margin_": ("budget_heads_margin", "-margin")}
+CACHEKEY_SETS = ("tuxpaint", "emoji")
+
+
+def cachekey_step(heads: str, dataset: str) -> str:
+    return f"cachekey_{heads}{dataset}"
+
+
+def cachekey_results(heads: str, dataset: str) -> str:
+    return f"experiments/cachesim/cachekey-{heads.replace('_', '-')}{dataset}64"
+
+
+for _h, (_, _suffix) in CACHEKEY_HEADS.items():
+    for _d in CACHEKEY_SETS:
+        STEPS[cachekey_step(_h, _d)] = (f"python -m ushash.cachesim export=exports/budget-{_d}-offline{_suffix} "
+                                        f"cache.radius=2 methods=[exact,lsh_codes_only,ushash,ushash_codes_only] "
+                                        f"out={cachekey_results(_h, _d)}")
 # the budgeted search on val (docs/baselines.md "A budgeted search on val"): every trained method alike, both real
 # sets at 64 bits, then the choice and the defaults over seeds 0-2
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -104,10 +115,7 @@ NEEDS = {
     "gptcache_compare": ["budget_heads", "false_hit_budget"],
     "proxy_overhead": ["budget_heads"],
     "payload_query": ["budget_heads"],
-    "cachekey_tuxpaint": ["budget_heads"],
-    "cachekey_emoji": ["budget_heads"],
-    "cachekey_margin_tuxpaint": ["budget_heads_margin"],
-    "cachekey_margin_emoji": ["budget_heads_margin"],
+    **{cachekey_step(_h, _d): [trained_by] for _h, (trained_by, _) in CACHEKEY_HEADS.items() for _d in CACHEKEY_SETS},
 }
 # the recipe's ablation (docs/baselines.md "Ablation"): each option of the US-HASH recipe changed alone, on both
 # real sets at 64 bits; label -> the overrides (the shipped defaults first). A step per (set, row), each a
@@ -193,11 +201,10 @@ RESULT_BLOCKS = {
     **{f"failures-{s}": ("docs/cache.md", "failures", f"docs/failures/{s}.md") for s in ("penetration", "breakdown", "avalanche")},
     "adaptive-ttl": ("docs/cache.md", "adaptive_ttl", "docs/failures/adaptive_ttl.md"),
     "qos": ("docs/cache.md", "qos", "docs/failures/qos.md"),
-    "cachekey-tuxpaint": ("docs/baselines.md", "cachekey_tuxpaint", "experiments/cachesim/cachekey-tuxpaint64/results.md"),
-    "cachekey-emoji": ("docs/baselines.md", "cachekey_emoji", "experiments/cachesim/cachekey-emoji64/results.md"),
     "budget-heads-margin": ("docs/baselines.md", "budget_heads_margin", "experiments/budget-heads-margin/results.md"),
-    **{f"cachekey-margin-{d}": ("docs/baselines.md", f"cachekey_margin_{d}",
-                                f"experiments/cachesim/cachekey-margin-{d}64/results.md") for d in ("tuxpaint", "emoji")},
+    **{f"cachekey-{_h.replace('_', '-')}{_d}": ("docs/baselines.md", cachekey_step(_h, _d),
+                                               f"{cachekey_results(_h, _d)}/results.md")
+       for _h in CACHEKEY_HEADS for _d in CACHEKEY_SETS},
 }
 # a step whose printed markdown is published as is: step -> (file, block)
 PRINTED_BLOCKS = {

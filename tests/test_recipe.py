@@ -369,13 +369,13 @@ def test_margin_term_is_in_the_objective_only_with_a_weight():
 def _close_pairs_of_other_items(module, split, radius: int) -> int:
     """Pairs of test rows (every modality, across modalities too) of different groups whose codes are at most
     `radius` bits apart: what a cache keyed by the codes alone at that radius could serve wrongly."""
+    from ushash.core.codes import hamming
     codes, groups = [], []
     for m, t in split.tables.items():
-        packed, _ = module.model.encode(m, np.asarray(t.x, np.float32))
-        codes.append(np.unpackbits(packed, axis=1).astype(np.int16))
+        codes.append(module.model.encode(m, np.asarray(t.x, np.float32))[0])
         groups += list(t.groups)
     b = np.concatenate(codes)
-    d = (b[:, None, :] != b[None, :, :]).sum(-1)
+    d = hamming(b, b)
     g = np.array(groups)
     other = np.triu(g[:, None] != g[None, :], 1)
     return int((other & (d <= radius)).sum())
