@@ -166,6 +166,22 @@ def test_one_input_under_two_classes_is_not_a_false_hit(head):
     assert (int(n[0, 0]), int(bad[0, 0])) == (5, 1)
 
 
+def test_a_replay_can_be_timed_and_its_cache_kept(head):
+    """measure's timings= gets one lookup time per request and one store time per miss, and cache= replays
+    through the caller's cache (replay_cache's, kept afterwards to be weighed): the same counts either way."""
+    from ushash.sim.calibrate import replay_cache
+
+    pool = clustered_pool(np.random.default_rng(5), 20, 3, 0.25, 0.1)
+    stream = make_stream(pool, 300, 0.8, 2)
+    cal = _cal(head, {"image>image": PairPoint(True, 3, 0.9), "text>text": PairPoint(True, 3, 0.9)})
+    plain = measure(head, pool, stream, calibration=cal)
+    timings, cache = {}, replay_cache(head, cal)
+    kept = measure(head, pool, stream, calibration=cal, timings=timings, cache=cache)
+    assert kept == plain and 0 < plain["hits"] < len(stream)
+    assert len(timings["lookup"]) == len(stream) and all(t > 0 for t in timings["lookup"])
+    assert len(timings["store"]) == len(stream) - plain["hits"] == len(cache)
+
+
 def test_variants_share_their_originals_source():
     from ushash.sim.pool import pool_from_split
 

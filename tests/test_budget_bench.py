@@ -222,3 +222,59 @@ def test_payload_query_request_side_gives_an_exact_repeat_cosine_one(payload_que
         dec = codec.decode(m, recs)
         ref = z @ dec.T / np.linalg.norm(dec, axis=1)
         np.testing.assert_allclose(raw[:, idx], ref, atol=2e-6)
+
+
+def test_the_cost_run_of_ushash_replays_as_measure_does(compare, tmp_path):
+    """ours.py, in a fresh process: the test stream's hits and false hits are measure's in this process, one
+    entry per miss; the fill stores every one of its distinct entries; the timings and memory are filled in.
+    And fill_rows makes distinct entries of the pool's image features through the head."""
+    import torch
+
+    from ushash.data import synthetic
+    from ushash.hashing.heads import USHash
+    from ushash.serving.artifact import load_export
+    from ushash.serving.calibration import Calibration, PairPoint
+    from ushash.serving.export import write_export
+    from ushash.sim.calibrate import encode_pool, measure
+    from ushash.sim.pool import pool_from_split
+    from ushash.sim.stream import make_stream
+
+    dims = {"image": 24, "text": 24}
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 10, "val": 10, "test": 30},
+                                       n_classes=8, dims=dims, aligned=True)
+    torch.manual_seed(0)
+    write_export(USHash(dims, bits=64, dim=32, hidden=32).eval(), tmp_path / "tiny",
+                 {"name": "synthetic", "fingerprint": synthetic.ENCODER["fingerprint"]}, source={"dataset": "synthetic"})
+    head = load_export(tmp_path / "tiny")
+    pool = pool_from_split(splits["test"], seed=0)
+    stream = make_stream(pool, 600, 1.0, 0)
+    cal = Calibration(head.revision, 0.05, 0.95, {"image>image": PairPoint(True, 4, 0.9),
+                                                  "text>text": PairPoint(True, 4, 0.9)})
+    cal.save(tmp_path / "cal.json")
+    enc = encode_pool(head, pool)
+    ref = measure(head, pool, stream, calibration=cal, enc=enc)
+    fill = compare.fill_rows(head, pool, 300)
+    assert fill["modality"] == "image" and len(np.unique(fill["codes"], axis=0)) > 250
+    assert fill["features"].shape == (300, 24) and np.allclose(np.linalg.norm(fill["z"], axis=1), 1, atol=1e-5)
+    got = compare.costs(None, str(tmp_path / "tiny"), tmp_path / "cal.json", enc, stream, fill, {})
+    u = got["ushash"]
+    assert (u["hits"], u["false_hits"]) == (ref["hits"], ref["false_hits"]) and 0 < ref["hits"] < len(stream)
+    assert u["entries"] == len(stream) - ref["hits"]
+    assert u["fill"]["entries"] == 300                   # every fill entry stored (none is a repeat of another)
+    assert u["lookup_p50_us"] > 0 and u["fill"]["accounted_per_entry"] > 0 and got["gptcache_fill"] == {}
+
+
+def test_the_cost_table_puts_both_caches_side_by_side(compare):
+    u = {"lookup_p50_us": 50.0, "lookup_p99_us": 90.0, "store_p50_us": 120.0, "entries": 10,
+         "replay_rss_growth": 2 << 20, "loading_rss": 40 << 20, "process_rss": 700 << 20,
+         "fill": {"entries": 1000, "rss_per_entry": 300.0, "accounted_per_entry": 84.0, "store_p50_us": 110.0}}
+    t = {"cosine": 0.9, "get_p50_us": 2000.0, "get_p99_us": 9000.0, "put_p50_us": 700.0, "entries": 12,
+         "replay_rss_growth": 6 << 20, "process_rss": 90 << 20}
+    res = [{"dataset": "d", "embeddings": {"z": {"budgets": {"0.01": {"test": t}}}},
+            "costs": {"budget": "0.01", "ushash": u, "fill_modality": "image",
+                      "gptcache_fill": {"z": {"entries": 1000, "rss_per_entry": 1700.0, "put_p50_us": 440.0}}}}]
+    lines = compare.cost_lines(res)
+    assert "1,000 distinct image entries" in lines[1]
+    assert lines[-2].startswith("| d | ushash (calibrated on val) | 50.0 / 90.0 | 1 | 120.0 | 10 | 2.0 | 300 | 84 |")
+    assert lines[-1].startswith("| d | GPTCache, export z, cos >= 0.900 | 2000.0 / 9000.0 | 40x | 700.0 | 12 | 6.0 | 1700 | - |")
+    assert compare.cost_lines([{"dataset": "d", "embeddings": {}}]) == []

@@ -22,6 +22,12 @@ flat index); real GPTCache then replays the test stream at the chosen threshold 
 val stream), and the emulation must give the same hits and false hits (checked, reported). Also reported:
 the best test hit rate of the sweep whose test false hits per hit are within the budget (chosen on test: an
 upper bound on what GPTCache could reach, not a deployable setting).
+
+Cost, each cache in a fresh process of its own environment, one thread (inner.py for GPTCache, ours.py for
+ushash): on the test stream at the threshold chosen on val (GPTCache) and the calibrated points (ushash), every
+lookup and store timed and the process's RSS growth with the cache alive; and `--fill` distinct entries (the
+test pool's image features plus seeded noise, through the export's head for ushash) stored into an empty
+cache, RSS growth per entry beside the bytes ushash's cache accounts for.
 """
 
 from __future__ import annotations
@@ -144,19 +150,56 @@ def gains(enc, stream: np.ndarray, ours: list[int], theirs: list[int]) -> dict:
                                   "cos_max": max(v)} for k, v in sorted(rows.items())]}
 
 
+def json_lines(cmd: list[str]) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}   # one query at a time: no thread team to wake
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def real_gptcache(py: Path, xs, group, cls, src, stream, thresholds) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "stream.npz"
         np.savez(f, cls=np.asarray(cls), src=np.asarray(src), stream=np.asarray(stream), group=group,
                  **{f"x{g}": x for g, x in xs.items()})
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}   # one faiss query at a time: no thread team to wake
-        out = subprocess.run([str(py), str(HERE / "inner.py"), str(f), *map(str, thresholds)], check=True,
-                             capture_output=True, text=True, env=env).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        return json_lines([str(py), str(HERE / "inner.py"), "replay", str(f), *map(str, thresholds)])
+
+
+def fill_rows(head, pool, n: int, seed: int = 0) -> dict:
+    """`n` distinct entries for the memory per entry: image features of the pool (its first modality if it
+    has no images) plus seeded noise of a tenth of their spread; the raw features unit-normalised (GPTCache in
+    front of the encoder), and their codes and z through the export's head (ushash; GPTCache on z)."""
+    mods = np.asarray(pool.modality)
+    m = "image" if "image" in set(mods.tolist()) else str(mods[0])
+    f = np.stack([pool.features[i] for i in np.flatnonzero(mods == m)]).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    x = f[rng.integers(0, len(f), n)] + 0.1 * f.std(axis=0) * rng.standard_normal((n, f.shape[1]), dtype=np.float32)
+    codes, z = head.encode(m, x)
+    z = z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-30)
+    return {"modality": m, "features": x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-30),
+            "codes": codes, "z": z.astype(np.float32)}
+
+
+def costs(py: Path, export: str, cal_file: Path, enc, stream: np.ndarray, fill: dict, thresholds: dict) -> dict:
+    """Both caches weighed alike, each in a fresh process (ours.py, inner.py): ushash's replay of the test
+    stream at the calibration's points and its fill; GPTCache's fill per embedding (its replay is the real
+    test replay of `run`). thresholds: {embedding: GPTCache's threshold (a put does not read it)}."""
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "ours.npz"
+        n = len(fill["codes"])
+        np.savez(f, modality=np.asarray(enc.modality), codes=enc.codes, z=enc.z, cls=np.asarray(enc.cls),
+                 src=np.asarray(enc.src), key=np.asarray([str(k) for k in enc.key]), stream=np.asarray(stream),
+                 fill_modality=np.full(n, fill["modality"]), fill_codes=fill["codes"], fill_z=fill["z"])
+        ours = json_lines([sys.executable, str(HERE / "ours.py"), str(f), str(export), str(cal_file)])[0]
+        theirs = {}
+        for kind, t in thresholds.items():
+            g = Path(d) / f"fill-{kind}.npz"
+            np.savez(g, x=fill["z"] if kind == "z" else fill["features"])
+            theirs[kind] = json_lines([str(py), str(HERE / "inner.py"), "fill", str(g), str(t)])[0]
+    return {"ushash": ours, "gptcache_fill": theirs, "fill_modality": fill["modality"]}
 
 
 def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int, calibrations, real_val: bool,
-        py: Path | None) -> dict:
+        py: Path | None, n_fill: int = 0) -> dict:
     from false_hit_budget import pools_and_streams
     from ushash.serving.artifact import load_export
     from ushash.serving.calibration import Calibration, clopper_pearson_upper
@@ -169,6 +212,7 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
            "embeddings": {}, "ushash": {}}
     ref = None
     ours: dict[str, list[int]] = {}   # per budget: the member ushash served each test request (-1: a miss)
+    cal_files: dict[str, Path] = {}   # per budget: the calibration ushash was measured with
     for b in budgets:
         f = Path(calibrations) / f"{ds}-{b}.calibration.json" if calibrations else None
         cal = Calibration.load(f) if f and f.exists() else None
@@ -177,6 +221,7 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
                   "(rerun benchmarks/false_hit_budget.py)", flush=True)
             cal = None
         if cal is not None:
+            cal_files[str(b)] = f
             r = measure(head, test, st, calibration=cal, enc=et, served=ours.setdefault(str(b), []))
             r.pop("pairs")
             out["ushash"][str(b)] = r
@@ -226,6 +271,12 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
         print(ds, kind, json.dumps({b: {k: (v.get("hit_rate"), v.get("false_per_hit"), v.get("cosine"))
                                         if isinstance(v, dict) else v for k, v in e.items()}
                                     for b, e in res["budgets"].items()}), flush=True)
+    b = str(budgets[0])
+    if py is not None and n_fill > 0 and b in cal_files:   # the cost of each cache at the first budget
+        chosen = {k: e["budgets"][b]["val"] for k, e in out["embeddings"].items()}
+        out["costs"] = {"budget": b, **costs(py, export, cal_files[b], et, st, fill_rows(head, test, n_fill),
+                                             {k: v["threshold"] if v else 0.95 for k, v in chosen.items()})}
+        print(ds, "costs", json.dumps(out["costs"]), flush=True)
     return out
 
 
@@ -274,7 +325,43 @@ def markdown(results: list[dict], meta: dict) -> str:
                               for x in g["by_pair_distance"]) or "-"
             lines.append(f"| {ds} | {b} | GPTCache, {'export z' if kind == 'z' else 'raw encoder features'}, "
                          f"cos >= {like['cosine']:.3f} | {g['theirs_only']} | {g['ours_only']} | {parts} |")
+    lines += cost_lines(results)
     return "\n".join(lines) + "\n"
+
+
+def cost_lines(results: list[dict]) -> list[str]:
+    """The cost table: per data set, ushash and GPTCache (per embedding) on the same test stream and fill."""
+    rows = [r for r in results if r.get("costs")]
+    if not rows:
+        return []
+    mb = 1 << 20
+    n_fill = rows[0]["costs"]["ushash"]["fill"]["entries"]
+    out = ["", f"Cost on the same test stream and a fill of {n_fill:,} distinct {rows[0]['costs']['fill_modality']} "
+           "entries, each cache in a fresh process of its own, one thread; lookups of precomputed embeddings (no "
+           "encoder); RSS growth with the cache alive, from after each library's one-off loading (ushash's compiled "
+           "kernels and scipy.stats, reported apart; GPTCache's imports and a throwaway cache). The process RSS "
+           "includes what each process imported (ushash's: torch, for the export's heads):", "",
+           "| data | cache | lookup p50 / p99 µs | GPTCache p50 / ushash p50 | store p50 µs | entries after the replay | "
+           "RSS growth over the replay (MB) | fill: RSS per entry (B) | fill: bytes accounted per entry (B) | "
+           "store p50 in the fill µs | process RSS at the end (MB) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, b = r["costs"], r["costs"]["budget"]
+        u = c["ushash"]
+        out.append(f"| {r['dataset']} | ushash (calibrated on val) | {u['lookup_p50_us']:.1f} / {u['lookup_p99_us']:.1f} | "
+                   f"1 | {u['store_p50_us']:.1f} | {u['entries']} | {u['replay_rss_growth'] / mb:.1f} | "
+                   f"{u['fill']['rss_per_entry']:.0f} | {u['fill']['accounted_per_entry']:.0f} | "
+                   f"{u['fill']['store_p50_us']:.1f} | {u['process_rss'] / mb:.0f} (one-off loading {u['loading_rss'] / mb:.0f}) |")
+        for kind, e in r["embeddings"].items():
+            t, f = e["budgets"].get(b, {}).get("test"), c["gptcache_fill"].get(kind)
+            if not t or "get_p99_us" not in t or f is None:
+                continue
+            name = f"GPTCache, {'export z' if kind == 'z' else 'raw encoder features'}, cos >= {t['cosine']:.3f}"
+            out.append(f"| {r['dataset']} | {name} | {t['get_p50_us']:.1f} / {t['get_p99_us']:.1f} | "
+                       f"{t['get_p50_us'] / u['lookup_p50_us']:.0f}x | {t['put_p50_us']:.1f} | {t['entries']} | "
+                       f"{t['replay_rss_growth'] / mb:.1f} | {f['rss_per_entry']:.0f} | - | {f['put_p50_us']:.1f} | "
+                       f"{t['process_rss'] / mb:.0f} |")
+    return out
 
 
 def main(argv=None):
@@ -288,11 +375,13 @@ def main(argv=None):
                          "on this same stream with them")
     ap.add_argument("--real", type=int, default=1, help="0: the emulation only (no GPTCache environment)")
     ap.add_argument("--real-val", type=int, default=0, help="1: also replay the val stream through real GPTCache")
+    ap.add_argument("--fill", type=int, default=50000, help="distinct entries stored into each cache for the "
+                    "memory per entry (0: no cost runs)")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "gptcache"))
     a = ap.parse_args(argv)
     py = gptcache_python() if a.real else None
     results = [run(e, Path(a.features_dir), a.embeddings, a.budgets, a.requests, a.test_requests, a.calibrations,
-                   bool(a.real_val), py) for e in a.export]
+                   bool(a.real_val), py, a.fill) for e in a.export]
 
     from ushash.core.provenance import machine_summary
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()),

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -515,15 +516,18 @@ def run_calibrate(cfg) -> dict:
 
 
 def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] = None, cache_cfg: dict | None = None,
-            enc: Encoded | None = None, confidence: float = 0.95, served: list | None = None) -> dict:
+            enc: Encoded | None = None, confidence: float = 0.95, served: list | None = None,
+            timings: dict | None = None, cache=None) -> dict:
     """Replay `stream` through a `SemanticCache` (store on a miss, no expiry) and count; a hit is false
     when the entry is of another class and another source input (`Encoded.wrong`). served: a list to
-    append, per request, the pool member whose entry answered it (-1: a miss)."""
-    from ushash.serving.cache import Query, SemanticCache
+    append, per request, the pool member whose entry answered it (-1: a miss). timings: a dict whose
+    "lookup" and "store" lists get each call's seconds (perf_counter), for a benchmark of the same replay.
+    cache: the empty cache to replay through, made by `replay_cache` (the caller keeps it, e.g. to weigh it
+    afterwards); default: a new one, dropped on return."""
+    from ushash.serving.cache import Query
 
     enc = enc or encode_pool(head, pool)
-    cfg = {"capacity_bytes": 1 << 30, "ttl_s": None, **(cache_cfg or {}), "l2": None}
-    cache = SemanticCache(head, cfg, rng=random.Random(0), calibration=calibration)
+    cache = cache if cache is not None else replay_cache(head, calibration, cache_cfg)
     queries = [Query(str(m), c.tobytes(), zz) for m, c, zz in zip(enc.modality, enc.codes, enc.z)]
     hits = false = exact = oracle = 0
     pairs: dict[str, list[int]] = {}
@@ -534,11 +538,17 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
         oracle += c in classes
         keys.add(enc.key[q])
         classes.add(c)
+        t0 = time.perf_counter()
         h = cache.lookup(queries[q], TENANT)
+        if timings is not None:
+            timings.setdefault("lookup", []).append(time.perf_counter() - t0)
         if served is not None:
             served.append(-1 if h is None else int(h.value))
         if h is None:
+            t0 = time.perf_counter()
             cache.store(queries[q], int(q), TENANT)   # the entry's member: its class and source input
+            if timings is not None:
+                timings.setdefault("store", []).append(time.perf_counter() - t0)
             continue
         hits += 1
         wrong = bool(enc.wrong(int(h.value), q))
@@ -568,6 +578,14 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
                       for k, (a, b, r, da, db, ia, ib) in sorted(pairs.items())}}
 
 
+def replay_cache(head, calibration: Optional[Calibration] = None, cache_cfg: dict | None = None):
+    """The cache `measure` replays a stream through: L1 only, no expiry, room for every entry."""
+    from ushash.serving.cache import SemanticCache
+
+    cfg = {"capacity_bytes": 1 << 30, "ttl_s": None, **(cache_cfg or {}), "l2": None}
+    return SemanticCache(head, cfg, rng=random.Random(0), calibration=calibration)
+
+
 def headroom(hit_rate: float, exact_hit_rate: float, oracle_hit_rate: float) -> float:
     """Semantic headroom captured: (hit - exact) / (oracle - exact); nan when the oracle gains nothing."""
     gap = oracle_hit_rate - exact_hit_rate
@@ -575,5 +593,5 @@ def headroom(hit_rate: float, exact_hit_rate: float, oracle_hit_rate: float) -> 
 
 
 __all__ = ["CalibrateConfig", "Encoded", "calibrate", "choose_path", "encode_pool", "headroom", "measure",
-           "offline_counts", "offline_paths", "payload_cosines", "pool_and_stream", "radius_sweeps", "run_calibrate",
-           "split_stream", "unit_counts", "walk"]
+           "offline_counts", "offline_paths", "payload_cosines", "pool_and_stream", "radius_sweeps", "replay_cache",
+           "run_calibrate", "split_stream", "unit_counts", "walk"]
