@@ -406,3 +406,14 @@ def test_proxy_bounds_are_checked_before_the_export_is_loaded():
     cfg = compose("proxy", ["export=does/not/exist", "upstream=http://127.0.0.1:1", "max_answer_bytes=0"])
     with pytest.raises(SystemExit, match="max_answer_bytes must be a positive integer; got 0"):
         proxy.build(cfg)
+
+
+def test_the_proxy_warms_its_cache_up_before_the_first_request(monkeypatch):
+    """As ushash.serve does: what the cache loads once (its compiled kernels) is loaded when the app is made,
+    not by the first request."""
+    head = LSHHead({"text": DIM}, bits=64, dim=24, seed=0)
+    cache = SemanticCache(head, {"radius": 4})
+    warmed = []
+    monkeypatch.setattr(cache, "warm_up", lambda: warmed.append(True))
+    create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(Upstream()))
+    assert warmed == [True]

@@ -207,6 +207,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
 
     check_limits({"max_body_bytes": max_body_bytes, "max_json_values": max_json_values,
                   "max_answer_bytes": max_answer_bytes})
+    cache.warm_up()   # what the cache loads once (compiled kernels, ~1 s) before the first request, as ushash.serve does
     app = FastAPI(title="ushash caching proxy")
     tokens = dict(tokens or {})
     for t in tokens.values():
