@@ -82,6 +82,19 @@ def test_a_calibration_of_another_head_is_refused(head):
         SemanticCache(other, {}, calibration=_cal(head, {}))
 
 
+def test_warm_up_loads_the_shadow_checks_bound_only_with_shadow_checks_on(head, monkeypatch):
+    """The first bound loads scipy.stats (~0.6 s); warm_up pays it before serving where shadow checks will
+    compute bounds (inside the monitor's lock), and not where none will."""
+    from ushash.serving.cache import budget
+
+    calls = []
+    monkeypatch.setattr(budget, "clopper_pearson_upper", lambda *a: calls.append(a) or 1.0)
+    SemanticCache(head, {"radius": 3}).warm_up()
+    assert calls == []
+    SemanticCache(head, {"radius": 3, "shadow": {"fraction": 0.1}}).warm_up()
+    assert calls == [(0, 1)]
+
+
 def test_shadow_checks_estimate_the_rate_and_tighten_a_breached_pair(head):
     x = np.ones(24, np.float32)
     cfg = {"shadow": {"fraction": 1.0, "min_checks": 5, "target_false_hit_rate": 0.05, "step": 0.01}}

@@ -24,8 +24,8 @@ import threading
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ushash.serving.calibration import (Calibration, PairPoint, ShadowConfig, ShadowMonitor, pair_name,
-                                        uniform_points)
+from ushash.serving.calibration import (Calibration, PairPoint, ShadowConfig, ShadowMonitor, clopper_pearson_upper,
+                                        pair_name, uniform_points)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,13 @@ class PairBudget:
             self.points = uniform_points(self.modalities, c.radius, c.payload_threshold, c.cross_modal)
             target = None
         self.monitor = ShadowMonitor(self.shadow_config, target)
+
+    def warm_up(self) -> None:
+        """With shadow checks on, load what their bounds are computed with (scipy.stats: ~40 MB and ~0.6 s on its
+        first use) now: else the first disagreement pays it inside the monitor's lock, which every shadow check
+        takes, or the first scrape of the metrics does."""
+        if float(self.shadow_config.fraction) > 0:
+            clopper_pearson_upper(0, 1)
 
     @property
     def per_pair(self) -> bool:

@@ -165,6 +165,7 @@ class SemanticCache(CheckStore):
         warm_head = getattr(self.head, "warm_up", None)   # the head's one-row pass (ExportedHead's kernels)
         if warm_head is not None:
             warm_head()
+        self.budget.warm_up()
         cfg = dataclasses.replace(self.config, l2=None, calibration=None, mih_min_entries=8, ttl_s=0,
                                   tenants=None, capacity_bytes=1 << 24)
         tmp = SemanticCache(self.head, cfg, clock=self.clock, rng=random.Random(0))
