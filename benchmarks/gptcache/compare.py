@@ -168,21 +168,26 @@ def fill_rows(head, pool, n: int, seed: int = 0) -> dict:
     """`n` distinct entries for the memory per entry: image features of the pool (its first modality if it
     has no images) plus seeded noise of a tenth of their spread; the raw features unit-normalised (GPTCache in
     front of the encoder), and their codes and z through the export's head (ushash; GPTCache on z)."""
+    from ushash.core.checks import unit_rows
+
     mods = np.asarray(pool.modality)
     m = "image" if "image" in set(mods.tolist()) else str(mods[0])
     f = np.stack([pool.features[i] for i in np.flatnonzero(mods == m)]).astype(np.float32)
     rng = np.random.default_rng(seed)
     x = f[rng.integers(0, len(f), n)] + 0.1 * f.std(axis=0) * rng.standard_normal((n, f.shape[1]), dtype=np.float32)
     codes, z = head.encode(m, x)
-    z = z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-30)
-    return {"modality": m, "features": x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-30),
-            "codes": codes, "z": z.astype(np.float32)}
+    return {"modality": m, "features": unit_rows(x), "codes": codes, "z": unit_rows(z)}
 
 
-def costs(py: Path, export: str, cal_file: Path, enc, stream: np.ndarray, fill: dict, thresholds: dict) -> dict:
+def calibration_file(calibrations, dataset: str, budget) -> Path | None:
+    """Where benchmarks/false_hit_budget.py --out wrote a data set's calibration for a budget."""
+    return Path(calibrations) / f"{dataset}-{budget}.calibration.json" if calibrations else None
+
+
+def costs(py: Path, export: str, cal_file: Path, enc, stream: np.ndarray, fill: dict, kinds) -> dict:
     """Both caches weighed alike, each in a fresh process (ours.py, inner.py): ushash's replay of the test
-    stream at the calibration's points and its fill; GPTCache's fill per embedding (its replay is the real
-    test replay of `run`). thresholds: {embedding: GPTCache's threshold (a put does not read it)}."""
+    stream at the calibration's points and its fill; GPTCache's fill per embedding of `kinds` (its replay is
+    the real test replay of `run`)."""
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "ours.npz"
         n = len(fill["codes"])
@@ -191,10 +196,10 @@ def costs(py: Path, export: str, cal_file: Path, enc, stream: np.ndarray, fill: 
                  fill_modality=np.full(n, fill["modality"]), fill_codes=fill["codes"], fill_z=fill["z"])
         ours = json_lines([sys.executable, str(HERE / "ours.py"), str(f), str(export), str(cal_file)])[0]
         theirs = {}
-        for kind, t in thresholds.items():
+        for kind in kinds:
             g = Path(d) / f"fill-{kind}.npz"
             np.savez(g, x=fill["z"] if kind == "z" else fill["features"])
-            theirs[kind] = json_lines([str(py), str(HERE / "inner.py"), "fill", str(g), str(t)])[0]
+            theirs[kind] = json_lines([str(py), str(HERE / "inner.py"), "fill", str(g)])[0]
     return {"ushash": ours, "gptcache_fill": theirs, "fill_modality": fill["modality"]}
 
 
@@ -212,16 +217,14 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
            "embeddings": {}, "ushash": {}}
     ref = None
     ours: dict[str, list[int]] = {}   # per budget: the member ushash served each test request (-1: a miss)
-    cal_files: dict[str, Path] = {}   # per budget: the calibration ushash was measured with
     for b in budgets:
-        f = Path(calibrations) / f"{ds}-{b}.calibration.json" if calibrations else None
+        f = calibration_file(calibrations, ds, b)
         cal = Calibration.load(f) if f and f.exists() else None
         if cal is not None and cal.revision != str(head.revision):
             print(f"{f}: calibrated for revision {cal.revision}, not {head.revision}: ushash not measured "
                   "(rerun benchmarks/false_hit_budget.py)", flush=True)
             cal = None
         if cal is not None:
-            cal_files[str(b)] = f
             r = measure(head, test, st, calibration=cal, enc=et, served=ours.setdefault(str(b), []))
             r.pop("pairs")
             out["ushash"][str(b)] = r
@@ -272,10 +275,9 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
                                         if isinstance(v, dict) else v for k, v in e.items()}
                                     for b, e in res["budgets"].items()}), flush=True)
     b = str(budgets[0])
-    if py is not None and n_fill > 0 and b in cal_files:   # the cost of each cache at the first budget
-        chosen = {k: e["budgets"][b]["val"] for k, e in out["embeddings"].items()}
-        out["costs"] = {"budget": b, **costs(py, export, cal_files[b], et, st, fill_rows(head, test, n_fill),
-                                             {k: v["threshold"] if v else 0.95 for k, v in chosen.items()})}
+    if py is not None and n_fill > 0 and b in out["ushash"]:   # the cost of each cache at the first budget
+        out["costs"] = {"budget": b, **costs(py, export, calibration_file(calibrations, ds, b), et, st,
+                                             fill_rows(head, test, n_fill), list(out["embeddings"]))}
         print(ds, "costs", json.dumps(out["costs"]), flush=True)
     return out
 

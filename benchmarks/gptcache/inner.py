@@ -3,7 +3,7 @@ with precomputed embeddings, once per similarity threshold, or fills one with di
 JSON line per threshold (or one for the fill).
 
     inner.py replay STREAM.npz THRESHOLD [THRESHOLD ...]
-    inner.py fill FILL.npz THRESHOLD
+    inner.py fill FILL.npz
 
 STREAM.npz holds `cls` [N] (each pool member's class), `src` [N] (its source input: a hit is false when
 the entry's class and source both differ from the request's), `stream` [n] (member indices), `group` [N] (which
@@ -95,7 +95,7 @@ def replay(xs, group, cls, src, stream, threshold):
                 "replay_rss_growth": rss() - before, "process_rss": rss()}
 
 
-def fill(x, threshold):
+def fill(x, threshold=1.0):   # a put reads no threshold
     with tempfile.TemporaryDirectory() as d:
         warm_up(d, x.shape[1], threshold)
         before = rss()
@@ -112,7 +112,7 @@ def main():
     mode, path, thresholds = sys.argv[1], sys.argv[2], list(map(float, sys.argv[3:]))
     data = np.load(path)
     if mode == "fill":
-        print(json.dumps(fill(data["x"].astype("float32"), thresholds[0])), flush=True)
+        print(json.dumps(fill(data["x"].astype("float32"))), flush=True)
         return
     if mode != "replay":
         raise SystemExit(f"mode {mode!r}: replay or fill")

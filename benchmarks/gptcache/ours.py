@@ -17,13 +17,12 @@ once (the compiled kernels, and scipy.stats for the replay's bounds: a fixed cos
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
-import psutil
 
-
-def rss() -> int:
-    return psutil.Process().memory_info().rss
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cache_memory import rss_bytes as rss  # noqa: E402  (the RSS inner.py reads: /proc/self/statm)
 
 
 def pct(xs, q) -> float:
