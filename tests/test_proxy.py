@@ -417,3 +417,26 @@ def test_the_proxy_warms_its_cache_up_before_the_first_request(monkeypatch):
     monkeypatch.setattr(cache, "warm_up", lambda: warmed.append(True))
     create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(Upstream()))
     assert warmed == [True]
+
+
+def test_the_proxy_encodes_in_its_worker_threads_and_stops_them_at_shutdown(monkeypatch):
+    """The request's encoding runs off the event loop, in the proxy's `Workers`, which its shutdown closes."""
+    import asyncio
+    import threading
+
+    head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=24, aligned=True, seed=0)
+    cache = SemanticCache(head, {"radius": 4, "payload_threshold": 0.9, "cross_modal": False})
+    threads = []
+
+    def query(m, data=None, features=None):
+        threads.append(threading.current_thread().name)
+        return cache.encoder(m, None, _feats(m, data))
+
+    monkeypatch.setattr(cache, "query", query)
+    app = create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(Upstream()))
+    with TestClient(app) as client:
+        assert client.post("/v1/chat/completions", json=chat("what is a frog")).headers["x-cache"] == "miss"
+        assert client.post("/v1/chat/completions", json=chat("what is a frog")).headers["x-cache"] == "hit"
+    assert len(threads) == 2 and all(t.startswith("ushash-worker") for t in threads)
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(app.state.workers.run(lambda: None))

@@ -29,7 +29,6 @@ more JSON values than `max_json_values` (counted on its bytes) is not parsed: it
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import logging
@@ -38,13 +37,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 
 from ushash.serving import connection
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
 from ushash.serving.messages import decode_base64, decode_data_url, images_digest, json_digest, read_content
 from ushash.serving.service import MAX_JSON_VALUES, check_limits
+from ushash.serving.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ MAX_MESSAGES = 256
 #: Headers not copied between the hops (RFC 9110 connection-specific ones, and what httpx recomputes).
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
        "transfer-encoding", "upgrade", "content-length", "content-encoding", "host"}
+#: Request headers the proxy does not forward (as bytes, as ASGI gives them): the hop ones and the client's token.
+NOT_FORWARDED = frozenset(h.encode() for h in HOP | {"authorization"})
 
 
 @dataclass
@@ -214,16 +217,17 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         cache.check_tenant(t)
     client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s, transport=transport)
     app.state.client = client
+    workers = app.state.workers = Workers()   # the encoding off the event loop (cheaper than to_thread)
 
     keys = [(t.encode(), tenant) for t, tenant in tokens.items()] if tokens else \
         [(token.encode(), "default")] if token is not None else []
 
-    def tenant_of(request) -> str | None:
+    def tenant_of(headers) -> str | None:
         """The tenant of the request's bearer token, None for a missing or wrong one ("default" when the
         proxy takes no token). Read as ushash.serve reads it, every token compared in constant time."""
         if not keys:
             return "default"
-        given, found = bearer_credentials(request.headers.get("authorization")), None
+        given, found = bearer_credentials(headers.get("authorization")), None
         for key, tenant in keys:
             if hmac.compare_digest(given, key):
                 found = tenant
@@ -236,15 +240,25 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     def healthz():
         return {"ok": True, "revision": cache.revision}
 
-    @app.post("/{path:path}")
-    async def proxy(path: str, request: Request):
-        tenant = tenant_of(request)
+    async def proxy(scope, receive):
+        """The answer to a POST (any path): a Response, None when the client went away before its body came."""
+        headers = Headers(scope=scope)
+        tenant = tenant_of(headers)
         if tenant is None:
             return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
-        raw = await request.body()
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return None
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        path = scope["path"][1:]
         # as received, bytes for bytes: a header value outside ASCII (obs-text) is forwarded, not re-encoded
-        fwd_headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in HOP | {"authorization"}]
+        fwd_headers = [(k, v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
         if too_many_values(raw, max_json_values):
             # more than the cache would parse (8 MB of `{},` is ~200 MB of Python objects): the upstream's to
             # answer or refuse, as it came, its answer relayed as it arrives (whether it streams is unread)
@@ -255,7 +269,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return err(400, "the request body is not JSON")
         if not isinstance(body, dict):
             return err(400, "the request body must be a JSON object")
-        cc = cache_directives(request.headers.getlist("cache-control"))
+        cc = cache_directives(headers.getlist("cache-control"))
         no_cache, no_store = "no-cache" in cc, "no-store" in cc
         try:
             req = extract_request(body, text_path, image_path)
@@ -271,14 +285,14 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return await passthrough()
         meta = {"model": str(body.get("model", "")), "path": path, "stream": stream,
                 # every X-Model-Revision line: a request sending two is not keyed as one sending the first
-                "revision": ", ".join(request.headers.getlist("x-model-revision")),
+                "revision": ", ".join(headers.getlist("x-model-revision")),
                 "text": _digest(req.text) if req.image is not None else "",
                 "params": params, "more_images": req.more_images}
         modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
         if modality not in cache.head.modalities:
             return await passthrough()
         try:
-            q, spent = await asyncio.to_thread(timed, cache.query, modality, data)
+            q, spent = await workers.run(timed, cache.query, modality, data)
         except RequestError as e:
             # what the cache cannot key (media over its limits or undecodable, text over its length) is the
             # model's to answer or refuse, not the proxy's: passed through, never stored
@@ -295,14 +309,20 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             if hits:
                 h = hits[0]
                 ans = h["response"]
-                headers = {"X-Cache": "hit", "X-Cache-Distance": str(h["hamming_distance"]),
-                           "Content-Type": ans["content_type"], "Server-Timing": f"lookup;dur={spent * 1e3:.3f}"}
-                return Response(ans["body"].encode(), status_code=200, headers=headers)
+                return Response(ans["body"].encode(), status_code=200,
+                                headers={"X-Cache": "hit", "X-Cache-Distance": str(h["hamming_distance"]),
+                                         "Content-Type": ans["content_type"],
+                                         "Server-Timing": f"lookup;dur={spent * 1e3:.3f}"})
         return await forward(path, raw, fwd_headers, stream, None if no_store else key,
                              "bypass" if no_cache else "miss", f"lookup;dur={spent * 1e3:.3f}, ")
 
+    async def post(scope, receive, send):
+        answer = await proxy(scope, receive)
+        if answer is not None:
+            await answer(scope, receive, send)
+
     def timed(fn, *args):
-        """fn(*args) and the seconds it took (run in the worker thread: the thread hop is not the lookup's)."""
+        """fn(*args) and the seconds it took (run in the worker thread: the thread hops are not the lookup's)."""
         t0 = time.perf_counter()
         return fn(*args), time.perf_counter() - t0
 
@@ -360,9 +380,19 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     @app.on_event("shutdown")
     async def _close():
         await client.aclose()
+        workers.close()
 
     app.add_middleware(_ServerFaults)   # an unforeseen error: a JSON 500, and the connection kept
-    wrapped = _BodyLimit(app, max_body_bytes)
+    post = _ServerFaults(post)
+
+    async def route(scope, receive, send):
+        # every POST, whatever its path, is the proxy's, answered without FastAPI's routing, request and response
+        # machinery (about a third of the proxy's own time on a hit; docs/cache.md); the rest is FastAPI's
+        if scope["type"] == "http" and scope["method"] == "POST":
+            return await post(scope, receive, send)
+        return await app(scope, receive, send)
+
+    wrapped = _BodyLimit(route, max_body_bytes)
     wrapped.state = app.state  # type: ignore[attr-defined]
     return wrapped
 
