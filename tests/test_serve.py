@@ -120,18 +120,33 @@ def test_a_body_of_more_json_values_than_the_limit_is_refused_before_it_is_parse
     assert cache.stats()["entries"] == 0
 
 
-def test_the_json_values_bound_is_counted_once_per_request(client, monkeypatch):
-    """A /v1/lookup body the features fast path passes on to the app (text, data_b64) is not counted again."""
+def test_the_json_values_bound_is_counted_once_per_request(export_dir, monkeypatch):
+    """A /v1/lookup body the features fast path passes on to the app (text, data_b64) is not counted again;
+    a body shorter than max_json_values bytes is not counted at all (it cannot hold more values)."""
     from ushash.serving import service
 
     counted, bound = [], service.json_values_bound
     monkeypatch.setattr(service, "json_values_bound", lambda raw: counted.append(len(raw)) or bound(raw))
-    for route, body in (("/v1/lookup", {"modality": "text", "text": "a frog"}),
-                        ("/v1/lookup", {"modality": "text", "features": [0.1] * 16}),
-                        ("/v1/store", {"modality": "text", "text": "a frog", "value": 1})):
-        counted.clear()
-        assert client.post(route, json=body).status_code == 200
-        assert len(counted) == 1, route
+    bodies = (("/v1/lookup", {"modality": "text", "text": "a frog"}),
+              ("/v1/lookup", {"modality": "text", "features": [0.1] * 16}),
+              ("/v1/store", {"modality": "text", "text": "a frog", "value": 1}))
+    for limit, times in ((30, 1), (1 << 20, 0)):   # every body here is over 30 bytes and under 1 MB
+        cache = SemanticCache.from_export(export_dir, {"radius": 4})
+        with TestClient(create_app(cache, max_json_values=limit)) as c:
+            for route, body in bodies:
+                counted.clear()
+                assert c.post(route, json=body).status_code == 200
+                assert len(counted) == times, (route, limit)
+
+
+def test_a_body_shorter_than_the_limit_is_never_over_it():
+    """The short cut is exact: a body of n bytes has a bound of at most n + 1 (n = 0 too)."""
+    from ushash.serving.service import too_many_values
+
+    for raw in (b"", b"{", b",,,,", b"[[[[", b"[{},{}]", b"{,[" * 50):
+        assert json_values_bound(raw) <= len(raw) + 1
+        assert too_many_values(raw, len(raw) + 1) is None
+        assert (too_many_values(raw, len(raw)) is None) == (json_values_bound(raw) <= len(raw)), raw
 
 
 def test_the_json_values_bound_is_an_upper_bound():
