@@ -63,6 +63,8 @@ STEPS = {
                      "--export exports/budget-emoji-offline --out experiments/payload_query",
     "proxy_overhead": "python benchmarks/proxy_overhead.py --export exports/budget-tuxpaint-offline "
                       "--images data/tuxpaint/stamps --out experiments/proxy",
+    # what handing the encoding to a worker thread costs the proxy's event loop, Workers against to_thread
+    "offload": "python benchmarks/offload.py",
     # what hostile bodies cost the service with its bounds and with each lifted (docs/cache.md)
     "hostile_input": "python benchmarks/hostile_input.py",
     # the failure modes and the adaptive policies in simulated time (docs/cache.md), tables and plots in docs/failures
@@ -213,6 +215,7 @@ PRINTED_BLOCKS = {
     "payload_speed": ("docs/payloads.md", "payload-speed"),
     "heads_speed": ("docs/benchmarks.md", "heads-speed"),
     "hostile_input": ("docs/cache.md", "hostile-input"),
+    "offload": ("docs/benchmarks.md", "offload"),
 }
 # a sweep's summary: block -> (file, experiment, step)
 SWEEP_BLOCKS = {
