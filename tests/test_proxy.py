@@ -419,8 +419,9 @@ def test_the_proxy_warms_its_cache_up_before_the_first_request(monkeypatch):
     assert warmed == [True]
 
 
-def test_the_proxy_encodes_in_its_worker_threads_and_stops_them_at_shutdown(monkeypatch):
-    """The request's encoding runs off the event loop, in the proxy's `Workers`, which its shutdown closes."""
+def test_the_proxy_asks_its_cache_in_its_worker_threads_and_stops_them_at_shutdown(monkeypatch):
+    """The encoding, the search and the store (which may ask a Redis L2) run off the event loop, in the proxy's
+    `Workers`, which its shutdown closes."""
     import asyncio
     import threading
 
@@ -428,15 +429,22 @@ def test_the_proxy_encodes_in_its_worker_threads_and_stops_them_at_shutdown(monk
     cache = SemanticCache(head, {"radius": 4, "payload_threshold": 0.9, "cross_modal": False})
     threads = []
 
-    def query(m, data=None, features=None):
-        threads.append(threading.current_thread().name)
-        return cache.encoder(m, None, _feats(m, data))
+    def on_thread(name, fn):
+        def call(*args, **kwargs):
+            threads.append((name, threading.current_thread().name))
+            return fn(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(cache, "query", query)
+    monkeypatch.setattr(cache, "query", on_thread("query", lambda m, data=None, features=None:
+                                                  cache.encoder(m, None, _feats(m, data))))
+    monkeypatch.setattr(cache, "check_query", on_thread("check", cache.check_query))
+    monkeypatch.setattr(cache, "store_response", on_thread("store", cache.store_response))
     app = create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(Upstream()))
     with TestClient(app) as client:
         assert client.post("/v1/chat/completions", json=chat("what is a frog")).headers["x-cache"] == "miss"
+        assert client.post("/v1/chat/completions", json=chat("what is a frog", stream=True)).headers["x-cache"] == "miss"
         assert client.post("/v1/chat/completions", json=chat("what is a frog")).headers["x-cache"] == "hit"
-    assert len(threads) == 2 and all(t.startswith("ushash-worker") for t in threads)
+    assert [name for name, _ in threads] == ["query", "check", "store"] * 2 + ["query", "check"]
+    assert all(t.startswith("ushash-worker") for _, t in threads), threads
     with pytest.raises(RuntimeError, match="closed"):
         asyncio.run(app.state.workers.run(lambda: None))

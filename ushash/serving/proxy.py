@@ -29,6 +29,7 @@ more JSON values than `max_json_values` (counted on its bytes) is not parsed: it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -292,28 +293,22 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         if modality not in cache.head.modalities:
             return await passthrough()
         try:
-            q, spent = await workers.run(timed, cache.query, modality, data)
+            q, hits, spent = await workers.run(lookup, modality, data, None if no_cache else meta, tenant)
         except RequestError as e:
             # what the cache cannot key (media over its limits or undecodable, text over its length) is the
             # model's to answer or refuse, not the proxy's: passed through, never stored
             log.debug("bypass: %s", e)
             return await passthrough()
-        key = (q, tenant, meta)
-        if not no_cache:
-            t0 = time.perf_counter()
-            try:
-                hits = cache.check_query(q, filters=meta, tenant=tenant)
-            except UnknownTenant as e:
-                return err(404, str(e))
-            spent += time.perf_counter() - t0
-            if hits:
-                h = hits[0]
-                ans = h["response"]
-                return Response(ans["body"].encode(), status_code=200,
-                                headers={"X-Cache": "hit", "X-Cache-Distance": str(h["hamming_distance"]),
-                                         "Content-Type": ans["content_type"],
-                                         "Server-Timing": f"lookup;dur={spent * 1e3:.3f}"})
-        return await forward(path, raw, fwd_headers, stream, None if no_store else key,
+        except UnknownTenant as e:
+            return err(404, str(e))
+        if hits:
+            h = hits[0]
+            ans = h["response"]
+            return Response(ans["body"].encode(), status_code=200,
+                            headers={"X-Cache": "hit", "X-Cache-Distance": str(h["hamming_distance"]),
+                                     "Content-Type": ans["content_type"],
+                                     "Server-Timing": f"lookup;dur={spent * 1e3:.3f}"})
+        return await forward(path, raw, fwd_headers, stream, None if no_store else (q, tenant, meta),
                              "bypass" if no_cache else "miss", f"lookup;dur={spent * 1e3:.3f}, ")
 
     async def post(scope, receive, send):
@@ -321,10 +316,14 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         if answer is not None:
             await answer(scope, receive, send)
 
-    def timed(fn, *args):
-        """fn(*args) and the seconds it took (run in the worker thread: the thread hops are not the lookup's)."""
+    def lookup(modality, data, filters, tenant):
+        """In a worker thread: the request encoded, and its hits unless `filters` is None (no-cache); with the
+        seconds it took (the thread handoffs are not the lookup's). The search may ask the L2 (Redis): never
+        on the event loop."""
         t0 = time.perf_counter()
-        return fn(*args), time.perf_counter() - t0
+        q = cache.query(modality, data)
+        hits = [] if filters is None else cache.check_query(q, filters=filters, tenant=tenant)
+        return q, hits, time.perf_counter() - t0
 
     async def forward(path, raw, headers, stream, key, label, timing):
         t0 = time.perf_counter()
@@ -343,7 +342,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                                                   *up.headers.get_list("server-timing")])
         ctype = up.headers.get("content-type", "application/json")
 
-        def keep(body: bytes):
+        async def keep(body: bytes):
             if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
                 return
             try:
@@ -351,8 +350,9 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             except UnicodeDecodeError:
                 return
             q, tenant, meta = key
-            cache.store_response(q, {"body": text, "content_type": ctype}, metadata=meta, tenant=tenant,
-                                 ttl=ttl_s)
+            # in a worker thread: the store may write to the L2 (Redis), never on the event loop
+            await workers.run(functools.partial(cache.store_response, q, {"body": text, "content_type": ctype},
+                                                metadata=meta, tenant=tenant, ttl=ttl_s))
 
         if stream and up.status_code == 200:
             async def relay():
@@ -366,7 +366,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 finally:
                     await up.aclose()
                 if n <= max_answer_bytes:
-                    keep(b"".join(buf))
+                    await keep(b"".join(buf))
             return StreamingResponse(relay(), status_code=up.status_code, headers=out_headers, media_type=ctype)
         try:
             body = await up.aread()
@@ -374,7 +374,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return err(502, f"upstream failed while sending its answer: {type(e).__name__}")
         finally:
             await up.aclose()
-        keep(body)
+        await keep(body)
         return Response(body, status_code=up.status_code, headers=out_headers)
 
     @app.on_event("shutdown")
