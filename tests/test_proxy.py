@@ -448,3 +448,14 @@ def test_the_proxy_asks_its_cache_in_its_worker_threads_and_stops_them_at_shutdo
     assert all(t.startswith("ushash-worker") for _, t in threads), threads
     with pytest.raises(RuntimeError, match="closed"):
         asyncio.run(app.state.workers.run(lambda: None))
+
+
+def test_another_method_is_a_405_and_the_post_route_is_in_the_schema(setup):
+    """As when the proxy's POST was a FastAPI route: any other method on any path is FastAPI's 405 (Allow: POST)."""
+    client, up, _ = setup
+    for method, path in (("GET", "/v1/chat/completions"), ("PUT", "/x"), ("DELETE", "/v1/models")):
+        r = client.request(method, path, headers=H())
+        assert r.status_code == 405 and r.headers["allow"] == "POST", (method, path)
+    assert client.get("/healthz").json()["ok"] is True
+    assert "post" in client.get("/openapi.json").json()["paths"]["/{path}"]
+    assert up.calls == []

@@ -8,8 +8,8 @@ What `asyncio.to_thread` does, at less cost per call: the caller puts (call, loo
 every worker takes from, and the worker that ran it settles the future through `loop.call_soon_threadsafe`.
 `to_thread` goes through concurrent.futures (a Future with its condition lock, a work item, the pool's
 thread accounting) and `asyncio.wrap_future`, Python code that runs on both sides of the handoff, cold after
-the call's own work, while the other thread waits for the GIL: ~0.2 ms more per call on a 2-core machine
-(the proxy's hit, docs/cache.md). The call runs in a copy of the caller's context, as under `to_thread`
+the call's own work, while the other thread waits for the GIL (`benchmarks/offload.py` times the two handoffs
+side by side; docs/benchmarks.md). The call runs in a copy of the caller's context, as under `to_thread`
 (tracing spans, the single-flight leader mark). A call whose awaiter was cancelled still runs to its end;
 its result is dropped.
 """
