@@ -665,3 +665,21 @@ def test_a_content_length_that_is_not_digits_is_a_400(value, status):
     scope = {"type": "http", "headers": [(b"content-length", value)]}
     asyncio.run(_BodyLimit(app, 1000)(scope, receive, send))
     assert sent[0]["status"] == status
+
+
+def test_a_text_lookup_is_encoded_in_the_worker_threads_and_a_features_one_on_the_loop(export_dir, monkeypatch):
+    """Text and media go through an encoder in the service's `Workers` (never on the event loop); precomputed
+    features are answered on the loop (the handoff costs more than the work). The shutdown closes the workers."""
+    import asyncio
+    import threading
+
+    cache = SemanticCache.from_export(export_dir, {"radius": 4})
+    seen, lookup = [], cache.lookup
+    monkeypatch.setattr(cache, "lookup", lambda *a, **k: seen.append(threading.current_thread().name) or lookup(*a, **k))
+    app = create_app(cache)
+    with TestClient(app) as c:
+        assert c.post("/v1/lookup", json={"modality": "text", "text": "a frog"}).json() == {"hit": False}
+        assert c.post("/v1/lookup", json={"modality": "text", "features": [0.1] * 16}).json() == {"hit": False}
+    assert len(seen) == 2 and seen[0].startswith("ushash-worker") and not seen[1].startswith("ushash-worker")
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(app.state.workers.run(lambda: None))

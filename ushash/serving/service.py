@@ -43,7 +43,6 @@ from typing import Any, Optional
 
 import orjson
 from fastapi import Depends, FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -58,6 +57,7 @@ from ushash.serving import connection
 from ushash.serving.cache import TENANT_PATTERN, RequestError, UnknownTenant
 from ushash.serving.cache.config import CacheConfig
 from ushash.serving.messages import decode_base64
+from ushash.serving.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -498,6 +498,13 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
                   default_response_class=SafeJSONResponse)
     app.router.route_class = _FastJSONRoute
     app.state.max_json_values = max_json_values   # read by _FastJSONRequest
+    # a lookup's encoding off the event loop (the caching proxy's threads too: a cheaper handoff than a thread
+    # pool's, docs/benchmarks.md); the plain-function routes (batches, stores) run in FastAPI's thread pool
+    workers = app.state.workers = Workers()
+
+    @app.on_event("shutdown")
+    def _close_workers():
+        workers.close()
 
     @app.exception_handler(Forbidden)
     async def _forbidden(request, exc):
@@ -580,11 +587,11 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     @guarded
     async def lookup(body: LookupBody, allowed: Optional[frozenset] = Depends(auth)):
         # features: the head's forward pass and the cache, tens of microseconds, run on the event loop
-        # (a thread-pool round trip costs more than the work); raw media and text go through an encoder
-        # and run in the thread pool, so that they never hold up other requests
+        # (a thread round trip costs more than the work); raw media and text go through an encoder
+        # and run in the worker threads, so that they never hold up other requests
         if body.features is not None and body.text is None and body.data_b64 is None:
             return _lookup(body, allowed)
-        return await run_in_threadpool(_lookup, body, allowed)
+        return await workers.run(_lookup, body, allowed)
 
     @app.post("/v1/lookup_batch")
     @guarded
