@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ushash.data.media import MediaLimits, check_image_segments, check_image_size
 from ushash.serving import connection
+from ushash.serving.workers import Workers
 
 MODEL_NAME = "efficientnet-lite0-imagenet"
 # what one request's image may decode to: the model answers larger images than the cache keys (4 MP), which
@@ -72,6 +73,11 @@ def create_model_app(classifier: Classifier, max_body_bytes: int = 8 << 20) -> F
     app = FastAPI(title="EfficientNet-Lite0 ImageNet classifier")
     app.state.calls = 0
     app.state.model_seconds = 0.0
+    workers = app.state.workers = Workers()   # the model off the event loop, as the cache's servers encode
+
+    @app.on_event("shutdown")
+    def _close_workers():
+        workers.close()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -82,10 +88,8 @@ def create_model_app(classifier: Classifier, max_body_bytes: int = 8 << 20) -> F
         req = extract_request(body) if isinstance(body, dict) else None
         if req is None or req.image is None:
             return JSONResponse({"error": "no image_url data URL part in the messages"}, status_code=400)
-        import asyncio
-
         try:
-            label, secs = await asyncio.to_thread(classifier, req.image)
+            label, secs = await workers.run(classifier, req.image)
         except Exception as e:  # noqa: BLE001 (an undecodable image is the client's fault)
             return JSONResponse({"error": f"cannot classify the image: {type(e).__name__}: {str(e)[:200]}"},
                                 status_code=400)
