@@ -117,3 +117,15 @@ def test_the_number_of_threads_is_checked():
         with pytest.raises(ValueError):
             Workers(n)
     assert Workers().n >= 1
+
+
+def test_the_lifespan_closes_the_workers_at_shutdown():
+    w = Workers(1)
+
+    async def main():
+        async with w.lifespan(None):
+            assert await w.run(lambda: "served") == "served"
+        with pytest.raises(RuntimeError, match="closed"):
+            await w.run(lambda: None)
+
+    asyncio.run(main())

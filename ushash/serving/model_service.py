@@ -108,14 +108,11 @@ def create_model_app(classifier: Classifier, max_body_bytes: int = 8 << 20,
     from ushash.serving.proxy import extract_request
     from ushash.serving.service import _BodyLimit
 
-    app = FastAPI(title="EfficientNet-Lite0 ImageNet classifier")
+    workers = Workers()   # the models off the event loop, as the cache's servers encode
+    app = FastAPI(title="EfficientNet-Lite0 ImageNet classifier", lifespan=workers.lifespan)
     app.state.calls = 0
     app.state.model_seconds = 0.0
-    workers = app.state.workers = Workers()   # the model off the event loop, as the cache's servers encode
-
-    @app.on_event("shutdown")
-    def _close_workers():
-        workers.close()
+    app.state.workers = workers
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

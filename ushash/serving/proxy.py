@@ -29,6 +29,7 @@ more JSON values than `max_json_values` (counted on its bytes) is not parsed: it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -212,13 +213,22 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     check_limits({"max_body_bytes": max_body_bytes, "max_json_values": max_json_values,
                   "max_answer_bytes": max_answer_bytes})
     cache.warm_up()   # what the cache loads once (compiled kernels, ~1 s) before the first request, as ushash.serve does
-    app = FastAPI(title="ushash caching proxy")
     tokens = dict(tokens or {})
     for t in tokens.values():
         cache.check_tenant(t)
     client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s, transport=transport)
-    app.state.client = client
-    workers = app.state.workers = Workers()   # the cache's work (encoding, search, store) off the event loop
+    workers = Workers()   # the cache's work (encoding, search, store) off the event loop
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async with workers.lifespan():   # the upstream client closed, then the threads
+            try:
+                yield
+            finally:
+                await client.aclose()
+
+    app = FastAPI(title="ushash caching proxy", lifespan=lifespan)
+    app.state.client, app.state.workers = client, workers
 
     keys = [(t.encode(), tenant) for t, tenant in tokens.items()] if tokens else \
         [(token.encode(), "default")] if token is not None else []
@@ -383,11 +393,6 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             await up.aclose()
         await keep(body)
         return Response(body, status_code=up.status_code, headers=out_headers)
-
-    @app.on_event("shutdown")
-    async def _close():
-        await client.aclose()
-        workers.close()
 
     app.add_middleware(_ServerFaults)   # an unforeseen error: a JSON 500, and the connection kept
     post = _ServerFaults(post)

@@ -494,17 +494,14 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
             raise Forbidden(f"this token may not use tenant {body.tenant!r}")
         return cache.check_tenant(body.tenant)
 
-    app = FastAPI(title="ushash semantic cache", docs_url=None, redoc_url=None, openapi_url=None,
-                  default_response_class=SafeJSONResponse)
-    app.router.route_class = _FastJSONRoute
-    app.state.max_json_values = max_json_values   # read by _FastJSONRequest
     # a lookup's encoding off the event loop (the caching proxy's threads too: a cheaper handoff than a thread
     # pool's, docs/benchmarks.md); the plain-function routes (batches, stores) run in FastAPI's thread pool
-    workers = app.state.workers = Workers()
-
-    @app.on_event("shutdown")
-    def _close_workers():
-        workers.close()
+    workers = Workers()
+    app = FastAPI(title="ushash semantic cache", docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=SafeJSONResponse, lifespan=workers.lifespan)
+    app.router.route_class = _FastJSONRoute
+    app.state.max_json_values = max_json_values   # read by _FastJSONRequest
+    app.state.workers = workers
 
     @app.exception_handler(Forbidden)
     async def _forbidden(request, exc):

@@ -17,6 +17,7 @@ its result is dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import os
 import queue
@@ -85,6 +86,14 @@ class Workers:
             threads, self._threads = self._threads, []
         for _ in threads:
             self._queue.put(None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app=None):
+        """FastAPI(lifespan=workers.lifespan): the threads closed when the app shuts down."""
+        try:
+            yield
+        finally:
+            self.close()
 
     def __repr__(self) -> str:
         return f"Workers(n={self.n}, started={len(self._threads)})"
