@@ -1,14 +1,16 @@
-"""The proxy in front of the real model service: a replayed image stream, and the proxy's cost on a hit.
+"""The proxy in front of the real model service: replayed image and text streams, and the proxy's cost on a hit.
 
     python benchmarks/proxy_overhead.py --export exports/tuxpaint-64b --images data/tuxpaint/stamps \
         [--items 60] [--requests 400] [--repeats 60]
 
-Starts the EfficientNet-Lite0 ImageNet classifier (ushash.serving.model_service) and the proxy
-(python -m ushash.proxy) as their own processes on loopback, then replays a Zipf stream of chat requests
-("what is in this image" + an image_url data URL; each image as it is or JPEG re-encoded and cropped)
-through the proxy. Correctness is response equivalence: each answer is compared with the model's own
-answer for that request (asked directly, off the clock). Reported: hit rate, false hits, model calls and
-model seconds saved, end-to-end p50/p99 of hits and of misses. Then, in the same run, the same hit
+Starts the model service (ushash.serving.model_service: EfficientNet-Lite0's ImageNet classifier, and the
+ImageNet class a text describes by MiniLM) and the proxy (python -m ushash.proxy) as their own processes on
+loopback, then replays two Zipf streams of chat requests through the proxy: images ("what is in this
+image" + an image_url data URL; each image as it is or JPEG re-encoded and cropped), then the same stamps'
+captions as text-only requests (each as it is or a variant that changes its encoding: ushash.sim.augment's
+caption variants, the kind by turns). Correctness is response equivalence: each answer is compared with the
+model's own answer for that request (asked directly, off the clock). Reported per stream: hit rate, false
+hits, model calls and model seconds saved, end-to-end p50/p99 of hits and of misses. Then, in the same run, the same hit
 request `--repeats` times, interleaved: through the proxy over HTTP, as a direct in-process lookup of a
 cache built from the same export (`check` on the image bytes: the same encoding and search), and as a
 direct call of the model service (each over HTTP also with an httpx client, for what a Python caller sees).
@@ -45,6 +47,25 @@ def chat(png: bytes) -> dict:
         {"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]}]}
 
 
+def chat_text(text: str) -> dict:
+    return {"model": "efficientnet-lite0-imagenet", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": text}]}]}
+
+
+def caption_variants(path: Path, rng, n: int) -> list[str] | None:
+    """The stamp's caption (the first line of its .txt) and `n` variants that change its encoding (the kinds of
+    ushash.sim.augment.CAPTION_VARIANTS by turns, from the stamp's place in the list); None without a caption."""
+    from ushash.sim.augment import CAPTION_VARIANTS, caption_variant
+
+    txt = path.with_suffix(".txt")
+    if not txt.exists():
+        return None
+    caption = txt.read_text(encoding="utf-8", errors="replace").splitlines()[0].strip()
+    kinds = sorted(CAPTION_VARIANTS)
+    start = int(rng.integers(len(kinds)))
+    return [caption] + [caption_variant(caption, kinds[(start + k) % len(kinds)], k, rng) for k in range(n)]
+
+
 def variants(path: Path, rng, n: int) -> list[bytes]:
     from PIL import Image
 
@@ -78,29 +99,40 @@ def lookup_seconds(head: bytes) -> float:
     raise RuntimeError(f"no Server-Timing lookup in the proxy's answer: {head[:300]!r}")
 
 
-async def measure(proxy_url, model_url, stream, posts, model_answer, items, client, a) -> dict:
-    """The stream through the proxy, then the overhead phase: every timed request is prepared bytes over one
-    bare keep-alive connection (the client's own cost, a few microseconds, is not the proxy's); the httpx
-    columns time the same requests with an httpx client, for what a Python caller sees."""
+async def replay(proxy_url, model_url, stream, posts, model_answer, client) -> dict:
+    """One stream through the proxy: each answer against the model's own for that request; the model calls the
+    stream made (the service's count over the replay, less the reference answers asked meanwhile)."""
     proxy = await Connection.open(proxy_url)
-    m = {"hit_lat": [], "miss_lat": [], "hits": 0, "false": 0, "saved_s": 0.0}
-    for i, v in stream:
+    m = {"hit_lat": [], "miss_lat": [], "hits": 0, "false": 0, "saved_s": 0.0, "false_examples": []}
+    calls0, refs0 = client.get(model_url + "/v1/stats").json()["calls"], model_answer.asked()
+    for key in stream:
         t0 = time.perf_counter()
-        status, head, body = await proxy.request(posts[i, v])
+        status, head, body = await proxy.request(posts[key])
         dt = time.perf_counter() - t0
         if status != 200:
             raise RuntimeError(f"the proxy answered {status}: {body[:200]!r}")
         ans = json.loads(body)["choices"][0]["message"]["content"]
-        truth, secs = model_answer(i, v)
+        truth, secs = model_answer(key)
         if b"\r\nx-cache: hit\r\n" in head.lower():
             m["hits"] += 1
             m["false"] += ans != truth
+            if ans != truth and len(m["false_examples"]) < 10:
+                m["false_examples"].append({"request": key, "served": ans, "model": truth})
             m["saved_s"] += secs
             m["hit_lat"].append(dt)
         else:
             m["miss_lat"].append(dt)
-    m["stats"] = client.get(model_url + "/v1/stats").json()
     proxy.close()
+    m["model_calls"] = int(client.get(model_url + "/v1/stats").json()["calls"] - calls0 - (model_answer.asked() - refs0))
+    return m
+
+
+async def measure(proxy_url, model_url, streams, posts, model_answer, items, client, a) -> dict:
+    """The streams through the proxy, then the overhead phase: every timed request is prepared bytes over one
+    bare keep-alive connection (the client's own cost, a few microseconds, is not the proxy's); the httpx
+    columns time the same requests with an httpx client, for what a Python caller sees."""
+    m = {kind: await replay(proxy_url, model_url, stream, posts, model_answer, client) for kind, stream in streams.items()}
+    stream = streams["image"]
 
     # overhead on a hit: proxy vs a direct lookup of the same request, interleaved, same run
     import torch
@@ -111,7 +143,7 @@ async def measure(proxy_url, model_url, stream, posts, model_answer, items, clie
     direct = SemanticCache.from_export(ROOT / a.export if not Path(a.export).is_absolute() else a.export,
                                        {"radius": a.radius, "payload_threshold": a.threshold, "cross_modal": False})
     key = stream[0]
-    png = items[key[0]][key[1]]
+    png = items[key[1]][key[2]]
     meta = {"model": "efficientnet-lite0-imagenet", "path": "v1/chat/completions", "stream": False,
             "revision": "", "text": "x"}
     direct.store(png, "answer", "image", metadata=meta)
@@ -167,7 +199,18 @@ def main(argv=None):
     items = [variants(f, rng, a.variants) for f in files]
     p = 1.0 / np.arange(1, len(items) + 1) ** a.zipf
     p /= p.sum()
-    stream = [(int(i), int(rng.integers(a.variants + 1))) for i in rng.choice(len(items), size=a.requests, p=p)]
+    streams = {"image": [("image", int(i), int(rng.integers(a.variants + 1)))
+                         for i in rng.choice(len(items), size=a.requests, p=p)]}
+    # the text stream: the same stamps' captions, from a generator of its own (the image stream as it was)
+    trng = np.random.default_rng(1)
+    captions = [caption_variants(f, trng, a.variants) for f in files]
+    texts = [c for c in captions if c is not None]
+    pt = 1.0 / np.arange(1, len(texts) + 1) ** a.zipf
+    pt /= pt.sum()
+    streams["text"] = [("text", int(i), int(trng.integers(a.variants + 1)))
+                       for i in trng.choice(len(texts), size=a.requests, p=pt)]
+    bodies = {("image", i, v): chat(items[i][v]) for i in range(len(items)) for v in range(len(items[i]))}
+    bodies.update({("text", i, v): chat_text(texts[i][v]) for i in range(len(texts)) for v in range(len(texts[i]))})
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     mport, pport = free_port(), free_port()
@@ -185,18 +228,20 @@ def main(argv=None):
         client = httpx.Client(timeout=120)   # off the clock: the reference answers and the warm-ups
         ref: dict = {}
 
-        def model_answer(i, v):
-            if (i, v) not in ref:
-                r = client.post(model_url + "/v1/chat/completions", json=chat(items[i][v]))
-                ref[(i, v)] = (r.json()["choices"][0]["message"]["content"], float(r.headers["x-model-seconds"]))
-            return ref[(i, v)]
+        def model_answer(key):
+            if key not in ref:
+                r = client.post(model_url + "/v1/chat/completions", json=bodies[key])
+                ref[key] = (r.json()["choices"][0]["message"]["content"], float(r.headers["x-model-seconds"]))
+            return ref[key]
 
-        # warm both (the first encoder call loads weights); not part of the stream
-        client.post(model_url + "/v1/chat/completions", json=chat(items[0][0]))
-        client.post(proxy_url + "/v1/chat/completions", json=chat(items[0][0]), headers={"Cache-Control": "no-store"})
-        posts = {key: request_bytes("POST", "/v1/chat/completions", json.dumps(chat(items[key[0]][key[1]])).encode())
-                 for key in set(stream)}
-        m = run_loop(measure(proxy_url, model_url, stream, posts, model_answer, items, client, a))
+        model_answer.asked = lambda: len(ref)
+        # warm both (the first encoder calls load weights); not part of the streams
+        for warm in (chat(items[0][0]), chat_text(texts[0][0])):
+            client.post(model_url + "/v1/chat/completions", json=warm)
+            client.post(proxy_url + "/v1/chat/completions", json=warm, headers={"Cache-Control": "no-store"})
+        posts = {key: request_bytes("POST", "/v1/chat/completions", json.dumps(bodies[key]).encode())
+                 for stream in streams.values() for key in set(stream)}
+        m = run_loop(measure(proxy_url, model_url, streams, posts, model_answer, items, client, a))
     finally:
         for pr in procs:
             pr.terminate()
@@ -205,18 +250,27 @@ def main(argv=None):
                 pr.wait(10)
             except subprocess.TimeoutExpired:
                 pr.kill()
-    n = len(stream)
     from ushash.core.provenance import machine_summary
+
+    def stream_result(kind):
+        r, n = m[kind], len(streams[kind])
+        return {"requests": n, "items": len(items) if kind == "image" else len(texts), "hit_rate": r["hits"] / n,
+                "hits": r["hits"], "false_hits": r["false"], "false_per_hit": r["false"] / r["hits"] if r["hits"] else 0.0,
+                "model_calls": r["model_calls"], "model_calls_saved": r["hits"], "model_seconds_saved": r["saved_s"],
+                "hit_p50_ms": pct(r["hit_lat"], 50), "hit_p99_ms": pct(r["hit_lat"], 99),
+                "miss_p50_ms": pct(r["miss_lat"], 50), "miss_p99_ms": pct(r["miss_lat"], 99),
+                # what a false hit looked like: the request (a caption's text; an image by its stamp), the answer
+                # served and the model's own
+                "false_examples": [{"request": texts[e["request"][1]][e["request"][2]] if kind == "text" else
+                                    f"{files[e['request'][1]].relative_to(a.images)} (variant {e['request'][2]})",
+                                    "served": e["served"], "model": e["model"]} for e in r["false_examples"]]}
+
     res = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine_summary(),
            "command": "python benchmarks/proxy_overhead.py " + " ".join(
                f"--{k} {v}" for k, v in vars(a).items() if k not in ("out", "images", "export")) +
            f" --export {Path(a.export).name} --images <tuxpaint stamps>",
-           "requests": n, "items": len(items), "hit_rate": m["hits"] / n, "hits": m["hits"], "false_hits": m["false"],
-           "false_per_hit": m["false"] / m["hits"] if m["hits"] else 0.0,
-           "model_calls": int(m["stats"]["calls"]) - 2 - len(ref),  # less the two warm-ups and the reference calls
-           "model_calls_saved": m["hits"], "model_seconds_saved": m["saved_s"],
-           "hit_p50_ms": pct(m["hit_lat"], 50), "hit_p99_ms": pct(m["hit_lat"], 99),
-           "miss_p50_ms": pct(m["miss_lat"], 50), "miss_p99_ms": pct(m["miss_lat"], 99),
+           **stream_result("image"),   # the image stream's, at the top level as before the text stream was added
+           "text": stream_result("text"),
            "overhead": {"repeats": a.repeats, "proxy_hit_p50_ms": pct(m["t_proxy"], 50),
                         "direct_lookup_p50_ms": pct(m["t_direct"], 50), "model_direct_p50_ms": pct(m["t_model"], 50),
                         "proxy_minus_lookup_p50_ms": pct(m["t_proxy"], 50) - pct(m["t_direct"], 50),
@@ -235,14 +289,20 @@ def markdown(r: dict) -> str:
     o = r["overhead"]
     return "\n".join([
         f"Run {r['date']} on {r['machine']}: `{r['command']}`", "",
-        f"Stream: {r['requests']} chat requests over {r['items']} Tux Paint stamps (Zipf), each image as it is or "
-        f"JPEG re-encoded and cropped; answers compared with the model's own answer for that request.", "",
-        "| requests | hits | hit rate | false hits | model calls made | model calls saved | model seconds saved | "
+        f"Streams: {r['requests']} chat requests over {r['items']} Tux Paint stamps (Zipf), each image as it is or "
+        f"JPEG re-encoded and cropped; then {r['text']['requests']} text-only requests over {r['text']['items']} of "
+        "their captions, each as it is or a variant that changes its encoding (word order, synonyms, a typo, a "
+        "template, re-casing without the final stop); answers compared with the model's own answer for that request.", "",
+        "| stream | requests | hits | hit rate | false hits | model calls made | model calls saved | model seconds saved | "
         "hit p50 / p99 ms | miss p50 / p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| {r['requests']} | {r['hits']} | {r['hit_rate']:.3f} | {r['false_hits']} | {r['model_calls']} | "
-        f"{r['model_calls_saved']} | {r['model_seconds_saved']:.1f} | {r['hit_p50_ms']:.1f} / {r['hit_p99_ms']:.1f} | "
-        f"{r['miss_p50_ms']:.1f} / {r['miss_p99_ms']:.1f} |", "",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *(f"| {name} | {x['requests']} | {x['hits']} | {x['hit_rate']:.3f} | {x['false_hits']} | {x['model_calls']} | "
+          f"{x['model_calls_saved']} | {x['model_seconds_saved']:.1f} | {x['hit_p50_ms']:.1f} / {x['hit_p99_ms']:.1f} | "
+          f"{x['miss_p50_ms']:.1f} / {x['miss_p99_ms']:.1f} |" for name, x in (("image", r), ("text", r["text"]))), "",
+        *([f"The false hits, each a request served an answer the model gives another request (at most 10 per stream): "
+           + "; ".join(f"{name} `{e['request']}` served \"{e['served']}\", the model's own \"{e['model']}\""
+                       for name, x in (("image", r), ("text", r["text"])) for e in x.get("false_examples", [])) + ".", ""]
+          if r.get("false_hits") or r["text"].get("false_hits") else []),
         f"The same hit, {o['repeats']} times, interleaved in the same run (p50 ms). Over HTTP: prepared request "
         "bytes on a keep-alive connection (the client's cost is not the proxy's); the httpx columns send the same "
         "request with an httpx client, as a Python caller would:", "",

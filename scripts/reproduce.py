@@ -780,10 +780,11 @@ def cache_bars_body() -> str | None:
         p = json.loads(proxy.read_text())
         o = p["overhead"]
         data = "tuxpaint" if "tuxpaint" in p["command"] else sets[0]
-        rows.setdefault("proxy: model calls saved, p50 / p99 of hits and misses", {})[data] = (
-            f"{p['model_calls_saved']} of {p['requests']} calls saved (hit rate {p['hit_rate']:.2f}, {p['false_hits']} "
-            f"false answers), {p['model_seconds_saved']:.0f} model-seconds; hits {p['hit_p50_ms']:.0f} / "
-            f"{p['hit_p99_ms']:.0f} ms, misses {p['miss_p50_ms']:.0f} / {p['miss_p99_ms']:.0f} ms")
+        rows.setdefault("proxy: model calls saved, p50 / p99 of hits and misses", {})[data] = "; ".join(
+            f"{name}: {x['model_calls_saved']} of {x['requests']} calls saved (hit rate {x['hit_rate']:.2f}, "
+            f"{x['false_hits']} false answers), {x['model_seconds_saved']:.0f} model-seconds; hits {x['hit_p50_ms']:.0f} / "
+            f"{x['hit_p99_ms']:.0f} ms, misses {x['miss_p50_ms']:.0f} / {x['miss_p99_ms']:.0f} ms"
+            for name, x in (("images", p), ("texts", p.get("text"))) if x)
         d = o["proxy_own_p50_ms"]
         rows.setdefault("proxy adds <= 2 ms p50 on a hit over the lookup", {})[data] = (
             ("met" if d <= 2 else f"**missed** by {d - 2:.1f} ms") +

@@ -278,3 +278,19 @@ def test_the_cost_table_puts_both_caches_side_by_side(compare):
     assert lines[-2].startswith("| d | ushash (calibrated on val) | 50.0 / 90.0 | 1 | 120.0 | 10 | 2.0 | 300 | 84 |")
     assert lines[-1].startswith("| d | GPTCache, export z, cos >= 0.900 | 2000.0 / 9000.0 | 40x | 700.0 | 12 | 6.0 | 1700 | - |")
     assert compare.cost_lines([{"dataset": "d", "embeddings": {}}]) == []
+
+
+def test_the_proxy_benchmarks_text_stream_is_each_caption_and_variants_that_change_it(tmp_path):
+    """benchmarks/proxy_overhead.py's text requests: a stamp's caption (its .txt's first line) and n variants,
+    each a different string; a stamp without a caption has none."""
+    po = _load("proxy_overhead", "benchmarks/proxy_overhead.py")
+    (tmp_path / "frog.png").write_bytes(b"")
+    (tmp_path / "frog.txt").write_text("A green frog on a big leaf.\nfr.utf8=Une grenouille.\n", encoding="utf-8")
+    (tmp_path / "mute.png").write_bytes(b"")
+    rng = np.random.default_rng(0)
+    caps = po.caption_variants(tmp_path / "frog.png", rng, 4)
+    assert caps[0] == "A green frog on a big leaf." and len(caps) == 5
+    assert all(c != caps[0] for c in caps[1:]) and len(set(caps)) == 5, caps
+    assert po.caption_variants(tmp_path / "mute.png", rng, 4) is None
+    body = po.chat_text(caps[1])
+    assert body["messages"][0]["content"] == [{"type": "text", "text": caps[1]}]
