@@ -127,11 +127,15 @@ async def replay(proxy_url, model_url, stream, posts, model_answer, client) -> d
     return m
 
 
-async def measure(proxy_url, model_url, streams, posts, model_answer, items, client, a) -> dict:
-    """The streams through the proxy, then the overhead phase: every timed request is prepared bytes over one
-    bare keep-alive connection (the client's own cost, a few microseconds, is not the proxy's); the httpx
-    columns time the same requests with an httpx client, for what a Python caller sees."""
+async def measure(proxy_url, model_url, streams, posts, model_answer, items, client, a, calibrated_url=None) -> dict:
+    """The streams through the proxy (and through the calibrated one, when there is one), then the overhead
+    phase: every timed request is prepared bytes over one bare keep-alive connection (the client's own cost, a
+    few microseconds, is not the proxy's); the httpx columns time the same requests with an httpx client, for
+    what a Python caller sees."""
     m = {kind: await replay(proxy_url, model_url, stream, posts, model_answer, client) for kind, stream in streams.items()}
+    if calibrated_url:
+        m["calibrated"] = {kind: await replay(calibrated_url, model_url, stream, posts, model_answer, client)
+                           for kind, stream in streams.items()}
     stream = streams["image"]
 
     # overhead on a hit: proxy vs a direct lookup of the same request, interleaved, same run
@@ -191,6 +195,9 @@ def main(argv=None):
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--radius", type=int, default=3)
     ap.add_argument("--threshold", type=float, default=0.98)
+    ap.add_argument("--calibration", default=None,
+                    help="a calibration file of the export (benchmarks/false_hit_budget.py's): the streams replayed "
+                         "through a second proxy at its points too (`cache.calibration=`)")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "proxy"))
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -223,8 +230,16 @@ def main(argv=None):
                                        f"cache.payload_threshold={a.threshold}", "cache.cross_modal=false"],
                                       env=env, cwd=ROOT))
         model_url, proxy_url = f"http://127.0.0.1:{mport}", f"http://127.0.0.1:{pport}"
+        calibrated_url = None
+        if a.calibration:
+            cport = free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "ushash.proxy", f"upstream={model_url}",
+                                           f"export={a.export}", f"port={cport}", "cache.cross_modal=false",
+                                           f"cache.calibration={Path(a.calibration).resolve()}"], env=env, cwd=ROOT))
+            calibrated_url = f"http://127.0.0.1:{cport}"
         wait_until_up(model_url + "/v1/stats", procs[0], seconds=300)
-        wait_until_up(proxy_url + "/healthz", procs[1], seconds=300)
+        for url, proc in zip((proxy_url, calibrated_url), procs[1:]):
+            wait_until_up(url + "/healthz", proc, seconds=300)
         client = httpx.Client(timeout=120)   # off the clock: the reference answers and the warm-ups
         ref: dict = {}
 
@@ -238,10 +253,11 @@ def main(argv=None):
         # warm both (the first encoder calls load weights); not part of the streams
         for warm in (chat(items[0][0]), chat_text(texts[0][0])):
             client.post(model_url + "/v1/chat/completions", json=warm)
-            client.post(proxy_url + "/v1/chat/completions", json=warm, headers={"Cache-Control": "no-store"})
+            for url in filter(None, (proxy_url, calibrated_url)):
+                client.post(url + "/v1/chat/completions", json=warm, headers={"Cache-Control": "no-store"})
         posts = {key: request_bytes("POST", "/v1/chat/completions", json.dumps(bodies[key]).encode())
                  for stream in streams.values() for key in set(stream)}
-        m = run_loop(measure(proxy_url, model_url, streams, posts, model_answer, items, client, a))
+        m = run_loop(measure(proxy_url, model_url, streams, posts, model_answer, items, client, a, calibrated_url))
     finally:
         for pr in procs:
             pr.terminate()
@@ -252,7 +268,7 @@ def main(argv=None):
                 pr.kill()
     from ushash.core.provenance import machine_summary
 
-    def stream_result(kind):
+    def stream_result(kind, m=m):
         r, n = m[kind], len(streams[kind])
         return {"requests": n, "items": len(items) if kind == "image" else len(texts), "hit_rate": r["hits"] / n,
                 "hits": r["hits"], "false_hits": r["false"], "false_per_hit": r["false"] / r["hits"] if r["hits"] else 0.0,
@@ -267,10 +283,15 @@ def main(argv=None):
 
     res = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine_summary(),
            "command": "python benchmarks/proxy_overhead.py " + " ".join(
-               f"--{k} {v}" for k, v in vars(a).items() if k not in ("out", "images", "export")) +
-           f" --export {Path(a.export).name} --images <tuxpaint stamps>",
+               f"--{k} {v}" for k, v in vars(a).items() if k not in ("out", "images", "export", "calibration")) +
+           f" --export {Path(a.export).name} --images <tuxpaint stamps>" +
+           (f" --calibration {Path(a.calibration).name}" if a.calibration else ""),
            **stream_result("image"),   # the image stream's, at the top level as before the text stream was added
            "text": stream_result("text"),
+           **({"calibrated": {"file": Path(a.calibration).name, "target_false_hit_rate":
+                              json.loads(Path(a.calibration).read_text())["target_false_hit_rate"],
+                              **{kind: stream_result(kind, m["calibrated"]) for kind in streams}}}
+              if a.calibration else {}),
            "overhead": {"repeats": a.repeats, "proxy_hit_p50_ms": pct(m["t_proxy"], 50),
                         "direct_lookup_p50_ms": pct(m["t_direct"], 50), "model_direct_p50_ms": pct(m["t_model"], 50),
                         "proxy_minus_lookup_p50_ms": pct(m["t_proxy"], 50) - pct(m["t_direct"], 50),
@@ -285,24 +306,36 @@ def main(argv=None):
     print(markdown(res))
 
 
+def _arg(r: dict, name: str) -> str:
+    """An option's value as the command line recorded it."""
+    words = r["command"].split()
+    return words[words.index(f"--{name}") + 1]
+
+
 def markdown(r: dict) -> str:
     o = r["overhead"]
+    fixed = f"fixed defaults (radius {_arg(r, 'radius')}, threshold {_arg(r, 'threshold')})"
+    rows = [(f"image, {fixed}", r), (f"text, {fixed}", r["text"])]
+    if r.get("calibrated"):
+        c = r["calibrated"]
+        at = f"calibrated (budget {c['target_false_hit_rate']}, `{c['file']}`)"
+        rows += [(f"image, {at}", c["image"]), (f"text, {at}", c["text"])]
     return "\n".join([
         f"Run {r['date']} on {r['machine']}: `{r['command']}`", "",
         f"Streams: {r['requests']} chat requests over {r['items']} Tux Paint stamps (Zipf), each image as it is or "
         f"JPEG re-encoded and cropped; then {r['text']['requests']} text-only requests over {r['text']['items']} of "
         "their captions, each as it is or a variant that changes its encoding (word order, synonyms, a typo, a "
         "template, re-casing without the final stop); answers compared with the model's own answer for that request.", "",
-        "| stream | requests | hits | hit rate | false hits | model calls made | model calls saved | model seconds saved | "
+        "| stream, operating point | requests | hits | hit rate | false hits | model calls made | model calls saved | model seconds saved | "
         "hit p50 / p99 ms | miss p50 / p99 ms |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *(f"| {name} | {x['requests']} | {x['hits']} | {x['hit_rate']:.3f} | {x['false_hits']} | {x['model_calls']} | "
           f"{x['model_calls_saved']} | {x['model_seconds_saved']:.1f} | {x['hit_p50_ms']:.1f} / {x['hit_p99_ms']:.1f} | "
-          f"{x['miss_p50_ms']:.1f} / {x['miss_p99_ms']:.1f} |" for name, x in (("image", r), ("text", r["text"]))), "",
+          f"{x['miss_p50_ms']:.1f} / {x['miss_p99_ms']:.1f} |" for name, x in rows), "",
         *([f"The false hits, each a request served an answer the model gives another request (at most 10 per stream): "
-           + "; ".join(f"{name} `{e['request']}` served \"{e['served']}\", the model's own \"{e['model']}\""
-                       for name, x in (("image", r), ("text", r["text"])) for e in x.get("false_examples", [])) + ".", ""]
-          if r.get("false_hits") or r["text"].get("false_hits") else []),
+           + "; ".join(f"{name}: `{e['request']}` served \"{e['served']}\", the model's own \"{e['model']}\""
+                       for name, x in rows for e in x.get("false_examples", [])) + ".", ""]
+          if any(x["false_hits"] for _, x in rows) else []),
         f"The same hit, {o['repeats']} times, interleaved in the same run (p50 ms). Over HTTP: prepared request "
         "bytes on a keep-alive connection (the client's cost is not the proxy's); the httpx columns send the same "
         "request with an httpx client, as a Python caller would:", "",

@@ -62,7 +62,8 @@ STEPS = {
     "payload_query": "python benchmarks/payload_query.py --export exports/budget-tuxpaint-offline "
                      "--export exports/budget-emoji-offline --out experiments/payload_query",
     "proxy_overhead": "python benchmarks/proxy_overhead.py --export exports/budget-tuxpaint-offline "
-                      "--images data/tuxpaint/stamps --out experiments/proxy",
+                      "--images data/tuxpaint/stamps --calibration experiments/budget/tuxpaint-0.01.calibration.json "
+                      "--out experiments/proxy",
     # what handing the encoding to a worker thread costs the proxy's event loop, Workers against to_thread
     "offload": "python benchmarks/offload.py",
     # what hostile bodies cost the service with its bounds and with each lifted (docs/cache.md)
@@ -115,7 +116,7 @@ NEEDS = {
     "search_cross_emoji": ["search_tuxpaint_ushash"],
     "false_hit_budget": ["budget_heads"],
     "gptcache_compare": ["budget_heads", "false_hit_budget"],
-    "proxy_overhead": ["budget_heads"],
+    "proxy_overhead": ["budget_heads", "false_hit_budget"],   # the heads, and the calibration at their points
     "payload_query": ["budget_heads"],
     **{cachekey_step(_h, _d): [trained_by] for _h, (trained_by, _) in CACHEKEY_HEADS.items() for _d in CACHEKEY_SETS},
 }
@@ -780,11 +781,14 @@ def cache_bars_body() -> str | None:
         p = json.loads(proxy.read_text())
         o = p["overhead"]
         data = "tuxpaint" if "tuxpaint" in p["command"] else sets[0]
-        rows.setdefault("proxy: model calls saved, p50 / p99 of hits and misses", {})[data] = "; ".join(
+        cal = p.get("calibrated")   # the streams at the calibrated points where the run had them
+        at = (("images", cal["image"]), ("texts", cal["text"])) if cal else (("images", p), ("texts", p.get("text")))
+        rows.setdefault("proxy: model calls saved, p50 / p99 of hits and misses" +
+                        (f" (at the calibrated points, budget {cal['target_false_hit_rate']})" if cal else ""), {})[data] = "; ".join(
             f"{name}: {x['model_calls_saved']} of {x['requests']} calls saved (hit rate {x['hit_rate']:.2f}, "
             f"{x['false_hits']} false answers), {x['model_seconds_saved']:.0f} model-seconds; hits {x['hit_p50_ms']:.0f} / "
             f"{x['hit_p99_ms']:.0f} ms, misses {x['miss_p50_ms']:.0f} / {x['miss_p99_ms']:.0f} ms"
-            for name, x in (("images", p), ("texts", p.get("text"))) if x)
+            for name, x in at if x)
         d = o["proxy_own_p50_ms"]
         rows.setdefault("proxy adds <= 2 ms p50 on a hit over the lookup", {})[data] = (
             ("met" if d <= 2 else f"**missed** by {d - 2:.1f} ms") +
