@@ -1,7 +1,7 @@
 """The proxy in front of the real model service: replayed image and text streams, and the proxy's cost on a hit.
 
     python benchmarks/proxy_overhead.py --export exports/tuxpaint-64b --images data/tuxpaint/stamps \
-        [--items 60] [--requests 400] [--repeats 60]
+        [--items 60] [--requests 400] [--repeats 60] [--calibration experiments/budget/tuxpaint-0.01.calibration.json]
 
 Starts the model service (ushash.serving.model_service: EfficientNet-Lite0's ImageNet classifier, and the
 ImageNet class a text describes by MiniLM) and the proxy (python -m ushash.proxy) as their own processes on
@@ -9,8 +9,10 @@ loopback, then replays two Zipf streams of chat requests through the proxy: imag
 image" + an image_url data URL; each image as it is or JPEG re-encoded and cropped), then the same stamps'
 captions as text-only requests (each as it is or a variant that changes its encoding: ushash.sim.augment's
 caption variants, the kind by turns). Correctness is response equivalence: each answer is compared with the
-model's own answer for that request (asked directly, off the clock). Reported per stream: hit rate, false
-hits, model calls and model seconds saved, end-to-end p50/p99 of hits and of misses. Then, in the same run, the same hit
+model's own answer for that request (asked directly, off the clock). With `--calibration` (a calibration of
+the export, benchmarks/false_hit_budget.py's), both streams also go through a second proxy at its points.
+Reported per stream: hit rate, false hits (up to 10 named), model calls and model seconds saved, end-to-end p50/p99
+of hits and of misses. Then, in the same run, the same hit
 request `--repeats` times, interleaved: through the proxy over HTTP, as a direct in-process lookup of a
 cache built from the same export (`check` on the image bytes: the same encoding and search), and as a
 direct call of the model service (each over HTTP also with an httpx client, for what a Python caller sees).
