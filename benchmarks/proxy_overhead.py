@@ -101,12 +101,30 @@ def lookup_seconds(head: bytes) -> float:
     raise RuntimeError(f"no Server-Timing lookup in the proxy's answer: {head[:300]!r}")
 
 
+class ModelAnswers:
+    """The model's own answer to each request, asked of the model service directly once (off the clock), with
+    the seconds it took; `asked`: how many it has asked (calls the model service counts that no stream made)."""
+
+    def __init__(self, client, model_url: str, bodies: dict):
+        self.client, self.url, self.bodies, self.known = client, model_url + "/v1/chat/completions", bodies, {}
+
+    @property
+    def asked(self) -> int:
+        return len(self.known)
+
+    def __call__(self, key) -> tuple[str, float]:
+        if key not in self.known:
+            r = self.client.post(self.url, json=self.bodies[key])
+            self.known[key] = (r.json()["choices"][0]["message"]["content"], float(r.headers["x-model-seconds"]))
+        return self.known[key]
+
+
 async def replay(proxy_url, model_url, stream, posts, model_answer, client) -> dict:
     """One stream through the proxy: each answer against the model's own for that request; the model calls the
     stream made (the service's count over the replay, less the reference answers asked meanwhile)."""
     proxy = await Connection.open(proxy_url)
     m = {"hit_lat": [], "miss_lat": [], "hits": 0, "false": 0, "saved_s": 0.0, "false_examples": []}
-    calls0, refs0 = client.get(model_url + "/v1/stats").json()["calls"], model_answer.asked()
+    calls0, refs0 = client.get(model_url + "/v1/stats").json()["calls"], model_answer.asked
     for key in stream:
         t0 = time.perf_counter()
         status, head, body = await proxy.request(posts[key])
@@ -125,7 +143,7 @@ async def replay(proxy_url, model_url, stream, posts, model_answer, client) -> d
         else:
             m["miss_lat"].append(dt)
     proxy.close()
-    m["model_calls"] = int(client.get(model_url + "/v1/stats").json()["calls"] - calls0 - (model_answer.asked() - refs0))
+    m["model_calls"] = int(client.get(model_url + "/v1/stats").json()["calls"] - calls0 - (model_answer.asked - refs0))
     return m
 
 
@@ -243,15 +261,7 @@ def main(argv=None):
         for url, proc in zip((proxy_url, calibrated_url), procs[1:]):
             wait_until_up(url + "/healthz", proc, seconds=300)
         client = httpx.Client(timeout=120)   # off the clock: the reference answers and the warm-ups
-        ref: dict = {}
-
-        def model_answer(key):
-            if key not in ref:
-                r = client.post(model_url + "/v1/chat/completions", json=bodies[key])
-                ref[key] = (r.json()["choices"][0]["message"]["content"], float(r.headers["x-model-seconds"]))
-            return ref[key]
-
-        model_answer.asked = lambda: len(ref)
+        model_answer = ModelAnswers(client, model_url, bodies)
         # warm both (the first encoder calls load weights); not part of the streams
         for warm in (chat(items[0][0]), chat_text(texts[0][0])):
             client.post(model_url + "/v1/chat/completions", json=warm)
@@ -288,6 +298,7 @@ def main(argv=None):
                f"--{k} {v}" for k, v in vars(a).items() if k not in ("out", "images", "export", "calibration")) +
            f" --export {Path(a.export).name} --images <tuxpaint stamps>" +
            (f" --calibration {Path(a.calibration).name}" if a.calibration else ""),
+           "fixed": {"radius": a.radius, "threshold": a.threshold},   # the first proxy's point
            **stream_result("image"),   # the image stream's, at the top level as before the text stream was added
            "text": stream_result("text"),
            **({"calibrated": {"file": Path(a.calibration).name, "target_false_hit_rate":
@@ -308,15 +319,9 @@ def main(argv=None):
     print(markdown(res))
 
 
-def _arg(r: dict, name: str) -> str:
-    """An option's value as the command line recorded it."""
-    words = r["command"].split()
-    return words[words.index(f"--{name}") + 1]
-
-
 def markdown(r: dict) -> str:
     o = r["overhead"]
-    fixed = f"fixed defaults (radius {_arg(r, 'radius')}, threshold {_arg(r, 'threshold')})"
+    fixed = f"fixed defaults (radius {r['fixed']['radius']}, threshold {r['fixed']['threshold']})"
     rows = [(f"image, {fixed}", r), (f"text, {fixed}", r["text"])]
     if r.get("calibrated"):
         c = r["calibrated"]

@@ -17,16 +17,19 @@ alive, from before they are made (after GPTCache's imports and one throwaway cac
 process) to the end of the replay or the fill."""
 
 import json
-import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from gptcache import Cache, Config
 from gptcache.adapter.api import get, init_similar_cache, put
 from gptcache.manager import CacheBase, VectorBase, get_data_manager
 from gptcache.similarity_evaluation.distance import SearchDistanceEvaluation
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cache_memory import rss_bytes as rss  # noqa: E402  (the RSS ours.py reads; that module imports numpy only)
 
 
 class Precomputed:
@@ -49,11 +52,6 @@ def make_cache(d, x, threshold, name):
     init_similar_cache(data_dir=f"{d}/{name}", cache_obj=cache, embedding=emb, data_manager=dm,
                        evaluation=SearchDistanceEvaluation(), config=Config(similarity_threshold=threshold))
     return cache
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def pct(xs, q) -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cache_memory import rss_bytes as rss  # noqa: E402  (the RSS inner.py reads: /proc/self/statm)
+from cache_memory import rss_bytes as rss  # noqa: E402  (the RSS inner.py reads)
 
 
 def pct(xs, q) -> float:

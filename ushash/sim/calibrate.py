@@ -529,10 +529,9 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
     enc = enc or encode_pool(head, pool)
     cache = cache if cache is not None else replay_cache(head, calibration, cache_cfg)
     queries = [Query(str(m), c.tobytes(), zz) for m, c, zz in zip(enc.modality, enc.codes, enc.z)]
-    if timings is not None:
-        clock, lookup_s, store_s = time.perf_counter, timings.setdefault("lookup", []), timings.setdefault("store", [])
-    else:
-        clock = lambda: 0.0   # noqa: E731  (no clock read when nothing is timed)
+    lookup, store = cache.lookup, cache.store
+    if timings is not None:   # the same calls, each one's seconds kept; untimed, nothing is added to the loop
+        lookup, store = _timed(lookup, timings.setdefault("lookup", [])), _timed(store, timings.setdefault("store", []))
     hits = false = exact = oracle = 0
     pairs: dict[str, list[int]] = {}
     keys, classes = set(), set()
@@ -542,17 +541,11 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
         oracle += c in classes
         keys.add(enc.key[q])
         classes.add(c)
-        t0 = clock()
-        h = cache.lookup(queries[q], TENANT)
-        if timings is not None:
-            lookup_s.append(clock() - t0)
+        h = lookup(queries[q], TENANT)
         if served is not None:
             served.append(-1 if h is None else int(h.value))
         if h is None:
-            t0 = clock()
-            cache.store(queries[q], int(q), TENANT)   # the entry's member: its class and source input
-            if timings is not None:
-                store_s.append(clock() - t0)
+            store(queries[q], int(q), TENANT)   # the entry's member: its class and source input
             continue
         hits += 1
         wrong = bool(enc.wrong(int(h.value), q))
@@ -580,6 +573,16 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
                           "items": len(ia), "items_false": len(ib),
                           "items_upper": clopper_pearson_upper(len(ib), len(ia), delta)}
                       for k, (a, b, r, da, db, ia, ib) in sorted(pairs.items())}}
+
+
+def _timed(fn, seconds: list):
+    """fn, appending each call's seconds (perf_counter) to `seconds`."""
+    def call(*args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        seconds.append(time.perf_counter() - t0)
+        return out
+    return call
 
 
 def replay_cache(head, calibration: Optional[Calibration] = None, cache_cfg: dict | None = None):
