@@ -1,14 +1,15 @@
 """The false-hit budget on real data: calibrate on val, measure on a held-out test stream.
 
     python benchmarks/false_hit_budget.py --export exports/budget-tuxpaint-offline --export exports/budget-emoji-offline \
-        [--features-dir data/features] [--budgets 0.01 0.05] [--out experiments/budget]
+        [--features-dir data/features] [--budgets 0.01 0.05] [--detail 0.01] [--out experiments/budget]
 
 Per export: the val and test pools (feature-space variants, ushash/sim/pool.py) of the stores of exactly the
 rows the head's data settings give (ushash.sim.calibrate.pool_and_stream), a Zipf stream of each (`--requests` on
 val to calibrate, `--test-requests` on test; different seeds), then per budget the calibration
 (ushash.sim.calibrate, written to --out as <dataset>-<budget>.calibration.json) and its replay on the test
-stream, beside the cache's uncalibrated defaults. Writes results.json and results.md to --out. GPTCache on
-the same streams: benchmarks/gptcache/compare.py.
+stream, beside the cache's uncalibrated defaults. Writes results.json and results.md to --out: a row per
+(export, budget) with each pair's point, and each point's evidence on val and per-pair counts on test for the
+budgets of --detail (all by default). GPTCache on the same streams: benchmarks/gptcache/compare.py.
 """
 
 from __future__ import annotations
@@ -66,16 +67,18 @@ def run(export: str, features_dir: Path, budgets, n_val: int, n_test: int, setti
     return out
 
 
-def markdown(results: list[dict], meta: dict) -> str:
+def markdown(results: list[dict], meta: dict, detail=None) -> str:
+    """The summary table (every budget), then per (export, budget) of `detail` (None: all) the calibration's
+    evidence and the per-pair test counts."""
     lines = [f"Run {meta['date']} on {meta['machine']}: `{meta['command']}`", "",
-             "| data | budget | pairs on | test hit rate | false / hit (95 % upper) | false / request | exact | oracle | "
+             "| data | budget | pairs on (radius, payload threshold) | test hit rate | false / hit (95 % upper) | false / request | exact | oracle | "
              "headroom captured | defaults r=3, t=0.98: hit, false/hit, headroom |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         d = r["default"]
         for b, x in r["budgets"].items():
             t = x["test"]
-            on = [k for k, p in x["calibration"]["pairs"].items() if p["on"]]
+            on = [f"{k} ({p['radius']}, {p['threshold']:.2f})" for k, p in x["calibration"]["pairs"].items() if p["on"]]
             lines.append(f"| {r['dataset']} | {b} | {', '.join(on) or 'none'} | {t['hit_rate']:.4f} | "
                          f"{t['false_per_hit']:.4f} ({t['false_per_hit_upper']:.4f}) | {t['false_per_request']:.4f} | "
                          f"{t['exact_hit_rate']:.4f} | {t['oracle_hit_rate']:.4f} | {t['headroom_captured']:.3f} | "
@@ -83,6 +86,8 @@ def markdown(results: list[dict], meta: dict) -> str:
                          f"{d['headroom_captured']:.3f} |")
     for r in results:
         for b, x in r["budgets"].items():
+            if detail is not None and float(b) not in detail:
+                continue
             info = x["calibration"]["info"]
             where = (f"on val's test half ({info['test_requests']} requests, {info['test_items']} items; the path "
                      f"chosen on the other {info['path_requests']} requests, {info['path_items']} items)"
@@ -135,6 +140,8 @@ def main(argv=None):
     ap.add_argument("--count", default="hits", choices=["hits", "distinct", "items"])
     ap.add_argument("--path", default="split", choices=["hits", "split"])
     ap.add_argument("--split-by", default="item", choices=["item", "request"])
+    ap.add_argument("--detail", type=float, nargs="+", default=None,
+                    help="budgets whose per-pair evidence results.md shows (default: every budget)")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "budget"))
     a = ap.parse_args(argv)
     settings = CalibrationSettings(marginal=bool(a.marginal), count=a.count, path=a.path, split_by=a.split_by)
@@ -142,13 +149,13 @@ def main(argv=None):
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine_summary(),
             "command": "python benchmarks/false_hit_budget.py " + " ".join(
                 f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(map(str, v))}"
-                for k, v in vars(a).items() if k not in ("features_dir", "out", "export")) +
+                for k, v in vars(a).items() if k not in ("features_dir", "out", "export") and v is not None) +
             "".join(f" --export {Path(e).name}" for e in a.export)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=float))
-    (out / "results.md").write_text(markdown(results, meta))
-    print(markdown(results, meta))
+    (out / "results.md").write_text(markdown(results, meta, a.detail))
+    print(markdown(results, meta, a.detail))
 
 
 if __name__ == "__main__":

@@ -294,3 +294,24 @@ def test_the_proxy_benchmarks_text_stream_is_each_caption_and_variants_that_chan
     assert po.caption_variants(tmp_path / "mute.png", rng, 4) is None
     body = po.chat_text(caps[1])
     assert body["messages"][0]["content"] == [{"type": "text", "text": caps[1]}]
+
+
+def test_false_hit_budget_rows_every_budget_and_details_those_asked():
+    """results.md: a summary row per (set, budget) with each pair's point; the per-pair evidence only for the
+    budgets of --detail (every budget without it)."""
+    fhb = _load("false_hit_budget", "benchmarks/false_hit_budget.py")
+    pairs = {"image>image": {"on": True, "radius": 5, "threshold": 0.98}, "text>image": {"on": False}}
+    test = {"hit_rate": 0.97, "false_per_hit": 0.0, "false_per_hit_upper": 0.0003, "false_per_request": 0.0,
+            "exact_hit_rate": 0.9, "oracle_hit_rate": 0.99, "headroom_captured": 0.7, "pairs": {
+                "image>image": {"hits": 10, "false_hits": 0, "upper": 0.26, "distinct": 4, "distinct_false": 0,
+                                "distinct_upper": 0.5, "items": 2, "items_false": 0, "items_upper": 0.8}}}
+    budgets = {b: {"calibration": {"pairs": pairs, "info": {"min_trials": 299}}, "table": f"TABLE {b}", "test": test}
+               for b in ("0.01", "0.05")}
+    results = [{"dataset": "a", "default": test, "budgets": budgets, "test_requests": 100, "val_requests": 200}]
+    meta = {"date": "d", "machine": "m", "command": "c"}
+    every = fhb.markdown(results, meta)
+    one = fhb.markdown(results, meta, [0.01])
+    for md in (every, one):
+        assert "| a | 0.01 | image>image (5, 0.98) | 0.9700 |" in md and "| a | 0.05 | image>image (5, 0.98) |" in md
+    assert "TABLE 0.01" in every and "TABLE 0.05" in every
+    assert "TABLE 0.01" in one and "TABLE 0.05" not in one and "a, budget 0.05, measured on test" not in one

@@ -55,14 +55,16 @@ def test_cache_bars_table_is_computed_from_the_runs(tmp_path, monkeypatch):
     exp = tmp_path / "experiments"
     test = {"false_hits": 0, "hits": 1000, "false_per_hit_upper": 0.003, "headroom_captured": 0.55, "hit_rate": 0.97,
             "exact_hit_rate": 0.9, "oracle_hit_rate": 0.99, "false_per_hit": 0.0}
-    for d, obj in (("budget", {"results": [{"dataset": "a", "budgets": {"0.01": {"test": test}}}]}),
-                   ("gptcache", {"results": [{"dataset": "a", "ushash": {"0.01": test}, "embeddings": {"z": {"sweep": [
+    looser = {**test, "headroom_captured": 0.9, "hit_rate": 0.99}   # another budget's row: not a bar
+    for d, obj in (("budget", {"results": [{"dataset": "a", "budgets": {"0.01": {"test": test}, "0.05": {"test": looser}}}]}),
+                   ("gptcache", {"results": [{"dataset": "a", "ushash": {"0.01": test, "0.05": looser}, "embeddings": {"z": {"sweep": [
                        {"cosine": 0.9, "test_hit_rate": 0.99, "test_false_per_hit": 0.02},    # more hits, but false ones
                        {"cosine": 0.99, "test_hit_rate": 0.975, "test_false_per_hit": 0.0},   # the one to beat
                        {"cosine": 1.0, "test_hit_rate": 0.6, "test_false_per_hit": 0.0}]}}}]})):
         (exp / d).mkdir(parents=True)
         (exp / d / "results.json").write_text(json.dumps(obj))
     rows = {line.split(" | ")[0][2:]: line for line in r.cache_bars_body().splitlines() if line.startswith("| ")}
+    assert "test false hits per hit <= 5% (95 % upper bound)" not in rows   # the bars are at the 1 % budget only
     assert "met: 0 of 1,000 hits (upper 0.300%)" in rows["test false hits per hit <= 1% (95 % upper bound)"]
     assert "**missed** by 5.0 points: 55.0%" in rows["headroom captured >= 60 %"]
     assert ("**missed** by 0.0050: GPTCache 0.9750 (cos >= 0.990, chosen on test) against ushash 0.9700"
