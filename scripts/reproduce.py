@@ -35,11 +35,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# step -> the command it runs (as the docs quote it; "python X.py" for a script, else a module)
 # the false-hit budgets calibrated and measured (docs/cache.md), and the one the cache's bars are set at (issue 13:
 # target_false_hit_rate=0.01), whose per-pair evidence the block shows
 BUDGETS = (0.005, 0.01, 0.02, 0.05)
 BAR_BUDGET = 0.01
+# step -> the command it runs (as the docs quote it; "python X.py" for a script, else a module)
 STEPS = {
     "demo": "python -m ushash.demo",
     "sweep_emoji": "python -m ushash.sweep -m experiment=sweep_emoji",
