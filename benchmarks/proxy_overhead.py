@@ -55,14 +55,15 @@ def chat_text(text: str) -> dict:
 
 
 def caption_variants(path: Path, rng, n: int) -> list[str] | None:
-    """The stamp's caption (the first line of its .txt) and `n` variants that change its encoding (the kinds of
-    ushash.sim.augment.CAPTION_VARIANTS by turns, from the stamp's place in the list); None without a caption."""
+    """The stamp's caption (its .txt read as the data set reads it) and `n` variants that change its encoding (the
+    kinds of ushash.sim.augment.CAPTION_VARIANTS by turns, from the stamp's place in the list); None without a
+    caption."""
+    from ushash.data.datasets.tuxpaint import read_caption
     from ushash.sim.augment import CAPTION_VARIANTS, caption_variant
 
-    txt = path.with_suffix(".txt")
-    if not txt.exists():
+    caption = read_caption(path.with_suffix(".txt"))
+    if caption is None:
         return None
-    caption = txt.read_text(encoding="utf-8", errors="replace").splitlines()[0].strip()
     kinds = sorted(CAPTION_VARIANTS)
     start = int(rng.integers(len(kinds)))
     return [caption] + [caption_variant(caption, kinds[(start + k) % len(kinds)], k, rng) for k in range(n)]
