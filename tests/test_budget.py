@@ -76,6 +76,21 @@ def test_the_cache_serves_by_per_pair_points_and_exports_them(head, tmp_path):
     assert m.value("cache_pair_hits_total", pair="image>image") == 1
 
 
+def test_a_pair_is_found_by_name_before_the_tier_holds_the_request_modality(head):
+    # the L1 holds text entries only: an image request's pair is still "image>text", not refused as unknown
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=24).astype(np.float32)
+    on = PairPoint(True, 8, 0.5, 500, 0, 0.006)
+    cal = _cal(head, {p: on for p in ("image>image", "image>text", "text>image", "text>text")})
+    cache = SemanticCache(head, {"capacity_bytes": 1 << 24}, calibration=cal)
+    cache.put("text", None, "by text", features=x)
+    assert cache.get("image", features=x).value == "by text"
+    assert [h["response"] for h in cache.check(None, "image", features=x, num_results=3)] == ["by text"]
+    q = cache.query("image", features=x)
+    assert [h.value for h in cache.lookup_many([q, cache.query("text", features=x)])] == ["by text", "by text"]
+    assert cache.metrics.value("cache_rejections_total", reason="pair_off") == 0
+
+
 def test_a_calibration_of_another_head_is_refused(head):
     other = LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=1)
     with pytest.raises(ValueError, match="recalibrate"):

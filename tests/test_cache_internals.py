@@ -348,8 +348,9 @@ def test_large_zeros_have_pages_of_their_own():
 
 
 def test_query_columns_equal_stacked_rows():
-    """A batch's query columns (modality ids, has z, z rows with zeros where there is none) are those of
-    the naive per-query construction with np.stack, dtypes included."""
+    """A batch's query columns (modality ids, has z, z rows with zeros where there is none, the names the ids
+    index) are those of the naive per-query construction with np.stack, dtypes included; a modality the tier
+    holds none of gets its own id past the tier's, named."""
     from ushash.serving.cache.l1 import _query_columns
     from ushash.serving.cache.request import Query
 
@@ -358,9 +359,11 @@ def test_query_columns_equal_stacked_rows():
         qs = [Query(str(rng.choice(["image", "text", "audio"])), bytes(8),
                     None if i % none_every == 0 else rng.normal(size=16).astype(np.float32)) for i in range(50)]
         mods = ["image", "text"]
-        qmod, has_z, qz = _query_columns(qs, mods, "none")
-        assert qmod.dtype == np.int64 and qmod.tolist() == [mods.index(q.modality) if q.modality in mods else 2
-                                                            for q in qs]
+        qmod, has_z, qz, names = _query_columns(qs, mods, "none")
+        assert names[:2] == mods and sorted(names[2:]) == (["audio"] if any(q.modality == "audio" for q in qs) else [])
+        assert qmod.dtype == np.int64 and [names[i] for i in qmod.tolist()] == [q.modality for q in qs]
+        one = _query_columns(qs[:1], mods, "none")
+        assert one[3][one[0][0]] == qs[0].modality
         assert has_z.tolist() == [q.z is not None for q in qs]
         if not has_z.any():
             assert qz == "none"

@@ -135,7 +135,7 @@ class HitCheck:
             for a in sorted(set(qm[live].tolist())):
                 for e in sorted(set(c.modality[live & (qm == a)].tolist())):
                     sel = live & (qm == a) & (c.modality == e)
-                    name = (modalities[a] if a < len(modalities) else "?") + ">" + modalities[e]
+                    name = modalities[a] + ">" + modalities[e]
                     p = points.get(name)
                     if p is None or not p.on:
                         status[sel] = _MODALITY

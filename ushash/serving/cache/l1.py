@@ -149,25 +149,33 @@ _LITTLE = sys.byteorder == "little"
 
 
 def _query_columns(queries: list, mods: list[str], no_z):
-    """(modality id int64 [B] (len(mods): one the tier holds none of), has z bool [B], z float32 [B, dim]
-    with zero rows where there is none, or `no_z` when no query has one)."""
+    """(modality id int64 [B], has z bool [B], z float32 [B, dim] with zero rows where there is none, or `no_z`
+    when no query has one, the modality names the ids index). A query modality the tier holds no entry of gets
+    an id past `mods`, its name appended to the names, so a per-pair point still finds its pair by name."""
     if len(queries) == 1:
         q0 = queries[0]
-        qmod = np.array([mods.index(q0.modality) if q0.modality in mods else len(mods)], np.int64)
-        return qmod, (_TRUE1 if q0.z is not None else _FALSE1), (q0.z[None] if q0.z is not None else no_z)
+        if q0.modality in mods:
+            qmod, names = np.array([mods.index(q0.modality)], np.int64), mods
+        else:
+            qmod, names = np.array([len(mods)], np.int64), [*mods, q0.modality]
+        return qmod, (_TRUE1 if q0.z is not None else _FALSE1), (q0.z[None] if q0.z is not None else no_z), names
     ids = {m: i for i, m in enumerate(mods)}
-    absent = len(mods)
-    qmod = np.array([ids.get(q.modality, absent) for q in queries], np.int64)
+    names = list(mods)
+    for q in queries:
+        if q.modality not in ids:
+            ids[q.modality] = len(names)
+            names.append(q.modality)
+    qmod = np.array([ids[q.modality] for q in queries], np.int64)
     zs = [q.z for q in queries]
     has_z = np.array([z is not None for z in zs], bool)
     if not has_z.any():
-        return qmod, has_z, no_z
+        return qmod, has_z, no_z, names
     dim = next(z for z in zs if z is not None).shape[0]
     if not has_z.all():
         zero = np.zeros(dim, np.float32)
         zs = [zero if z is None else z for z in zs]
     # np.stack's rows, by one concatenation (stack makes a view of every row first)
-    return qmod, has_z, np.concatenate(zs).reshape(len(zs), dim)
+    return qmod, has_z, np.concatenate(zs).reshape(len(zs), dim), names
 
 
 class L1Tier:
@@ -401,9 +409,8 @@ class L1Tier:
         counts_l, nearest_l = counts.tolist(), nearest_d.tolist()
         if len(slots) == 0:   # nothing within the radius: the nearest seen, if any, is all there is to say
             return [-1] * nq, [-1] * nq, [float("nan")] * nq, counts_l, nearest_l
-        mods = self._modalities
-        qmod, has_z, qz = _query_columns(queries, mods, None)
-        chosen, cos = check.select(qz, has_z, qmod, list(mods), self._batch(qlims, slots, dists, cur, exp, mod, hasp),
+        qmod, has_z, qz, names = _query_columns(queries, self._modalities, None)
+        chosen, cos = check.select(qz, has_z, qmod, list(names), self._batch(qlims, slots, dists, cur, exp, mod, hasp),
                                    now, trusted=True)
         sel = chosen >= 0
         at = np.where(sel, chosen, 0)
@@ -427,8 +434,8 @@ class L1Tier:
             out[0] = Found(nearest=nearest)
             return out
         t, mods, rev = self.table, list(self._modalities), self._revision
-        qmod, has_z, qz = _query_columns([q], mods, None)
-        ranked = check.select_top(qz, has_z, qmod, mods, self._batch(qlims, slots, dists, cur, exp, mod, hasp), now,
+        qmod, has_z, qz, names = _query_columns([q], mods, None)
+        ranked = check.select_top(qz, has_z, qmod, list(names), self._batch(qlims, slots, dists, cur, exp, mod, hasp), now,
                                   trusted=True, k=k)
         if not ranked:
             out[0] = Found(nearest=nearest)
@@ -471,7 +478,7 @@ class L1Tier:
         t = self.table
         mi = backend._mi
         masks, use = mi.plan(self.observe_radius, len(backend))
-        qmod, has_z, qz = _query_columns(queries, self._modalities, _NO_Z)
+        qmod, has_z, qz, _ = _query_columns(queries, self._modalities, _NO_Z)
         # the query words straight from the code bytes where they are whole 64-bit words
         qw = np.frombuffer(codes, "<u8").reshape(nq, mi.nwords) if self.bits % 64 == 0 and _LITTLE else \
             mi.words(np.frombuffer(codes, np.uint8).reshape(nq, self.code_bytes))
