@@ -181,6 +181,20 @@ def test_answers_under_other_metadata_share_the_l2_and_keep_their_scope(redis_se
     assert sorted(b.l1.table.scope.values()) == sorted({e for e in a.l1.table.scope.values()})
 
 
+def test_the_same_request_stored_again_replaces_its_l2_entry(redis_server):
+    """As in L1: a replica (empty L1, the same L2) sees only the newer answer; another scope is kept apart."""
+    a = _cache(redis_server)
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    a.store(None, "old answer", "text", features=x, metadata={"model": "m1"})
+    a.store(None, "new answer", "text", features=x, metadata={"model": "m1"})
+    a.store(None, "other model", "text", features=x, metadata={"model": "m2"})
+    b = _cache(redis_server)
+    assert [h["response"] for h in b.check(features=x, num_results=5, filters={"model": "m1"})] == ["new answer"]
+    assert sorted(h["response"] for h in _cache(redis_server).check(features=x, num_results=5)) == \
+        ["new answer", "other model"]
+    assert len(list(redis_server.client.scan_iter(match="ushash:*:e:*"))) == 2
+
+
 def test_tenants_are_isolated_in_l2_and_keys_share_a_cluster_slot(redis_server):
     from redis.cluster import key_slot
 

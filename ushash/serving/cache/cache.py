@@ -34,7 +34,7 @@ from ushash.serving.calibration import Calibration
 from ushash.serving.cache.api import CheckStore
 from ushash.serving.cache.budget import PairBudget
 from ushash.serving.cache.config import CacheConfig
-from ushash.serving.cache.entries import Entry, Found, Hit, encode_value, valid_tenant
+from ushash.serving.cache.entries import Entry, Found, Hit, encode_value, shared_id, valid_tenant
 from ushash.serving.cache.freshness import Freshness, RevisionWatermark, revision_rank
 from ushash.serving.cache.hitcheck import HitCheck
 from ushash.serving.cache.l1 import L1Tier
@@ -467,7 +467,9 @@ class SemanticCache(CheckStore):
         keep = [i for i in range(len(queries)) if fresh[i]]
         entries = [Entry(code=queries[i].code, payload=payloads[i], modality=queries[i].modality, value=encoded[i][1],
                          kind=encoded[i][0], revision=rev, created=now, expires=self.freshness.expiry(now, ttl_s),
-                         compute_s=float(compute_s), id=os.urandom(8).hex() if shared else None, scope=bytes(scopes[i]))
+                         compute_s=float(compute_s), scope=bytes(scopes[i]),
+                         id=shared_id(queries[i].code, payloads[i], queries[i].modality, rev, bytes(scopes[i])) if shared
+                         else None)
                    for i in keep]
         put = l1.put_many(tenant, entries) if entries else []
         stored = [False] * len(queries)

@@ -19,6 +19,7 @@ overhead of a million entries small (see benchmarks/cache_lookup.py for the meas
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import sys
@@ -95,6 +96,16 @@ class Entry:
 
 
 ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(Entry))
+
+
+def shared_id(code: bytes, payload: bytes, modality: str, revision: str, scope: bytes) -> str:
+    """An entry's L2 id: a digest of what the L1 replaces an entry by (modality, code, payload, scope) and of
+    its revision, so the same request stored again overwrites its shared entry as it replaces the L1's."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in (revision.encode(), modality.encode(), code, payload, scope):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
 
 
 @dataclass
