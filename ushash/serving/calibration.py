@@ -69,8 +69,17 @@ def clopper_pearson_upper(k: int, n: int, delta: float = 0.05) -> float:
 
 
 def min_trials(target: float, delta: float = 0.05) -> int:
-    """The fewest trials with no event whose upper bound is <= target: ceil(ln delta / ln(1 - target))."""
-    return int(math.ceil(math.log(delta) / math.log1p(-target)))
+    """The fewest trials with no event whose upper bound (clopper_pearson_upper) is <= target: about
+    ceil(ln delta / ln(1 - target)), moved to the exact count where float rounding put that ratio on the
+    wrong side of a whole number."""
+    if not (0.0 < float(target) < 1.0 and 0.0 < float(delta) < 1.0):
+        raise ValueError(f"min_trials needs 0 < target < 1 and 0 < delta < 1; got target={target}, delta={delta}")
+    n = int(math.ceil(math.log(delta) / math.log1p(-target)))
+    while clopper_pearson_upper(0, n, delta) > target:
+        n += 1
+    while n > 0 and clopper_pearson_upper(0, n - 1, delta) <= target:
+        n -= 1
+    return n
 
 
 @dataclass
@@ -137,6 +146,8 @@ class CalibrationSettings:
     n_requests: Optional[int] = None  # calibration stream length; None: stream.n_requests
 
     def __post_init__(self):
+        if not 0.0 < float(self.confidence) < 1.0:
+            raise ValueError(f"calibration confidence must be in (0, 1); got {self.confidence}")
         if str(self.count) not in ("hits", "distinct", "items"):
             raise ValueError(f"calibration count must be hits, distinct or items; got {self.count!r}")
         if str(self.path) not in ("hits", "split"):

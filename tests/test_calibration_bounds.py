@@ -1,0 +1,33 @@
+"""min_trials is the exact count clopper_pearson_upper gives (no float rounding off by one), and the
+calibration's confidence is range-checked like the shadow checks'."""
+
+import pytest
+
+from ushash.serving.calibration import CalibrationSettings, ShadowConfig, clopper_pearson_upper, min_trials
+
+
+def _fewest(target, delta):
+    n = 0
+    while clopper_pearson_upper(0, n, delta) > target:
+        n += 1
+    return n
+
+
+def test_min_trials_is_the_fewest_trials_whose_bound_meets_the_target():
+    assert min_trials(0.999, 0.001) == 1            # ln(0.001) / ln(0.001) rounds to just above 1
+    assert clopper_pearson_upper(0, 1, 0.001) <= 0.999
+    for target in (0.5, 0.25, 0.1, 0.05, 0.01, 0.001, 0.999, 1 - 1 / 1024):
+        for delta in (0.5, 0.25, 0.1, 0.05, 0.01, 0.001, 1 / 16, 1 / 1024):
+            assert min_trials(target, delta) == _fewest(target, delta), (target, delta)
+    for target, delta in ((0.0, 0.05), (1.0, 0.05), (0.01, 0.0), (0.01, 1.0)):
+        with pytest.raises(ValueError, match="min_trials needs 0 < target < 1 and 0 < delta < 1"):
+            min_trials(target, delta)
+
+
+@pytest.mark.parametrize("confidence", [0.0, 1.0, -0.5, 1.5])
+def test_calibration_confidence_must_be_in_the_open_unit_interval(confidence):
+    with pytest.raises(ValueError, match=r"calibration confidence must be in \(0, 1\)"):
+        CalibrationSettings(confidence=confidence)
+    with pytest.raises(ValueError, match=r"shadow.confidence must be in \(0, 1\)"):
+        ShadowConfig(confidence=confidence)
+    assert CalibrationSettings(confidence=0.9).confidence == 0.9
