@@ -81,6 +81,41 @@ def test_the_same_request_under_other_metadata_is_another_entry(cache):
     assert sorted(h["response"] for h in cache.check(features=-x, num_results=8)) == ["b2", "b3"]
 
 
+def test_filters_compare_json_values_exactly_and_never_raise_on_one(cache):
+    """A bool is not a number (1 and 1.0 are one JSON number); a dict- or list-valued field is compared as
+    a whole, never raising; a list filter value means one of its values, so a list field is given inside one."""
+    x = np.ones(24, np.float32)
+    cache.store(None, "A", features=x, metadata={"flag": True, "n": 1, "opts": {"t": 0}, "tags": ["a", "b"],
+                                                 "grid": [[1, 2], [3]], "none": None})
+    def got(filters):
+        return [h["response"] for h in cache.check(features=x, filters=filters)]
+    assert got({"flag": 1}) == [] and got({"flag": 1.0}) == [] and got({"flag": True}) == ["A"]
+    assert got({"n": True}) == [] and got({"n": 1.0}) == ["A"] and got({"n": "1"}) == []
+    assert got({"opts": "x"}) == [] and got({"opts": [{"t": 0}]}) == ["A"] and got({"opts": [{"t": False}]}) == []
+    assert got({"tags": "a"}) == [] and got({"tags": ["a", "b"]}) == [] and got({"tags": [["a", "b"]]}) == ["A"]
+    assert got({"grid": [[[1, 2], [3]]]}) == ["A"] and got({"grid": [[1, 2]]}) == []
+    assert got({"none": None}) == ["A"] and got({"none": 0}) == [] and got({"flag": [False, True]}) == ["A"]
+    with pytest.raises(ValueError, match="filters key 7 is not a string.*use '7'"):
+        got({7: "seven"})
+
+
+def test_metadata_must_be_json_and_is_refused_rather_than_changed(cache):
+    x = np.ones(24, np.float32)
+    with pytest.raises(ValueError, match="metadata key 7 is not a string: metadata is stored as JSON; use '7'"):
+        cache.store(None, "r", features=x, metadata={7: "seven"})
+    with pytest.raises(ValueError, match="metadata key 7 is not a string"):
+        cache.store(None, "r", features=x, metadata={7: "a", "b": 1})           # mixed keys: no TypeError
+    with pytest.raises(ValueError, match=r"metadata\['cfg'\]\['tup'\] is a tuple.*pass a list"):
+        cache.store(None, "r", features=x, metadata={"cfg": {"tup": (1, 2)}})
+    with pytest.raises(ValueError, match=r"metadata\['v'\] is a int64, not a JSON value"):
+        cache.store_batch(None, ["r"], features=x[None], metadata={"v": np.int64(1)})
+    with pytest.raises(ValueError, match="no NaN"):
+        cache.store(None, "r", features=x, metadata={"v": float("nan")})
+    assert cache.check(features=x) == []                                         # nothing was stored
+    meta = {"7": "seven", "l": [1, [2.5, None]], "d": {"b": False}}
+    cache.store(None, "r", features=x, metadata=meta)
+    assert cache.check(features=x)[0]["metadata"] == meta
+
 def test_batches_and_async_twins(cache):
     rng = np.random.default_rng(1)
     f = rng.normal(size=(3, 24)).astype(np.float32)

@@ -10,8 +10,9 @@ A stored response is kept in an envelope, `{"response", "metadata", "prompt", "e
 (JSON, like every value), so `check` can filter on metadata and hand back what RedisVL hands back:
 `entry_id`, `prompt` (the caption; None for media), `response`, `metadata`, `vector_distance` (1 - the
 payload cosine, RedisVL's cosine distance), `hamming_distance`, `cosine`, `entry_modality`, `tier`,
-`inserted_at`. `filters`: {field: value} (or {field: [values]}) matched exactly against the metadata, or
-a callable(metadata) -> bool. With filters, every servable candidate within the radius (at most
+`inserted_at`. Metadata is JSON (`check_json`: anything else is refused, not changed). `filters`: {field:
+value} (or {field: [values]}) matched exactly against the metadata as JSON (`json_equal`), or a
+callable(metadata) -> bool. With filters, every servable candidate within the radius (at most
 `max_candidates`) is read and filtered before the best `num_results` are kept. `get` on an entry stored
 here returns the envelope. The same request stored again replaces its entry only under the same
 metadata (`metadata_scope`): under other metadata it is another entry, so `filters` find each.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import uuid
 from pathlib import Path
@@ -69,23 +71,60 @@ def metadata_scope(metadata: Mapping) -> bytes:
     return hashlib.sha256(text.encode()).digest()[:16]
 
 
+def check_json(value, what: str = "metadata") -> None:
+    """Refuse (ValueError naming the field and the fix) what JSON would not give back as it was: metadata is
+    stored as JSON, so a key that is not a string, a tuple, a float that is not finite or any other type
+    would come back changed, or not at all. JSON is str, int, float, bool, None, list and dict."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{what} key {k!r} is not a string: metadata is stored as JSON; use {str(k)!r}")
+            check_json(v, f"{what}[{k!r}]")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_json(v, f"{what}[{i}]")
+    elif isinstance(value, tuple):
+        raise ValueError(f"{what} is a tuple: metadata is stored as JSON, which has no tuples; pass a list")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} is {value}: JSON has no NaN or infinity; store it as a string or None")
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        raise ValueError(f"{what} is a {type(value).__name__}, not a JSON value (str, int, float, bool, None, "
+                         f"list or dict); convert it to one")
+
+
+def json_equal(a, b) -> bool:
+    """Whether two JSON values are equal as JSON: a bool is not a number; numbers compare by value (1 equals
+    1.0: JSON has one number type); strings, null, lists (in order) and objects (by key) exactly. Never
+    raises, whatever the values."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(v, b[k]) for k, v in a.items())
+    return (a is None and b is None) or (isinstance(a, str) and isinstance(b, str) and a == b)
+
+
 def _matcher(filters) -> Callable[[dict], bool] | None:
+    """A predicate on an entry's metadata: every field of `filters` present and equal (`json_equal`) to its
+    value, or to one of its values when that is a list (a tuple or set too). To match a list-valued field,
+    give it as the one value of a list: {"tags": [["a", "b"]]}."""
     if filters is None:
         return None
     if callable(filters):
         return filters
     if not isinstance(filters, Mapping):
         raise TypeError(f"filters must be a mapping {{field: value or [values]}} or a callable; got {type(filters).__name__}")
-    want = {k: (set(v) if isinstance(v, (list, tuple, set, frozenset)) else {v}) for k, v in filters.items()}
+    want = {k: list(v) if isinstance(v, (list, tuple, set, frozenset)) else [v] for k, v in filters.items()}
+    for k, vs in want.items():
+        check_json({k: vs}, "filters")
 
     def match(meta: dict) -> bool:
-        return all(k in meta and _hashable(meta[k]) in vs for k, vs in want.items())
+        return all(k in meta and any(json_equal(meta[k], v) for v in vs) for k, vs in want.items())
 
     return match
-
-
-def _hashable(v):
-    return tuple(v) if isinstance(v, list) else v
 
 
 class CheckStore:
@@ -98,6 +137,7 @@ class CheckStore:
         id, or None when the cache did not keep it."""
         if metadata is not None and not isinstance(metadata, Mapping):
             raise TypeError(f"metadata must be a mapping; got {type(metadata).__name__}")
+        check_json(dict(metadata or {}))
         if isinstance(response, (bytes, bytearray, memoryview)):
             raise TypeError("check/store responses are JSON values (str, numbers, lists, dicts); put() stores bytes")
         key = uuid.uuid4().hex
