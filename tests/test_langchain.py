@@ -113,3 +113,30 @@ def test_what_the_adapter_cannot_read_is_not_cached_and_the_rest_of_each_message
     assert llm.invoke([HumanMessage("what is a frog", name="ann")]).content == "answer 4"
     assert llm.invoke([HumanMessage("what is a frog", name="ann")]).content == "answer 4"
     assert llm.invoke([HumanMessage("what is a frog", name="bob")]).content == "answer 5"
+
+
+def test_the_shape_of_a_prompt_keys_it_where_an_image_stands_is_never_ignored():
+    """Which messages hold text and which an image is an exact filter: a text-only prompt never gets an
+    image prompt's answer (even with cross_modal on and the image's features those of the text), and an
+    image moved to another message of the same conversation is another request."""
+    def caption_featurize(modality, data):      # an image's features are those of its caption
+        return featurize("text", data.decode() if modality == "image" else data)
+
+    head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=48, aligned=True, seed=0)
+    lc = USHashLangChainCache(SemanticCache(head, {"radius": 10, "payload_threshold": 0.85, "cross_modal": True}),
+                              featurize=caption_featurize)
+    url = "data:image/png;base64," + base64.b64encode(b"a green frog").decode()
+    frog = {"type": "image_url", "image_url": {"url": url}}
+    llm = GenericFakeChatModel(messages=iter([AIMessage(f"answer {i}") for i in range(6)]), cache=lc)
+    assert llm.invoke([HumanMessage(content=[{"type": "text", "text": "describe this"}, frog])]).content == "answer 0"
+    assert llm.invoke([HumanMessage("a green frog")]).content == "answer 1"
+    assert llm.invoke([HumanMessage("a green frog")]).content == "answer 1"                 # a repeat hits
+    first = [HumanMessage(content=[{"type": "text", "text": "what is this?"}, frog]), AIMessage("a frog"),
+             HumanMessage("and its colour?")]
+    last = [HumanMessage("what is this?"), AIMessage("a frog"),
+            HumanMessage(content=[{"type": "text", "text": "and its colour?"}, frog])]
+    assert llm.invoke(first).content == "answer 2"
+    assert llm.invoke(last).content == "answer 3"
+    assert llm.invoke(first).content == "answer 2" and llm.invoke(last).content == "answer 3"
+    assert parse_prompt('[{"kwargs": {"content": "a"}}]')[2] == parse_prompt(
+        '[{"kwargs": {"content": [{"type": "text", "text": "b"}]}}]')[2]                    # one text part each

@@ -7,8 +7,10 @@
 The prompt LangChain hands a cache is a chat model's messages serialised (`langchain_core.load.dumps`) or
 an LLM's plain text. The request is keyed by its semantics: a message list that carries an image (an
 OpenAI-style `image_url` part with a base64 data URL) is looked up by the image, with its text required
-to match exactly (a metadata filter); otherwise by the text of every message joined. The model and its
-settings (`llm_string`) are a metadata filter too: one model's answer is never served for another.
+to match exactly (a metadata filter); otherwise by the text of every message joined. Its shape (which
+messages hold text and which images, part by part) is an exact filter: a prompt without an image, or with
+it in another message, never gets the answer of one with it there. The model and its settings
+(`llm_string`) are a metadata filter too: one model's answer is never served for another.
 Generations are stored as `langchain_core.load.dumps` JSON. Needs the `langchain` extra.
 """
 
@@ -27,10 +29,22 @@ from ushash.serving.messages import decode_data_url, images_digest, json_digest,
 
 _ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGenerationChunk]
 
+
+def part_kinds(content) -> list[str]:
+    """The kinds of a message's content parts in order, "text" or "image", for content that `read_content`
+    read completely (a string, None, or a list of text parts and image_url parts)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return ["text"]
+    return ["text" if isinstance(p, str) or p.get("type") == "text" else "image" for p in content]
+
+
 def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
     """(the text of every message joined by newlines, the images, a digest of the rest) of a LangChain cache
-    prompt. The rest is every message less its content (its class, name, tool calls, ...): an answer
-    depends on it too, so it is an exact filter. None for a prompt holding content the cache cannot read
+    prompt. The rest is every message with its content reduced to the kinds of its parts (`part_kinds`),
+    and its class, name, tool calls, ...: an answer depends on them too, and on where an image stands in the
+    conversation, so it is an exact filter. None for a prompt holding content the cache cannot read
     (an image that is not a base64 data URL, a part of another type): keyed by the rest of it, two such
     prompts would share an answer, so it is not cached."""
     try:
@@ -49,7 +63,11 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
             return "", [], None
         texts += [f"{role}: {x}" for x in t] if len(msgs) > 1 else t
         images += i
-        rest.append({**m, "kwargs": {k: v for k, v in kw.items() if k != "content"}} if isinstance(m, dict) else m)
+        if isinstance(m, dict):
+            kept = {k: v for k, v in kw.items() if k != "content"}
+            rest.append({**m, "kwargs": {**kept, "content": part_kinds(kw.get("content"))}})
+        else:
+            rest.append(m)
     return "\n".join(texts), images, json_digest(rest)
 
 
