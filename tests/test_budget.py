@@ -163,8 +163,10 @@ def test_calibrate_keeps_the_budget_on_a_held_out_stream(head):
     res = measure(head, test, make_stream(test, 3000, 0.5, 1), calibration=cal)
     assert res["false_per_hit"] <= 0.05 and res["hits"] > 0
     assert res["exact_hit_rate"] <= res["hit_rate"] <= res["oracle_hit_rate"]
-    assert math.isclose(res["headroom_captured"], headroom(res["hit_rate"], res["exact_hit_rate"],
-                                                           res["oracle_hit_rate"]))
+    correct = (res["hits"] - res["false_hits"]) / res["requests"]   # a false hit captures no headroom
+    assert math.isclose(res["headroom_captured"], (correct - res["exact_hit_rate"]) /
+                        (res["oracle_hit_rate"] - res["exact_hit_rate"]))
+    assert headroom(0.5, 0.5, 0.5) != headroom(0.5, 0.5, 0.5)   # nan: the oracle gains nothing
     # an impossible budget turns every pair off
     none = calibrate(head, val, make_stream(val, 500, 0.5, 0), 0.001, settings)
     assert not any(p.on for p in none.pairs.values())

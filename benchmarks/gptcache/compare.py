@@ -257,7 +257,9 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
                 else:
                     entry["test"] = emu
                 if ref is not None:
-                    entry["headroom"] = headroom(entry["test"]["hit_rate"], ref["exact_hit_rate"], ref["oracle_hit_rate"])
+                    t = entry["test"]   # correct hits only (headroom's rule)
+                    entry["headroom"] = headroom(t["hit_rate"] * (1 - t["false_per_hit"]), ref["exact_hit_rate"],
+                                                 ref["oracle_hit_rate"])
             on_test = [r for r in trows if r["false_per_hit"] <= b]
             entry["test_chosen_on_test"] = max(on_test, key=lambda r: r["hit_rate"]) if on_test else None
             u = out["ushash"].get(str(b))

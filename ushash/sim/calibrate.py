@@ -565,7 +565,7 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
     return {"requests": n, "hit_rate": hr, "hits": hits, "false_hits": false,
             "false_per_hit": false / hits if hits else 0.0, "false_per_request": false / n,
             "false_per_hit_upper": clopper_pearson_upper(false, hits, delta),
-            "exact_hit_rate": ex, "oracle_hit_rate": orc, "headroom_captured": headroom(hr, ex, orc),
+            "exact_hit_rate": ex, "oracle_hit_rate": orc, "headroom_captured": headroom((hits - false) / n, ex, orc),
             "pairs": {k: {"hits": a, "false_hits": b, "rate": b / a if a else 0.0,
                           "upper": clopper_pearson_upper(b, a, delta), "max_distance": r,
                           "distinct": len(da), "distinct_false": len(db),
@@ -594,7 +594,8 @@ def replay_cache(head, calibration: Optional[Calibration] = None, cache_cfg: dic
 
 
 def headroom(hit_rate: float, exact_hit_rate: float, oracle_hit_rate: float) -> float:
-    """Semantic headroom captured: (hit - exact) / (oracle - exact); nan when the oracle gains nothing."""
+    """Semantic headroom captured: (hit - exact) / (oracle - exact); nan when the oracle gains nothing.
+    `hit_rate` counts correct hits only: a false hit serves no headroom (with them a cache could pass 1)."""
     gap = oracle_hit_rate - exact_hit_rate
     return (hit_rate - exact_hit_rate) / gap if gap > 0 else float("nan")
 
