@@ -14,13 +14,16 @@ import pybase64
 MAX_DATA_URL_BYTES = 16 << 20
 #: At most this many parts of one message's content are read.
 MAX_PARTS = 256
+#: What a text stands for in `content_shape`, and an image's base64 data.
+TEXT, DATA = "<text>", "<data>"
 
 
 def read_content(content) -> tuple[list[str], list[bytes], bool]:
     """(the text parts, the decoded images) of one message's content (a string or a list of parts), and
-    whether they are all of the content: False when some of it was not read (a part of another type, an
-    `image_url` that is not a decodable base64 data URL, a part past MAX_PARTS, content that is neither a
-    string, a list nor null), so that what was read does not key the request."""
+    whether they are all of the content: False when some of it was not read (a part of another type, a
+    text part whose `text` is not a string, an `image_url` that is not a decodable base64 data URL, a part
+    past MAX_PARTS, content that is neither a string, a list nor null), so that what was read does not key
+    the request."""
     texts, images = [], []
     if content is None:
         return [], [], True
@@ -32,8 +35,8 @@ def read_content(content) -> tuple[list[str], list[bytes], bool]:
     for part in content[:MAX_PARTS]:
         if isinstance(part, str):
             texts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text":
-            texts.append(str(part.get("text", "")))
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
         elif isinstance(part, dict) and part.get("type") == "image_url":
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
@@ -45,6 +48,30 @@ def read_content(content) -> tuple[list[str], list[bytes], bool]:
         else:
             complete = False
     return texts, images, complete
+
+
+def content_shape(parts: list) -> list:
+    """A list content that `read_content` read whole, less what it read: each text and each image's base64
+    data replaced by a placeholder, the rest as it is (the parts' types and order, an image's media type
+    and `detail`, any other key of a part): two requests whose texts and images are alike but whose
+    contents differ there must not share an answer."""
+    return [_part_shape(part) for part in parts]
+
+
+def _part_shape(part):
+    if isinstance(part, str):
+        return TEXT
+    if part.get("type") == "text":
+        return {**part, "text": TEXT}
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        return {**part, "image_url": {**url, "url": _url_shape(url.get("url"))}}
+    return {**part, "image_url": _url_shape(url)}
+
+
+def _url_shape(url: str) -> str:
+    """A data URL less its data: `data:image/png;base64,<data>`."""
+    return url.split(",", 1)[0] + "," + DATA
 
 
 def json_digest(obj) -> str:

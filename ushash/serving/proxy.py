@@ -6,15 +6,19 @@ Every POST is read as JSON. The request's text and media come from OpenAI-style 
 parts, `image_url` parts with base64 data URLs), or, for other APIs, from `text_path` / `image_path`
 (dotted paths into the body, e.g. `input.prompt`, with base64 for the image). A request with an image is
 looked up by the image, its text an exact metadata filter; otherwise by its text. A request holding what
-it cannot key by (an image that is not a base64 data URL, a part of another type, over 256 messages or
-parts) is passed through (`X-Cache: bypass`): keyed by the rest, it could be served another's answer. So is
-one the cache cannot encode (an image over its pixel limit or undecodable, a text over its length limit):
-the upstream answers or refuses it as it would without the proxy, and nothing is stored.
-The body's `model`, the URL path, `stream`, the gateway's `X-Model-Revision` header (every line of it)
-and everything else in the body (`request_params`: temperature, max_tokens, tools, the messages' roles
-and names, ...) are exact filters too: an answer of another model, endpoint, revision or setting is never
-served. A hit is answered from the cache (a streamed answer replayed as it was streamed); a miss is
-forwarded, streamed through as it arrives, and a 200 answer is stored. `Cache-Control: no-cache` skips
+it cannot key by (an image that is not a base64 data URL, a part of another type, a text that is not a
+string, over 256 messages or parts) is passed through (`X-Cache: bypass`): keyed by the rest, it could be
+served another's answer. So is one the cache cannot encode (an image over its pixel limit or undecodable,
+a text over its length limit) or store (a lone surrogate escape in its text or `model`): the upstream
+answers or refuses it as it would without the proxy, and nothing is stored.
+The body's `model`, the URL path and query string (as they came, forwarded so too), `stream`, the
+gateway's `X-Model-Revision` header (every line of it) and everything else in the body (`request_params`:
+temperature, max_tokens, tools, the messages' roles and names, the form of their content: the parts'
+order, an image's media type and detail, ...) are exact filters too: an answer of another model,
+endpoint, revision or setting is never served. A hit is answered from the cache (a streamed answer
+replayed as it was streamed); a miss is forwarded, streamed through as it arrives, and a 200 answer of at
+most `max_answer_bytes` is stored (a longer one is relayed as it arrives, never held whole; a store that
+fails is logged, and the answer still sent). `Cache-Control: no-cache` skips
 the lookup (the fresh answer is stored), `no-store` skips storing (the directives of every Cache-Control
 line). `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
 encoding the request, the search and the check) and, on a forwarded request, the upstream
@@ -22,7 +26,8 @@ encoding the request, the search and the check) and, on a forwarded request, the
 
 Tenants: `tokens` maps a bearer token to a tenant; with a map, a request without a known token is 401.
 Without one, `token` (or USHASH_PROXY_TOKEN) is the one accepted token, required when the proxy binds
-beyond loopback, and every request is tenant `default`. Errors as `ushash.serve`: 400 for a body that is
+beyond loopback, and every request is tenant `default`. A tenant the cache does not serve (`cache.tenants`)
+is refused at start. Errors as `ushash.serve`: 400 for a body that is
 not JSON, 401, 404 for an unknown tenant, 413 over `max_body_bytes`, 502 when the upstream fails. A body of
 more JSON values than `max_json_values` (counted on its bytes) is not parsed: it is forwarded as it came.
 """
@@ -45,7 +50,8 @@ from starlette.datastructures import Headers
 
 from ushash.serving import connection
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
-from ushash.serving.messages import decode_base64, decode_data_url, images_digest, json_digest, read_content
+from ushash.serving.messages import (content_shape, decode_base64, decode_data_url, images_digest, json_digest,
+                                     read_content)
 from ushash.serving.service import MAX_JSON_VALUES, check_limits
 from ushash.serving.workers import Workers
 
@@ -100,6 +106,10 @@ class Extracted:
     more_images: str = ""              # a digest of the images after it (an exact filter), "" for none
 
 
+#: What `_at` gives for a path that leads nowhere (a JSON null there is None).
+_MISSING = object()
+
+
 def _at(body, path: str):
     cur = body
     for part in path.split("."):
@@ -108,21 +118,27 @@ def _at(body, path: str):
         elif isinstance(cur, dict) and part in cur:
             cur = cur[part]
         else:
-            return None
+            return _MISSING
     return cur
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` is valid Unicode: one holding a lone surrogate escape has no UTF-8 to digest or store
+    it by."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def extract_request(body: dict, text_path: str | None = None, image_path: str | None = None) -> Optional[Extracted]:
     """The text and first image of a request body (None: nothing to key it by, which includes text that
     is not valid Unicode: a lone surrogate escape has no UTF-8 to encode or digest, and a body holding
-    more than it reads: keyed by the rest, requests that differ only there would share an answer)."""
+    more than it reads, such as a text that is not a string: keyed by the rest, requests that differ only
+    there would share an answer)."""
     req = _extract(body, text_path, image_path)
-    if req is not None:
-        try:
-            req.text.encode("utf-8")
-        except UnicodeEncodeError:
-            return None
-    return req
+    return req if req is not None and _is_unicode(req.text) else None
 
 
 def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optional[Extracted]:
@@ -143,16 +159,18 @@ def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optio
         if not texts and not images:
             return None
         return Extracted("\n".join(texts), images[0] if images else None, images_digest(images[1:]))
-    text = _at(body, text_path) if text_path else None
-    img = _at(body, image_path) if image_path else None
+    text = _at(body, text_path) if text_path else _MISSING
+    img = _at(body, image_path) if image_path else _MISSING
+    if text is not _MISSING and not isinstance(text, str):   # a text there, but not one it can read
+        return None
     image = None
     if isinstance(img, str):
         image = decode_data_url(img) if img.startswith("data:") else decode_base64(img)
-    if img is not None and image is None:   # an image there, but not one it can decode: not keyed by the text
+    if img is not _MISSING and img is not None and image is None:   # an image there, but not one it can decode
         return None
-    if not isinstance(text, str) and image is None:
+    if text is _MISSING and image is None:
         return None
-    return Extracted(text if isinstance(text, str) else "", image)
+    return Extracted("" if text is _MISSING else text, image)
 
 
 def cache_directives(lines: list[str]) -> set[str]:
@@ -163,15 +181,15 @@ def cache_directives(lines: list[str]) -> set[str]:
 
 
 def request_params(body: dict, text_path: str | None = None, image_path: str | None = None) -> Optional[str]:
-    """A digest of everything in the body but what the lookup compares by meaning (the messages' content, or
-    the values at `text_path` / `image_path`): the model's settings (temperature, max_tokens, tools,
-    response_format, ...), the messages' roles, names and tool calls, the user. An answer depends on them
-    too, so a hit needs them all equal. None when the body cannot be written back as JSON (nested past the
-    interpreter's limit): such a request is not keyed."""
+    """A digest of everything in the body but what the lookup compares by meaning (the messages' texts and
+    images, or the values at `text_path` / `image_path`): the model's settings (temperature, max_tokens,
+    tools, response_format, ...), the messages' roles, names and tool calls, the form of their content
+    (`content_shape`: the parts' order, an image's media type and detail, any other key of a part), the
+    user. An answer depends on them too, so a hit needs them all equal. None when the body cannot be
+    written back as JSON (nested past the interpreter's limit): such a request is not keyed."""
     msgs = body.get("messages")
     if isinstance(msgs, list) and not (text_path or image_path):
-        rest = {**body, "messages": [{k: v for k, v in m.items() if k != "content"} if isinstance(m, dict) else m
-                                     for m in msgs]}
+        rest = {**body, "messages": [_message_rest(m) for m in msgs]}
     else:
         rest = body
         for path in filter(None, (text_path, image_path)):
@@ -180,6 +198,17 @@ def request_params(body: dict, text_path: str | None = None, image_path: str | N
         return json_digest(rest)
     except (RecursionError, ValueError):
         return None
+
+
+def _message_rest(m):
+    """A chat message less its texts and images: a list content as its `content_shape` (a string content
+    is text alone)."""
+    if not isinstance(m, dict):
+        return m
+    rest = {k: v for k, v in m.items() if k != "content"}
+    if isinstance(m.get("content"), list):
+        rest["content"] = content_shape(m["content"])
+    return rest
 
 
 def _without(obj, path: list[str]):
@@ -200,6 +229,30 @@ def _digest(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()[:32]
 
 
+def check_tenants(cache, tokens: dict) -> None:
+    """Refuse (ValueError, one line) a tenant the cache does not serve: one a token maps to, or `default`,
+    every request's tenant when there are no tokens. Each request would be a 404, its answer never stored."""
+    served = cache.config.tenants
+    for t in dict.fromkeys(tokens.values()) if tokens else ["default"]:
+        try:
+            cache.check_tenant(t)
+        except UnknownTenant:
+            if tokens:
+                raise ValueError(f"tokens map a token to tenant {t!r}, which cache.tenants={served} does not "
+                                 f"list: add it to cache.tenants or map the token to a served tenant") from None
+            raise ValueError(f"without tokens every request is tenant 'default', which cache.tenants={served} "
+                             f"does not list: add default to cache.tenants or set tokens={{<token>:<tenant>}}"
+                             ) from None
+
+
+def request_target(scope) -> bytes:
+    """The request's path and query string, bytes for bytes as they came: forwarded and keyed so, neither
+    decoded nor encoded again (/a%3Fb stays /a%3Fb, not the path /a with the query b)."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string", b"")
+    return path + (b"?" + query if query else b"")
+
+
 def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: dict | None = None,
                      text_path: str | None = None, image_path: str | None = None,
                      max_body_bytes: int = ProxyConfig.max_body_bytes,
@@ -214,8 +267,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                   "max_answer_bytes": max_answer_bytes})
     cache.warm_up()   # what the cache loads once (compiled kernels, ~1 s) before the first request, as ushash.serve does
     tokens = dict(tokens or {})
-    for t in tokens.values():
-        cache.check_tenant(t)
+    check_tenants(cache, tokens)
     client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s, transport=transport)
     workers = Workers()   # the cache's work (encoding, search, store) off the event loop
 
@@ -274,13 +326,13 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             if not msg.get("more_body", False):
                 break
         raw = b"".join(chunks)
-        path = scope["path"][1:]
+        target = request_target(scope)
         # as received, bytes for bytes: a header value outside ASCII (obs-text) is forwarded, not re-encoded
         fwd_headers = [(k, v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
         if too_many_values(raw, max_json_values):
             # more than the cache would parse (8 MB of `{},` is ~200 MB of Python objects): the upstream's to
             # answer or refuse, as it came, its answer relayed as it arrives (whether it streams is unread)
-            return await forward(path, raw, fwd_headers, True, None, "bypass", "")
+            return await forward(target, raw, fwd_headers, True, None, "bypass", "")
         try:
             body = loads_json(raw)
         except (ValueError, RecursionError):   # nested past the recursion limit too: 400, not 500
@@ -297,17 +349,18 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         stream = body.get("stream") is True   # OpenAI's flag is a JSON boolean: "no" is not a stream
 
         def passthrough():   # forwarded as it came, never stored
-            return forward(path, raw, fwd_headers, stream, None, "bypass", "")
+            return forward(target, raw, fwd_headers, stream, None, "bypass", "")
 
         if req is None or params is None:   # nothing to key: pass through
             return await passthrough()
-        meta = {"model": str(body.get("model", "")), "path": path, "stream": stream,
+        meta = {"model": str(body.get("model", "")), "path": target[1:].decode("latin-1"), "stream": stream,
                 # every X-Model-Revision line: a request sending two is not keyed as one sending the first
                 "revision": ", ".join(headers.getlist("x-model-revision")),
                 "text": _digest(req.text) if req.image is not None else "",
                 "params": params, "more_images": req.more_images}
         modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
-        if modality not in cache.head.modalities:
+        # a model name with a lone surrogate escape cannot be stored (the cache keeps valid Unicode only)
+        if modality not in cache.head.modalities or not _is_unicode(meta["model"]):
             return await passthrough()
         try:
             q, hits, spent = await workers.run(lookup, modality, data, None if no_cache else meta, tenant)
@@ -325,7 +378,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                             headers={"X-Cache": "hit", "X-Cache-Distance": str(h["hamming_distance"]),
                                      "Content-Type": ans["content_type"],
                                      "Server-Timing": f"lookup;dur={spent * 1e3:.3f}"})
-        return await forward(path, raw, fwd_headers, stream, None if no_store else (q, tenant, meta),
+        return await forward(target, raw, fwd_headers, stream, None if no_store else (q, tenant, meta),
                              "bypass" if no_cache else "miss", f"lookup;dur={spent * 1e3:.3f}, ")
 
     async def post(scope, receive, send):
@@ -342,11 +395,14 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         hits = [] if filters is None else cache.check_query(q, filters=filters, tenant=tenant)
         return q, hits, time.perf_counter() - t0
 
-    async def forward(path, raw, headers, stream, key, label, timing):
+    async def forward(target, raw, headers, stream, key, label, timing):
         t0 = time.perf_counter()
+        target = client.base_url.raw_path.rstrip(b"/") + target
         try:
-            up_req = client.build_request("POST", "/" + path, content=raw, headers=headers)
-        except (httpx.InvalidURL, ValueError) as e:   # a path with a control character, say: not the upstream's fault
+            # the target extension: the request line carries it as it came (httpx's URL would encode " < > again)
+            up_req = client.build_request("POST", client.base_url.copy_with(raw_path=target), content=raw,
+                                          headers=headers, extensions={"target": target})
+        except (httpx.InvalidURL, ValueError) as e:   # a target httpx cannot send: not the upstream's fault
             return err(400, f"the request cannot be forwarded: {type(e).__name__}: {str(e)[:200]}")
         try:
             up = await client.send(up_req, stream=True)
@@ -358,6 +414,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         out_headers["Server-Timing"] = ", ".join([f"{timing}upstream;dur={(time.perf_counter() - t0) * 1e3:.3f}",
                                                   *up.headers.get_list("server-timing")])
         ctype = up.headers.get("content-type", "application/json")
+        chunks = up.aiter_bytes()   # decoded: content-encoding is not copied
 
         async def keep(body: bytes):
             if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
@@ -367,32 +424,53 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             except UnicodeDecodeError:
                 return
             q, tenant, meta = key
-            # in a worker thread: the store may write to the L2 (Redis), never on the event loop
-            await workers.run(functools.partial(cache.store_response, q, {"body": text, "content_type": ctype},
-                                                metadata=meta, tenant=tenant, ttl=ttl_s))
+            try:
+                # in a worker thread: the store may write to the L2 (Redis), never on the event loop
+                await workers.run(functools.partial(cache.store_response, q, {"body": text, "content_type": ctype},
+                                                    metadata=meta, tenant=tenant, ttl=ttl_s))
+            except Exception as e:   # noqa: BLE001 (the upstream's answer is the client's, stored or not)
+                log.warning("the upstream's answer was relayed but not stored: %s: %s", type(e).__name__, e)
+
+        async def relay(head: list[bytes]):
+            """The answer as it arrives, after `head` (what was read of it already), stored at its end if it
+            came whole within max_answer_bytes: at most that much of it is held."""
+            n = sum(map(len, head))
+            buf = list(head) if n <= max_answer_bytes else []
+            try:
+                for chunk in head:
+                    yield chunk
+                async for chunk in chunks:
+                    n += len(chunk)
+                    if n <= max_answer_bytes:
+                        buf.append(chunk)
+                    yield chunk
+            finally:
+                await up.aclose()
+            if n <= max_answer_bytes:
+                await keep(b"".join(buf))
 
         if stream and up.status_code == 200:
-            async def relay():
-                buf, n = [], 0
-                try:
-                    async for chunk in up.aiter_bytes():  # decoded: content-encoding is not copied
-                        n += len(chunk)
-                        if n <= max_answer_bytes:
-                            buf.append(chunk)
-                        yield chunk
-                finally:
-                    await up.aclose()
-                if n <= max_answer_bytes:
-                    await keep(b"".join(buf))
-            return StreamingResponse(relay(), status_code=up.status_code, headers=out_headers, media_type=ctype)
-        try:
-            body = await up.aread()
-        except httpx.HTTPError as e:   # the upstream failed after its headers: a 502 too, not a 500
-            return err(502, f"upstream failed while sending its answer: {type(e).__name__}")
-        finally:
-            await up.aclose()
-        await keep(body)
-        return Response(body, status_code=up.status_code, headers=out_headers)
+            return StreamingResponse(relay([]), status_code=up.status_code, headers=out_headers, media_type=ctype)
+        # read whole (to store it, and to answer with its length) up to max_answer_bytes; a longer answer is
+        # never stored: relayed as it arrives, so that it is never held whole
+        head, n = [], 0
+        declared = up.headers.get("content-length", "")
+        if not (declared.isdigit() and int(declared) > max_answer_bytes):
+            try:
+                async for chunk in chunks:
+                    head.append(chunk)
+                    n += len(chunk)
+                    if n > max_answer_bytes:
+                        break
+            except httpx.HTTPError as e:   # the upstream failed after its headers: a 502 too, not a 500
+                await up.aclose()
+                return err(502, f"upstream failed while sending its answer: {type(e).__name__}")
+            if n <= max_answer_bytes:   # all of it
+                await up.aclose()
+                body = b"".join(head)
+                await keep(body)
+                return Response(body, status_code=up.status_code, headers=out_headers)
+        return StreamingResponse(relay(head), status_code=up.status_code, headers=out_headers)
 
     app.add_middleware(_ServerFaults)   # an unforeseen error: a JSON 500, and the connection kept
     post = _ServerFaults(post)
