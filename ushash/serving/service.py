@@ -18,7 +18,8 @@ refuses to start without a bearer token, and every route but /healthz then needs
 more tokens each to the tenants it may use (see docs/cache.md, threat model). Bad input gets a 4xx with
 {"error": "..."}: 400 bad media or modality or features, 401 no/wrong token, 403 a tenant the token may
 not use, 404 unknown tenant, 413 body too large (over `max_body_bytes`, or more JSON values than
-`max_json_values`, counted before parsing), 422 malformed JSON. A fault of the server is a 500 with
+`max_json_values`, counted before parsing), 415 a body sent without Content-Type: application/json, 422
+malformed JSON. A fault of the server is a 500 with
 {"error": "internal error"} (the traceback goes to the log), and the connection stays usable.
 
 `workers=N` (N > 1) runs uvicorn's own multi-worker mode: N processes accept on the one port, each with
@@ -426,6 +427,13 @@ class _FastJSONRoute(APIRoute):
         return route_handler
 
 
+def is_json_type(content_type: Optional[str]) -> bool:
+    """Whether a Content-Type is one FastAPI reads a body as JSON by: application/json or application/*+json
+    (parameters such as charset aside)."""
+    kind = (content_type or "").split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 def check_limits(limits: dict, error: type[Exception] = ValueError) -> None:
     """Refuse a bound on what one request may cost that is not a positive integer (`error` naming it; the
     verbs pass SystemExit, to refuse at start before loading the export): the service's and the proxy's
@@ -514,6 +522,11 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
+        ctype = request.headers.get("content-type")
+        if not is_json_type(ctype):   # the body was never read as JSON: say why, not what it then failed
+            got = f"Content-Type {ctype!r}" if ctype else "no Content-Type"
+            return SafeJSONResponse({"error": f"the request body was sent with {got}: send it as JSON with "
+                                              f"Content-Type: application/json"}, status_code=415)
         parts = []
         for e in exc.errors()[:5]:
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
