@@ -140,3 +140,9 @@ def test_the_shape_of_a_prompt_keys_it_where_an_image_stands_is_never_ignored():
     assert llm.invoke(first).content == "answer 2" and llm.invoke(last).content == "answer 3"
     assert parse_prompt('[{"kwargs": {"content": "a"}}]')[2] == parse_prompt(
         '[{"kwargs": {"content": [{"type": "text", "text": "b"}]}}]')[2]                    # one text part each
+    img = '{"type": "image_url", "image_url": {"url": "data:image/png;base64,%s", "detail": "%s"}}'
+    png = base64.b64encode(b"pretend image bytes").decode()
+    # an image's detail and media type are keyed as the proxy keys them (content_form)
+    digests = {parse_prompt('[{"kwargs": {"content": [%s]}}]' % (img % (png, d)).replace("image/png", t))[2]
+               for d in ("low", "high") for t in ("image/png", "image/jpeg")}
+    assert len(digests) == 4 and None not in digests

@@ -25,26 +25,17 @@ from langchain_core.load import dumps, loads
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
 
-from ushash.serving.messages import decode_data_url, images_digest, json_digest, read_content
+from ushash.serving.messages import content_form, decode_data_url, images_digest, json_digest, read_content
 
 _ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGenerationChunk]
 
 
-def part_kinds(content) -> list[str]:
-    """The kinds of a message's content parts in order, "text" or "image", for content that `read_content`
-    read completely (a string, None, or a list of text parts and image_url parts)."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return ["text"]
-    return ["text" if isinstance(p, str) or p.get("type") == "text" else "image" for p in content]
-
-
 def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
     """(the text of every message joined by newlines, the images, a digest of the rest) of a LangChain cache
-    prompt. The rest is every message with its content reduced to the kinds of its parts (`part_kinds`),
-    and its class, name, tool calls, ...: an answer depends on them too, and on where an image stands in the
-    conversation, so it is an exact filter. None for a prompt holding content the cache cannot read
+    prompt. The rest is every message with its content less its texts and images (`content_form`: the
+    parts' types and order, an image's media type and detail, any other key of a part), and its class,
+    name, tool calls, ...: an answer depends on them too, and on where an image stands in the conversation,
+    so it is an exact filter. None for a prompt holding content the cache cannot read
     (an image that is not a base64 data URL, a part of another type): keyed by the rest of it, two such
     prompts would share an answer, so it is not cached."""
     try:
@@ -65,7 +56,7 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
         images += i
         if isinstance(m, dict):
             kept = {k: v for k, v in kw.items() if k != "content"}
-            rest.append({**m, "kwargs": {**kept, "content": part_kinds(kw.get("content"))}})
+            rest.append({**m, "kwargs": {**kept, "content": content_form(kw.get("content"))}})
         else:
             rest.append(m)
     return "\n".join(texts), images, json_digest(rest)

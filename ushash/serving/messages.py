@@ -50,6 +50,14 @@ def read_content(content) -> tuple[list[str], list[bytes], bool]:
     return texts, images, complete
 
 
+def content_form(content):
+    """A message's content less its texts and images, for content `read_content` read whole: None for none,
+    a list's `content_shape`, a string's as that of its one text part (the same request either way)."""
+    if content is None:
+        return None
+    return content_shape([{"type": "text", "text": content}] if isinstance(content, str) else content)
+
+
 def content_shape(parts: list) -> list:
     """A list content that `read_content` read whole, less what it read: each text and each image's base64
     data replaced by a placeholder, the rest as it is (the parts' types and order, an image's media type

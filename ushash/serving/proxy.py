@@ -50,7 +50,7 @@ from starlette.datastructures import Headers
 
 from ushash.serving import connection
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
-from ushash.serving.messages import (content_shape, decode_base64, decode_data_url, images_digest, json_digest,
+from ushash.serving.messages import (content_form, decode_base64, decode_data_url, images_digest, json_digest,
                                      read_content)
 from ushash.serving.service import MAX_JSON_VALUES, check_limits
 from ushash.serving.workers import Workers
@@ -184,7 +184,7 @@ def request_params(body: dict, text_path: str | None = None, image_path: str | N
     """A digest of everything in the body but what the lookup compares by meaning (the messages' texts and
     images, or the values at `text_path` / `image_path`): the model's settings (temperature, max_tokens,
     tools, response_format, ...), the messages' roles, names and tool calls, the form of their content
-    (`content_shape`: the parts' order, an image's media type and detail, any other key of a part), the
+    (`content_form`: the parts' order, an image's media type and detail, any other key of a part), the
     user. An answer depends on them too, so a hit needs them all equal. None when the body cannot be
     written back as JSON (nested past the interpreter's limit): such a request is not keyed."""
     msgs = body.get("messages")
@@ -201,14 +201,10 @@ def request_params(body: dict, text_path: str | None = None, image_path: str | N
 
 
 def _message_rest(m):
-    """A chat message less its texts and images: a list content as its `content_shape` (a string content
-    is text alone)."""
+    """A chat message less its texts and images (`content_form`)."""
     if not isinstance(m, dict):
         return m
-    rest = {k: v for k, v in m.items() if k != "content"}
-    if isinstance(m.get("content"), list):
-        rest["content"] = content_shape(m["content"])
-    return rest
+    return {**m, "content": content_form(m.get("content"))} if "content" in m else m
 
 
 def _without(obj, path: list[str]):
