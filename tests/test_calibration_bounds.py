@@ -31,3 +31,16 @@ def test_calibration_confidence_must_be_in_the_open_unit_interval(confidence):
     with pytest.raises(ValueError, match=r"shadow.confidence must be in \(0, 1\)"):
         ShadowConfig(confidence=confidence)
     assert CalibrationSettings(confidence=0.9).confidence == 0.9
+
+
+@pytest.mark.parametrize("k, n, delta", [(-1, 5, 0.05), (6, 5, 0.05), (0, -1, 0.05), (1, 10, 0.0), (1, 10, 1.0),
+                                         (1, 10, -0.1), (1, 10, float("nan"))])
+def test_clopper_pearson_upper_refuses_counts_and_levels_that_cannot_be(k, n, delta):
+    # k > n used to be bounded at 1.0 and delta 0 or 1 at 1.0 / 0.0: a caller's swapped counts read as "no evidence"
+    with pytest.raises(ValueError, match="clopper_pearson_upper needs"):
+        clopper_pearson_upper(k, n, delta)
+
+
+def test_clopper_pearson_upper_edges_stay():
+    assert clopper_pearson_upper(0, 0) == 1.0 and clopper_pearson_upper(7, 7) == 1.0
+    assert 0.0 < clopper_pearson_upper(0, 10) < 1.0

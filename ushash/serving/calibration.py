@@ -57,12 +57,15 @@ def split_pair(name: str) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------------- statistics
 def clopper_pearson_upper(k: int, n: int, delta: float = 0.05) -> float:
     """The one-sided (1 - delta) Clopper-Pearson upper bound on a binomial rate after k events in n trials:
-    the p with P(X <= k | n, p) = delta (1.0 when k == n, and when n == 0)."""
+    the p with P(X <= k | n, p) = delta (1.0 when k == n, and when n == 0). Counts that cannot come from
+    n trials (k < 0, k > n) and a delta outside (0, 1) are refused, not bounded at 1 or 0."""
     k, n = int(k), int(n)
-    if n <= 0 or k >= n:
+    if not 0 <= k <= n:
+        raise ValueError(f"clopper_pearson_upper needs 0 <= k <= n events in n trials; got k={k}, n={n}")
+    if not 0.0 < float(delta) < 1.0:
+        raise ValueError(f"clopper_pearson_upper needs 0 < delta < 1; got delta={delta}")
+    if k == n:
         return 1.0
-    if k < 0:
-        raise ValueError(f"k must be >= 0; got {k}")
     from scipy.stats import beta
 
     return float(beta.ppf(1.0 - float(delta), k + 1, n - k))
