@@ -85,7 +85,7 @@ def _pick(lims, dists, status, cos, thr):
         for j in range(lims[qi], lims[qi + 1]):
             s = status[j]
             if s == _CHECK:
-                if np.float64(cos[j]) < thr[j]:
+                if not np.float64(cos[j]) >= thr[j]:   # NaN (a corrupt record) fails too
                     n_bad += 1
                     continue
                 cj = cos[j]
@@ -187,7 +187,7 @@ class HitCheck:
         for j in range(len(c.dists)):
             st = status[j]
             if st == _CHECK:
-                if float(cos[j]) < thr[j]:
+                if not float(cos[j]) >= thr[j]:   # NaN (a corrupt record) fails too
                     n_bad += 1
                     continue
                 ok.append((int(c.dists[j]), -float(cos[j]), j, float(cos[j])))

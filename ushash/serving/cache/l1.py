@@ -125,7 +125,7 @@ def _find_fused(q, codes, by_slot, tcodes, p2s, n, nbase, offs, ids, tc, masks, 
                     n_bad += 1
                     continue
                 cj = int4_group_cosine(payload, slot, 0, o_vals[mj], length[mj], group[mj], qz, qi)
-                if np.float64(cj) < thr:
+                if not np.float64(cj) >= thr:   # NaN fails too, as in hitcheck
                     n_bad += 1
                     continue
                 st = _CHECK
