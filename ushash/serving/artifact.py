@@ -48,6 +48,7 @@ SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 ALLOWED_SUFFIXES = (".json", ".safetensors")  # no pickle anywhere in an export
+MAX_MANIFEST_BYTES = 64 << 20                  # manifest.json is read whole: far above any real one
 
 
 class ExportError(ValueError):
@@ -152,6 +153,11 @@ class ExportedHead:
             self.payload = PayloadCodec.from_settings(manifest["payload"], np_tensors)
         except (PayloadError, KeyError, TypeError) as e:
             raise CorruptExport(f"corrupt export: payload settings unreadable ({e})") from e
+        missing = [m for m in self.in_dims if m not in self.payload.modalities]
+        if self.payload.dim != self.dim or missing:
+            raise CorruptExport(f"corrupt export: payload formats are {self.payload.dim}-d for "
+                                f"{self.payload.modalities}, the head's shared space is {self.dim}-d for "
+                                f"{self.modalities}; re-export")
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -226,9 +232,11 @@ def _require(manifest: dict, keys) -> None:
         raise CorruptExport(f"corrupt export: manifest.json lacks {missing}")
 
 
-def _read_member(path: Path, name: str) -> bytes:
+def _read_member(path: Path, name: str, size: int | None = None) -> bytes:
     """The bytes of one file of the export folder: a regular file in it, not a symlink (which could point
-    out of the folder) nor a FIFO or device (which could block or never end)."""
+    out of the folder) nor a FIFO or device (which could block or never end). size: the bytes the manifest
+    records, checked before reading (a larger file is never read into memory); None: at most
+    MAX_MANIFEST_BYTES."""
     import os
     import stat
 
@@ -246,7 +254,13 @@ def _read_member(path: Path, name: str) -> bytes:
     except OSError as e:
         raise CorruptExport(f"corrupt export: cannot read {name} ({e.strerror})") from None
     with os.fdopen(fd, "rb") as fh:
-        return fh.read()
+        have = os.fstat(fh.fileno()).st_size
+        if size is not None and have != size:
+            raise TruncatedExport(f"truncated export: {name} has {have} bytes, the manifest records {size}")
+        if size is None and have > MAX_MANIFEST_BYTES:
+            raise CorruptExport(f"corrupt export: {name} has {have} bytes, more than any manifest "
+                                f"({MAX_MANIFEST_BYTES} at most)")
+        return fh.read(have + 1)   # a file grown since is seen as such (and refused by its length)
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -333,7 +347,7 @@ def load_export(path: str | Path, expect_bits: int | None = None, expect_encoder
         if Path(name).name != name or not name.endswith(ALLOWED_SUFFIXES):
             raise CorruptExport(f"corrupt export: manifest lists {name!r}; exports hold only "
                                 f"{ALLOWED_SUFFIXES} files in one folder (no pickle)")
-        data = _read_member(path, name)
+        data = _read_member(path, name, max(0, int(info["bytes"])))
         if len(data) != int(info["bytes"]):
             raise TruncatedExport(f"truncated export: {name} has {len(data)} bytes, the manifest records "
                                   f"{info['bytes']}")

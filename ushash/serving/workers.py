@@ -28,6 +28,9 @@ from typing import Any, Callable
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
     if fut.done():   # its awaiter was cancelled
         return
+    if isinstance(error, StopIteration):   # a Future refuses it (TypeError): its awaiter would wait forever
+        cause, error = error, RuntimeError(f"the call raised StopIteration{f' ({error})' if str(error) else ''}")
+        error.__cause__ = cause
     if error is not None:
         fut.set_exception(error)
     else:

@@ -118,8 +118,12 @@ class PayloadCodec:
     @classmethod
     def from_settings(cls, d: dict, tensors: dict | None = None) -> "PayloadCodec":
         tensors = tensors or {}
+        mods = d.get("modalities") if isinstance(d, dict) else None
+        if not isinstance(mods, dict) or not all(isinstance(s, dict) for s in mods.values()):
+            raise PayloadError("payload settings need modalities: an object of modality -> an object of "
+                               "its settings {kind, dim, ...}")
         formats = {}
-        for m, s in d["modalities"].items():
+        for m, s in mods.items():
             scales = tensors.get(f"payload.{m}.channel_scales")
             formats[m] = PayloadFormat.from_settings(s, channel_scales=None if scales is None else np.asarray(scales))
             if not formats[m].fitted:

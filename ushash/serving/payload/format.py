@@ -409,6 +409,7 @@ class PayloadFormat:
             if checked:
                 self.check_ready()
                 records = self.check_records(records)
+                q_unit = scoring.check_query(self, q_unit, len(records))
             q = np.asarray(q_unit, np.float32)
             return _int4_group_cosines(records, 0, self.scale_bytes, self.length, self.group_size,
                                        q if q.ndim == 2 else q[None], q.ndim == 2)

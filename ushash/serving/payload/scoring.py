@@ -41,8 +41,19 @@ def scores(fmt, q_unit: np.ndarray, records: np.ndarray, checked: bool = True) -
     checked=False skips every argument check: records must be C-contiguous uint8 [N, fmt.nbytes] and q_unit
     float32 of unit norm (not re-normalised here)."""
     dec = fmt.decode(records) if checked else fmt.decode_unchecked(records)
+    if checked:
+        q_unit = check_query(fmt, q_unit, len(dec))
     dots = dec @ q_unit if q_unit.ndim == 1 else np.einsum("nd,nd->n", dec, q_unit)
     return (dots / _norms(dec)).astype(np.float32, copy=False)
+
+
+def check_query(fmt, q_unit, n: int) -> np.ndarray:
+    """`scores`' query, checked: finite float32 [dim], or [n, dim] (one row per record)."""
+    q = np.asarray(q_unit)
+    if q.ndim not in (1, 2) or q.shape[-1] != fmt.dim or (q.ndim == 2 and len(q) != n):
+        raise PayloadError(f"q_unit must be float [{fmt.dim}] or [{n}, {fmt.dim}] (one row per record); "
+                           f"got shape {q.shape}")
+    return _as_float2d(q, "q_unit", fmt.dim).reshape(q.shape)
 
 
 def cosine(fmt, query, records) -> np.ndarray:
