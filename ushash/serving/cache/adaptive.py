@@ -15,6 +15,7 @@ keeps entries longer than `base`; `max_factor` (default None: the rule as writte
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Callable
@@ -61,18 +62,26 @@ class RollingP99:
     def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
         self.window_s, self.clock = float(window_s), clock
         self._q: deque = deque()
+        self._lock = threading.Lock()   # computations record from many threads while a store reads the p99
 
-    def record(self, seconds: float, now: float | None = None) -> None:
-        self._q.append((self.clock() if now is None else now, float(seconds)))
-
-    def p99_ms(self, now: float | None = None) -> float:
-        now = self.clock() if now is None else now
+    def _drop_old(self, now: float) -> None:
         q = self._q
         while q and q[0][0] < now - self.window_s:
             q.popleft()
-        if not q:
+
+    def record(self, seconds: float, now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        with self._lock:
+            self._q.append((now, float(seconds)))
+            self._drop_old(now)   # the window only: bounded even when the p99 is never read
+
+    def p99_ms(self, now: float | None = None) -> float:
+        now = self.clock() if now is None else now
+        with self._lock:
+            self._drop_old(now)
+            xs = sorted(x for _, x in self._q)
+        if not xs:
             return 0.0
-        xs = sorted(x for _, x in q)
         return 1e3 * xs[min(len(xs) - 1, max(0, int(round(0.99 * (len(xs) - 1)))))]
 
 

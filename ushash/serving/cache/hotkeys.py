@@ -17,6 +17,7 @@ expires (the higher S of two due entries is refreshed first).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from typing import Callable, Hashable
@@ -39,6 +40,7 @@ class HotKeys:
         self.window_s, self.buckets, self.max_keys, self.clock = float(window_s), int(buckets), int(max_keys), clock
         self.width = self.window_s / self.buckets
         self._b: deque = deque()   # (bucket index, {key: count})
+        self._lock = threading.Lock()   # lookups record from many threads while a scrape reads the counts
 
     def _slide(self, now: float) -> int:
         idx = int(math.floor(now / self.width))
@@ -47,27 +49,33 @@ class HotKeys:
         return idx
 
     def record(self, key: Hashable, n: int = 1, now: float | None = None) -> None:
-        idx = self._slide(self.clock() if now is None else now)
-        if not self._b or self._b[-1][0] != idx:
-            self._b.append((idx, {}))
-        c = self._b[-1][1]
-        if key in c or len(c) < self.max_keys:
-            c[key] = c.get(key, 0) + n
-        else:  # Space-Saving: replace the smallest counter
-            k_min = min(c, key=c.get)
-            c[key] = c.pop(k_min) + n
+        now = self.clock() if now is None else now
+        with self._lock:
+            idx = self._slide(now)
+            if not self._b or self._b[-1][0] != idx:
+                self._b.append((idx, {}))
+            c = self._b[-1][1]
+            if key in c or len(c) < self.max_keys:
+                c[key] = c.get(key, 0) + n
+            else:  # Space-Saving: replace the smallest counter
+                k_min = min(c, key=c.get)
+                c[key] = c.pop(k_min) + n
 
     def counts(self, now: float | None = None) -> dict:
-        self._slide(self.clock() if now is None else now)
+        now = self.clock() if now is None else now
         out: dict = {}
-        for _, c in self._b:
-            for k, v in c.items():
-                out[k] = out.get(k, 0) + v
+        with self._lock:
+            self._slide(now)
+            for _, c in self._b:
+                for k, v in c.items():
+                    out[k] = out.get(k, 0) + v
         return out
 
     def count(self, key: Hashable, now: float | None = None) -> int:
-        self._slide(self.clock() if now is None else now)
-        return sum(c.get(key, 0) for _, c in self._b)
+        now = self.clock() if now is None else now
+        with self._lock:
+            self._slide(now)
+            return sum(c.get(key, 0) for _, c in self._b)
 
     def top(self, n: int = 10, now: float | None = None) -> list[tuple]:
         """The n heaviest keys of the window, [(key, count)], heaviest first (ties by key order of arrival)."""

@@ -43,7 +43,8 @@ from typing import Callable
 
 import pybreaker
 
-from ushash.serving.cache.entries import ENTRY_FIELDS, MISS, Candidates, Entry, Found
+from ushash.serving.cache.entries import (ENTRY_FIELDS, MISS, VALUE_KINDS, Candidates, Entry, Found,
+                                          decode_value)
 from ushash.serving.cache.protection import chunk_bounds, chunk_values, probe_masks
 
 _PUT_LUA = """
@@ -52,7 +53,7 @@ local member = ARGV[2]
 local fields = {}
 for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
-if exp > 0 then redis.call('PEXPIREAT', KEYS[1], exp) end
+if exp > 0 then redis.call('PEXPIREAT', KEYS[1], exp) else redis.call('PERSIST', KEYS[1]) end
 for i = 2, #KEYS do
   local existed = redis.call('EXISTS', KEYS[i])
   redis.call('SADD', KEYS[i], member)
@@ -94,6 +95,21 @@ def to_hash(e: Entry) -> list:
 def from_hash(eid: str, row: list) -> Entry:
     """An Entry from the HMGET row of `_HASH_FIELDS`."""
     return Entry(id=eid, **{f: dec(v) for (f, (_, _, dec)), v in zip(REDIS_FIELDS.items(), row)})
+
+
+def _read(eid: str, row: list, hexcode: str) -> Entry | None:
+    """`from_hash`, or None for a row no put writes (a field missing or unreadable, a NaN expiry, a code
+    other than its bucket member's, a value its kind does not decode): such an entry is never served
+    nor promoted into L1."""
+    try:
+        e = from_hash(eid, row)
+        if e.kind not in VALUE_KINDS or math.isnan(e.expires) or e.code.hex() != hexcode:
+            return None
+        if e.kind != "b":
+            decode_value(e.kind, e.value)
+    except (TypeError, ValueError, RecursionError):   # a missing field (None), a bad number, not UTF-8 / JSON
+        return None
+    return e
 
 
 class L2Unavailable(Exception):
@@ -282,7 +298,24 @@ class RedisStore:
             looked = self.lookup_many(tenant, revision, [q.code for q in queries], self.radius)
         except L2Unavailable:
             return [MISS] * len(queries)
-        return [self._choose(q, entries, dists, revision, check, now, k) for q, (entries, dists) in zip(queries, looked)]
+        codec = getattr(check, "codec", None)
+        return [self._choose(q, *self._fits(entries, dists, codec), revision, check, now, k)
+                for q, (entries, dists) in zip(queries, looked)]
+
+    def _fits(self, entries: list[Entry], dists: list[int], codec) -> tuple[list[Entry], list[int]]:
+        """The candidates whose payload record is one this head's codec reads (none, or its modality's
+        size); others are corrupt (counted as op="corrupt") and never checked, served or promoted."""
+        keep = [i for i, e in enumerate(entries) if not e.payload or (
+            codec is not None and e.modality in codec.modalities and len(e.payload) == codec.nbytes(e.modality))]
+        if len(keep) == len(entries):
+            return entries, dists
+        self._corrupt(len(entries) - len(keep))
+        return [entries[i] for i in keep], [dists[i] for i in keep]
+
+    def _corrupt(self, n: int) -> None:
+        """Count `n` bucket members or entries that no put writes (corrupt or hostile data in Redis)."""
+        if n and self.metrics is not None:
+            self.metrics.l2_errors.labels(op="corrupt").inc(n)
 
     @staticmethod
     def _choose(q, entries: list[Entry], dists: list[int], revision: str, check, now: float, k: int) -> Found:
@@ -320,12 +353,20 @@ class RedisStore:
 
         per_code = []
         need: dict[str, str] = {}   # entry id -> its code (hex), in first-seen order
+        bad = 0
         for code, members in zip(codes, self._call("lookup", union)):
             q = int.from_bytes(code, "little")
             cands = []
             for mem in members:
-                hexcode, _, eid = mem.decode().partition(":")
-                d = (int.from_bytes(bytes.fromhex(hexcode), "little") ^ q).bit_count()
+                hexcode, _, eid = mem.decode("utf-8", "replace").partition(":")
+                try:
+                    mcode = bytes.fromhex(hexcode)
+                except ValueError:
+                    mcode = b""
+                if len(mcode) != len(code) or not eid:   # not a member a put writes: skipped
+                    bad += 1
+                    continue
+                d = (int.from_bytes(mcode, "little") ^ q).bit_count()
                 if d <= radius:
                     cands.append((d, eid, hexcode))
             cands.sort()
@@ -334,6 +375,7 @@ class RedisStore:
                 need.setdefault(eid, hexcode)
             per_code.append(cands)
         if not need:
+            self._corrupt(bad)
             return [([], []) for _ in codes]
 
         def fetch():
@@ -345,22 +387,24 @@ class RedisStore:
         rows = dict(zip(need, self._call("fetch", fetch)))
         gone = [(eid, hexcode) for eid, hexcode in need.items() if rows[eid][0] is None]
         now = self.clock()
-        made: dict[str, Entry] = {}
+        made: dict[tuple[str, str], Entry | None] = {}   # (id, its member's code): a member's code must be the entry's
         out = []
         for cands in per_code:
             entries, dists = [], []
-            for d, eid, _ in cands:
+            for d, eid, hexcode in cands:
                 row = rows[eid]
                 if row[0] is None:
                     continue
-                e = made.get(eid)
-                if e is None:
-                    e = made[eid] = from_hash(eid, row)
-                if e.expires <= now:
+                if (eid, hexcode) not in made:
+                    made[eid, hexcode] = _read(eid, row, hexcode)
+                    bad += made[eid, hexcode] is None
+                e = made[eid, hexcode]
+                if e is None or e.expires <= now:
                     continue
                 entries.append(e)
                 dists.append(d)
             out.append((entries, dists))
+        self._corrupt(bad)
         if gone:
             self._forget(tenant, revision, gone)
         return out

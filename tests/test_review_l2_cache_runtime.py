@@ -1,0 +1,238 @@
+"""Review checks of the cache runtime's L2 and helpers: what a corrupt or hostile value in Redis does (a
+miss, counted; never an exception or a promotion), the L2 lookup against a brute-force reference, and the
+thread safety and memory bound of the hot-key window and the rolling p99."""
+
+import math
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from ushash.serving.cache import SemanticCache
+from ushash.serving.cache.adaptive import RollingP99
+from ushash.serving.cache.hotkeys import HotKeys, HotKeysCollector
+from ushash.serving.cache.lsh import LSHHead
+from ushash.serving.cache.redis_store import revision_tag
+
+from test_cache_redis import REDIS, RedisServer, _cache
+
+
+@pytest.fixture
+def redis_server():
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    srv = RedisServer()
+    yield srv
+    srv.stop()
+
+
+def _race(workers, reader, switch_s=1e-6):
+    """Run `workers` (callables) in threads while `reader` runs in this one, with a tiny GIL switch
+    interval so that the threads interleave; returns the exceptions raised."""
+    errors = []
+
+    def guard(fn):
+        try:
+            fn()
+        except Exception as e:   # noqa: BLE001 - the test asserts there are none
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch_s)
+    try:
+        ts = [threading.Thread(target=guard, args=(w,)) for w in workers]
+        for t in ts:
+            t.start()
+        guard(lambda: reader(ts))
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    return errors
+
+
+def test_review_l2_hot_keys_record_from_threads_while_scraped():
+    """Lookups record hot keys from many threads while /metrics renders the window: no error (was
+    'dictionary changed size during iteration' and KeyErrors from Space-Saving's replacement)."""
+    hk = HotKeys(window_s=60.0, buckets=6, max_keys=64, clock=lambda: 1.0)
+
+    def worker(off):
+        def run():
+            for i in range(20_000):
+                hk.record(("t", off + i))
+        return run
+
+    def reader(ts):
+        col = HotKeysCollector(hk)
+        while any(t.is_alive() for t in ts):
+            list(col.collect())
+
+    assert _race([worker(0), worker(10**9)], reader) == []
+    assert sum(hk.counts().values()) == 40_000   # Space-Saving keeps the total
+
+
+def test_review_l2_rolling_p99_records_from_threads_while_read():
+    """Computations record their time from many threads while a store reads the p99 (adaptive TTL):
+    no 'deque mutated during iteration'."""
+    p = RollingP99(60.0, clock=lambda: 1.0)
+
+    def worker():
+        for _ in range(30_000):
+            p.record(0.01)
+
+    def reader(ts):
+        while any(t.is_alive() for t in ts):
+            p.p99_ms()
+
+    assert _race([worker], reader) == []
+    assert p.p99_ms() == pytest.approx(10.0)
+
+
+def test_review_l2_rolling_p99_stays_within_its_window_when_never_read():
+    """With adaptive_ttl on, every computation is recorded, but the p99 is read only by stores without
+    their own ttl_s: with ttl_s given on every call the window must still drop what left it."""
+    head = LSHHead({"image": 16, "text": 16}, bits=64, dim=32, aligned=True, seed=0)
+    cache = SemanticCache(head, {"radius": 3, "adaptive_ttl": True, "ttl_s": 600})
+    now = [0.0]
+    cache.compute_p99.clock = lambda: now[0]
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        now[0] = float(i)   # one computation a second, 60 s window
+        f = rng.normal(size=(16,)).astype(np.float32)
+        cache.get_or_compute("text", features=f, compute=lambda: "v", ttl_s=30)
+    assert len(cache.compute_p99._q) <= 61
+    # the naive reference: the p99 of what the last 60 s recorded
+    r = RollingP99(60.0, clock=lambda: now[0])
+    for t in range(300):
+        r.record(float(t % 7) / 1000, now=float(t))
+    xs = sorted(float(t % 7) / 1000 for t in range(300) if t >= 299 - 60)
+    assert r.p99_ms() == pytest.approx(1e3 * xs[round(0.99 * (len(xs) - 1))])
+
+
+# ---------------------------------------------------------------------------------------------- hostile Redis
+
+def _stored(srv):
+    """One entry stored by a replica; (its request's features, its entry key, its bucket keys)."""
+    a = _cache(srv)
+    f = np.random.default_rng(1).normal(size=(1, 16)).astype(np.float32)
+    a.store(a.queries("text", features=f)[0], "v1")
+    keys = sorted(k.decode() for k in srv.client.keys("*"))
+    return f, [k for k in keys if ":e:" in k][0], [k for k in keys if ":b:" in k]
+
+
+def _fresh_lookup(srv, f, code_only=False):
+    """A lookup by a new replica (nothing in its L1): (hit, corrupt count)."""
+    b = _cache(srv)
+    q = b.queries("text", features=f)[0]
+    if code_only:
+        q = b.query_from_code("text", np.frombuffer(q.code, np.uint8))
+    hit = b.lookup(q)
+    if hit is not None:   # and what it promoted into L1 is served from there
+        assert b.lookup(q).value == hit.value
+    return hit, b.metrics.value("cache_l2_errors_total", op="corrupt")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("x", b"garbage"),        # expiry that is not a number
+    ("x", b"nan"),            # NaN expiry: would never expire
+    ("m", b"\xff\xfe"),       # modality that is not UTF-8
+    ("m", None),              # a field missing
+    ("p", b"\x01\x02"),       # payload record of another size
+    ("p", b"\x00" * 100_000),
+    ("c", b"\x00"),           # code of another length than its bucket member's
+    ("c", b"\x01" * 8),       # code other than its bucket member's
+    ("v", b"\xff"),           # a str value that is not UTF-8
+    ("k", b"zz"),             # a value kind no put writes
+    ("k", b"j"),              # a value that is not JSON
+])
+@pytest.mark.parametrize("code_only", [False, True])
+def test_review_l2_corrupt_entry_in_redis_is_a_counted_miss(redis_server, field, value, code_only):
+    """A corrupt or hostile entry hash in Redis is a miss for every replica, counted as
+    cache_l2_errors_total{op="corrupt"}: never an exception (a 500 in the service), never served (a
+    request without z skips the payload check) and never promoted into L1."""
+    f, ekey, _ = _stored(redis_server)
+    hit, bad = _fresh_lookup(redis_server, f, code_only)
+    assert hit is not None and hit.value == "v1" and bad == 0
+    if value is None:
+        redis_server.client.hdel(ekey, field)
+    else:
+        redis_server.client.hset(ekey, field, value)
+    hit, bad = _fresh_lookup(redis_server, f, code_only)
+    assert hit is None and bad >= 1
+
+
+@pytest.mark.parametrize("member", [b"nothex:abc", b"\xff\xfe:abc", b"00112233", b"0011:abc", b":abc"])
+def test_review_l2_corrupt_bucket_member_is_skipped(redis_server, member):
+    """A bucket member no put writes (not hex, not UTF-8, no id, a code of another length) is skipped
+    and counted; the real entry of the bucket is still served."""
+    f, _, bkeys = _stored(redis_server)
+    for k in bkeys:
+        redis_server.client.sadd(k, member)
+    hit, bad = _fresh_lookup(redis_server, f)
+    assert hit is not None and hit.value == "v1" and bad >= 1
+
+
+def test_review_l2_lookup_matches_a_brute_force_reference(redis_server):
+    """RedisStore.lookup against a naive scan of every stored code: the entries within the radius, by
+    (distance, id), at most max_candidates; radii below and above the chunk count (probes with flips),
+    duplicates and ties included."""
+    from ushash.serving.cache.entries import Entry
+    from ushash.serving.cache.redis_store import RedisStore
+
+    rng = np.random.default_rng(7)
+    store = RedisStore(redis_server.url, bits=64, prefix="ref", max_candidates=12)
+    base = rng.integers(0, 256, size=(40, 8), dtype=np.uint8)
+    codes = []
+    for i in range(400):
+        c = base[rng.integers(len(base))].copy()
+        for b in rng.choice(64, size=rng.integers(0, 7), replace=False):
+            c[b // 8] ^= 1 << (b % 8)
+        codes.append(c.tobytes())
+    for i, c in enumerate(codes):
+        store.put("t", Entry(code=c, payload=b"", modality="text", value=b"%d" % i, kind="b",
+                             revision="r1", created=0.0, expires=math.inf, compute_s=0.0, id=f"e{i:04d}"))
+    for _ in range(60):
+        q = base[rng.integers(len(base))].copy()
+        for b in rng.choice(64, size=rng.integers(0, 4), replace=False):
+            q[b // 8] ^= 1 << (b % 8)
+        q = q.tobytes()
+        for radius in (3, 6, 9):
+            x = int.from_bytes(q, "little")
+            ref = sorted(((int.from_bytes(c, "little") ^ x).bit_count(), f"e{i:04d}") for i, c in enumerate(codes))
+            ref = [(d, e) for d, e in ref if d <= radius][:12]
+            entries, dists = store.lookup("t", "r1", q, radius)
+            assert list(zip(dists, [e.id for e in entries])) == ref
+
+
+def test_review_l2_request_stored_again_without_ttl_loses_its_old_redis_expiry(redis_server):
+    """The same request stored again (same L2 id) without a TTL: its hash must not keep the Redis expiry
+    of the earlier put (it said expires = inf, yet Redis dropped it at the old time for every replica)."""
+    a = _cache(redis_server)
+    f = np.random.default_rng(1).normal(size=(1, 16)).astype(np.float32)
+    q = a.queries("text", features=f)[0]
+    a.store(q, "v1", ttl_s=60)
+    a.store(q, "v2", ttl_s=0)
+    (ekey,) = [k for k in redis_server.client.keys("*") if b":e:" in k]
+    assert redis_server.client.hget(ekey, "x") == b"inf"
+    assert redis_server.client.pttl(ekey) == -1   # no expiry, as its entry says
+    hit, _ = _fresh_lookup(redis_server, f)
+    assert hit is not None and hit.value == "v2" and math.isinf(hit.expires)
+
+
+def test_review_l2_member_whose_code_is_not_its_entrys_is_not_served(redis_server):
+    """A bucket member "<code>:<id>" naming a real entry under another code: a request near that code is
+    not served the entry (its code is far) and the mismatch is counted."""
+    a = _cache(redis_server)
+    x = np.random.default_rng(2).integers(0, 256, 8, dtype=np.uint8)
+    a.store(a.query_from_code("text", x), "v1")
+    (ekey,) = [k.decode() for k in redis_server.client.keys("*") if b":e:" in k]
+    eid = ekey.rsplit(":", 1)[1]
+    y = x ^ np.uint8(0xFF)   # 64 bits away
+    l2 = a._serving[1][1]
+    for key in l2._bucket_keys("default", revision_tag(a._serving[2]), y.tobytes()):
+        redis_server.client.sadd(key, f"{y.tobytes().hex()}:{eid}")
+    b = _cache(redis_server)
+    assert b.lookup(b.query_from_code("text", y)) is None
+    assert b.metrics.value("cache_l2_errors_total", op="corrupt") >= 1
+    assert b.lookup(b.query_from_code("text", x)).value == "v1"
