@@ -135,18 +135,28 @@ class CosineCache:
     def new_revision(self) -> None:
         self.n_rev += 1  # GPTCache-like caches keep serving entries of the old model
 
+    def _best_live(self, i: int, threshold: float = -math.inf) -> int | None:
+        """The most similar unexpired entry with cosine >= threshold (None if there is none). Expired
+        entries stay in the index, so the search widens past them (8, 16, ... nearest) until it finds one."""
+        n, now = self.index.ntotal, self.clock()
+        k = min(8, n)
+        while k:
+            S, I = self.index.search(self.z[i:i + 1], k)
+            for s, j in zip(S[0], I[0]):
+                if j < 0 or s < threshold:
+                    return None
+                if self.expires[j] > now:
+                    return int(j)
+            if k == n:
+                return None
+            k = min(2 * k, n)
+        return None
+
     def lookup(self, i: int) -> Outcome:
-        if self.index.ntotal == 0:
+        j = self._best_live(i, self.threshold)
+        if j is None:
             return Outcome(False)
-        k = min(8, self.index.ntotal)
-        S, I = self.index.search(self.z[i:i + 1], k)
-        now = self.clock()
-        for s, j in zip(S[0], I[0]):
-            if j < 0 or s < self.threshold:
-                break
-            if self.expires[j] > now:
-                return Outcome(True, self.values[j], self.rev[j] != self.n_rev)
-        return Outcome(False)
+        return Outcome(True, self.values[j], self.rev[j] != self.n_rev)
 
     def store(self, i: int, value: int) -> None:
         self.index.add(self.z[i:i + 1])
@@ -155,10 +165,8 @@ class CosineCache:
         self.rev.append(self.n_rev)
 
     def nearest_value(self, i: int) -> int | None:
-        if self.index.ntotal == 0:
-            return None
-        _, I = self.index.search(self.z[i:i + 1], 1)
-        return self.values[int(I[0, 0])]
+        j = self._best_live(i)  # live entries only, as the code caches (expired ones are not cached)
+        return None if j is None else self.values[j]
 
     @property
     def nbytes(self) -> int:

@@ -117,6 +117,29 @@ class CacheSimConfig:
     cache: Any = None                 # SemanticCache settings (configs/cache/default.yaml); l2 is always off here
 
 
+def check_replay_settings(cfg) -> None:
+    """Refuse, with one line naming the field and the fix, the workload-replay settings the schema's types
+    accept but that would silently measure nothing or something else than they say."""
+    methods = [str(m) for m in cfg.methods]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"methods: unknown method(s) {unknown}; choose from {list(METHODS)}")
+    if "ushash_codes_only" in methods and "ushash" not in methods:
+        raise ValueError("methods: ushash_codes_only runs only with ushash; add ushash to methods")
+    st = cfg.stream
+    if int(st.n_requests) <= 0:
+        raise ValueError(f"stream.n_requests must be > 0; got {st.n_requests}")
+    if float(st.zipf_s) < 0:
+        raise ValueError(f"stream.zipf_s must be >= 0 (0: uniform); got {st.zipf_s}")
+    if float(st.seconds_per_request) <= 0:
+        raise ValueError(f"stream.seconds_per_request must be > 0 (the clock TTLs run on); got {st.seconds_per_request}")
+    if not 0.0 <= float(st.revision_change_at) < 1.0:
+        raise ValueError(f"stream.revision_change_at is a fraction of the stream in [0, 1) (0: never); "
+                         f"got {st.revision_change_at}")
+    if not -1.0 <= float(cfg.cosine_threshold) <= 1.0:
+        raise ValueError(f"cosine_threshold is a cosine in [-1, 1]; got {cfg.cosine_threshold}")
+
+
 def register_schema() -> None:
     """Put the schema in Hydra's ConfigStore (idempotent): configs/cachesim.yaml names it in its defaults.
     Importing the serving cache registers `cache/schema`, which configs/cache/*.yaml extend."""

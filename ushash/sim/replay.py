@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from ushash.config import to_dict
 from ushash.sim.adapters import CacheUnderTest, CosineCache, ExactKeyCache, LSHCodesCache, USHashCache
+from ushash.sim.config import check_replay_settings
 from ushash.sim.pool import Pool, build_pool
 from ushash.sim.report import output_dir, run_info, run_settings, run_title, write_report
 from ushash.sim.stream import SimClock, make_stream, revision_change_index
@@ -133,6 +134,7 @@ def run_cachesim(cfg: DictConfig, head=None, pool: Pool | None = None) -> dict:
     if cfg.get("scenario"):  # the failure scenarios: no head, simulated time (ushash/sim/failures.py)
         from ushash.sim.failures import run_failures
         return run_failures(cfg)
+    check_replay_settings(cfg)
     with contextlib.ExitStack() as stack:
         if head is None:
             head = stack.enter_context(open_head(cfg))
