@@ -44,3 +44,20 @@ def test_clopper_pearson_upper_refuses_counts_and_levels_that_cannot_be(k, n, de
 def test_clopper_pearson_upper_edges_stay():
     assert clopper_pearson_upper(0, 0) == 1.0 and clopper_pearson_upper(7, 7) == 1.0
     assert 0.0 < clopper_pearson_upper(0, 10) < 1.0
+
+
+def test_a_breach_at_min_checks_is_acted_on_whichever_way_the_check_went():
+    from ushash.serving.calibration import ShadowMonitor
+
+    # 4 disagreements, then an agreement as the 5th (min_checks) check: the bound (upper(4, 5)) is far over
+    # the target, so the 5th check acts; it used to wait for the next disagreement, however far away
+    m = ShadowMonitor(ShadowConfig(fraction=1.0, min_checks=5, target_false_hit_rate=0.05), None)
+    assert [m.record("text>text", False) for _ in range(4)] == [None] * 4
+    assert m.record("text>text", True) == "tighten"
+    # no false hit seen, no breach (5 checks cannot bound the rate under 0.05, but nothing was wrong); past
+    # min_checks an agreement only lowers the bound: it never acts, a disagreement over the target does
+    m = ShadowMonitor(ShadowConfig(fraction=1.0, min_checks=5, target_false_hit_rate=0.05), None)
+    assert [m.record("text>text", True) for _ in range(30)] == [None] * 30
+    acts = [m.record("text>text", False) for _ in range(10)]
+    assert "tighten" in acts and acts.index("tighten") == next(
+        i for i in range(10) if clopper_pearson_upper(i + 1, 31 + i, 0.05) > 0.05)

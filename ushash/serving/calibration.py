@@ -314,7 +314,11 @@ class ShadowMonitor:
             tot[0] += 1
             tot[1] += not agreed
             n, k = self.n[pair], self.k[pair]
-            if self.target is None or n < int(self.config.min_checks) or agreed:
+            # a breach needs a false hit seen: tested at each disagreement from min_checks on, and at the
+            # min_checks-th check whichever way it went if a disagreement came before it (past min_checks an
+            # agreement only lowers the bound)
+            if self.target is None or n < int(self.config.min_checks) or k == 0 or (
+                    agreed and n > int(self.config.min_checks)):
                 return None
             if clopper_pearson_upper(k, n, self.delta) <= self.target:
                 return None

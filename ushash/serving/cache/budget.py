@@ -89,11 +89,14 @@ class PairBudget:
             self.hits[k] = self.hits.get(k, 0) + 1
 
     def verify(self, request_modality: str, entry_modality: str, agreed: bool) -> PairPoint | None:
-        """Record one shadow check; returns the pair's new point when a breach changed it."""
+        """Record one shadow check; returns the pair's new point when a breach changed it. Without
+        `payload_check` no threshold is checked, so a breach turns the pair off instead of raising it."""
         k = pair_name(request_modality, entry_modality)
         action = self.monitor.record(k, bool(agreed))
         if action is None:
             return None
+        if action == "tighten" and not self.config.payload_check:
+            action = "off"   # a higher threshold would change nothing served
         new = self.monitor.apply(self.points, k, action)
         log.warning("shadow checks of %s breached the false-hit budget %s: %s", k, self.monitor.target,
                     f"threshold now {new.threshold:.4f}" if new.on else "pair turned off")

@@ -89,6 +89,15 @@ class CacheConfig:
                   "bloom_fp_rate")
         if self.mih_nhash is not None:
             _positive(self, "cache", "mih_nhash")
+        sh = self.shadow
+        check_types(sh, "cache.shadow")
+        if sh.target_false_hit_rate is not None and not 0.0 < sh.target_false_hit_rate < 1.0:
+            raise ValueError(f"cache.shadow.target_false_hit_rate is a rate in (0, 1), or null (the calibration's); "
+                             f"got {sh.target_false_hit_rate}")
+        if sh.min_checks < 0:
+            raise ValueError(f"cache.shadow.min_checks must be >= 0 checks; got {sh.min_checks}")
+        if not sh.step > 0:
+            raise ValueError(f"cache.shadow.step must be > 0 (how much a breach raises the threshold); got {sh.step}")
         if self.radius < 0:
             raise ValueError(f"cache.radius must be an integer >= 0 (bits of Hamming distance); got {self.radius}")
         if self.observe_radius is not None and self.observe_radius < self.radius:

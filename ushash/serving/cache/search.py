@@ -20,13 +20,16 @@ faiss's binary `range_search` is strict (distance < radius), so radius + 1 is pa
 - "flat": `IndexBinaryFlat`, a scan of every code; best for small caches.
 - "mih": `IndexBinaryMultiHash(bits, nhash, bits / nhash)`: exact for any radius with
   nflip = radius // nhash bit flips per substring (pigeonhole), and fast while nflip == 0, i.e.
-  radius < nhash (default nhash = bits / 16: 4 tables for 64 bits, exact and fast up to radius 3).
+  radius < nhash (default nhash = bits / 16: 4 tables for 64 bits, exact and fast up to radius 3); a flat
+  scan where the flips would cost more than the codes held.
 - "faiss": flat until `mih_min_entries` live entries, then multi-index hashing (faiss's "auto").
 - "torch": codes in a uint8 tensor on `device` (CUDA, or CPU for tests), XOR + byte-popcount table;
   slots are reused in place, no tombstones. faiss-gpu has no in-place update either; this avoids it.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -257,8 +260,17 @@ class FaissBackend(HammingBackend):
             self._index.add(codes)
 
     def _range(self, codes: np.ndarray, radius: int):
+        index = self._index
         if self._use_mih:
-            self._index.nflip = radius // self.nhash
+            nflip = radius // self.nhash
+            # nhash x sum_k<=nflip C(bits / nhash, k) probes per query (~2^64 for one 64-bit table at a wide
+            # radius: a search that never ends): a flat scan of the positions instead when it is cheaper
+            probes = self.nhash * sum(math.comb(self.bits // self.nhash, k) for k in range(nflip + 1))
+            if probes > self._n:
+                index = self._faiss.IndexBinaryFlat(self.bits)
+                index.add(self._codes[: self._n])
+            else:
+                index.nflip = nflip
         # One query is too little work for an OpenMP team: waking threads costs ~1 ms on a busy machine
         # (measured: 1.5 ms vs 33 us for 500 codes on 2 shared cores), and a batch is served on one core
         # too. The thread count is a per-thread OpenMP setting, so this does not touch other threads' calls.
@@ -270,7 +282,7 @@ class FaissBackend(HammingBackend):
             # faiss's own range_search wrapper, minus its copies
             b = len(codes)
             res = faiss.RangeSearchResult(b)
-            self._index.range_search_c(b, faiss.swig_ptr(codes), radius + 1, res)
+            index.range_search_c(b, faiss.swig_ptr(codes), radius + 1, res)
             lims = faiss.rev_swig_ptr(res.lims, b + 1)
             nd = int(lims[b])
             if nd == 0:

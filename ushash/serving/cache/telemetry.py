@@ -102,7 +102,10 @@ class _LookupStats:
 
     def __init__(self, bits: int):
         self.lat_bounds = list(LATENCY_BUCKETS)
-        self.dist_bounds = [float(d) for d in list(range(0, 33)) + [40, 48, 64, 96, 128, 256, 512, 1024] if d <= bits]
+        # the code's width is a bound too: a distance beyond the last listed one and <= bits is no "+Inf"
+        # (nothing within the observed radius, recorded as bits + 1)
+        self.dist_bounds = [float(d) for d in sorted({*range(0, 33), 40, 48, 64, 96, 128, 256, 512, 1024, bits})
+                            if d <= bits]
         self.gets = {"hit": 0, "miss": 0}
         self.hits = {"l1": 0, "l2": 0}
         self.lat = {t: [0] * (len(self.lat_bounds) + 1) for t in ("l1", "l2")}
