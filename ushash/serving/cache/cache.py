@@ -467,10 +467,11 @@ class SemanticCache(CheckStore):
         keep = [i for i in range(len(queries)) if fresh[i]]
         entries = [Entry(code=queries[i].code, payload=payloads[i], modality=queries[i].modality, value=encoded[i][1],
                          kind=encoded[i][0], revision=rev, created=now, expires=self.freshness.expiry(now, ttl_s),
-                         compute_s=float(compute_s), scope=bytes(scopes[i]),
-                         id=shared_id(queries[i].code, payloads[i], queries[i].modality, rev, bytes(scopes[i])) if shared
-                         else None)
+                         compute_s=float(compute_s), scope=bytes(scopes[i]))
                    for i in keep]
+        if shared:
+            for e in entries:
+                e.id = shared_id(e)
         put = l1.put_many(tenant, entries) if entries else []
         stored = [False] * len(queries)
         for i, ok in zip(keep, put):

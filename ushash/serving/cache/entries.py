@@ -98,11 +98,11 @@ class Entry:
 ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(Entry))
 
 
-def shared_id(code: bytes, payload: bytes, modality: str, revision: str, scope: bytes) -> str:
+def shared_id(e: "Entry") -> str:
     """An entry's L2 id: a digest of what the L1 replaces an entry by (modality, code, payload, scope) and of
     its revision, so the same request stored again overwrites its shared entry as it replaces the L1's."""
     h = hashlib.blake2b(digest_size=8)
-    for part in (revision.encode(), modality.encode(), code, payload, scope):
+    for part in (e.revision.encode(), e.modality.encode(), e.code, e.payload, e.scope):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()
