@@ -1,4 +1,4 @@
-"""Review checks of the L1 index backends, the shadow checks' breach handling, the cache's config and the
+"""The L1 index backends, the shadow checks' breach handling, the cache's config and the
 lookup metrics, each against a naive reference (seeded, seconds)."""
 
 import random
@@ -28,7 +28,7 @@ def _reference(live: dict, q: np.ndarray, radius: int):
 
 @pytest.mark.parametrize("kind", ["mindex", "flat", "mih", "faiss", "torch"])
 @pytest.mark.parametrize("bits", [16, 32, 64, 128])
-def test_review_index_every_backend_matches_reference_empty_radius_0_max_and_reinserts(kind, bits):
+def test_every_backend_matches_reference_empty_radius_0_max_and_reinserts(kind, bits):
     """Empty, then clustered codes with duplicates (ties by slot), removals, re-inserted slots, and a
     table emptied and refilled; radius -1, 0, bits and beyond; batches and single queries."""
     rng = np.random.default_rng(bits)
@@ -94,7 +94,7 @@ print("done")
 """
 
 
-def test_review_index_mih_with_wide_substrings_matches_reference_at_wide_radii():
+def test_mih_with_wide_substrings_matches_reference_at_wide_radii():
     """mih_nhash = 1 or 2 (64- or 32-bit substrings), searched at radius bits / 4 and beyond, asked faiss
     for every flip of up to radius / nhash of the substring's bits (~5e14 probes for one 64-bit table at
     radius 16): the search never returned. Now a flat scan where the probes cost more; the results against
@@ -108,7 +108,7 @@ def head():
     return LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0)
 
 
-def test_review_index_shadow_breach_without_payload_check_turns_the_pair_off(head):
+def test_shadow_breach_without_payload_check_turns_the_pair_off(head):
     """With payload_check off no threshold is checked: a "tighten" breach that only raised the pair's
     threshold left it serving the same false hits (until the threshold passed 1)."""
     x = np.ones(24, np.float32)
@@ -138,7 +138,7 @@ def test_review_index_shadow_breach_without_payload_check_turns_the_pair_off(hea
     ({"confidence": "0.9"}, "cache.shadow.confidence"),
     ({"step": float("nan")}, "cache.shadow.step"),
 ])
-def test_review_index_config_refuses_nonsense_shadow_settings(shadow, field):
+def test_config_refuses_nonsense_shadow_settings(shadow, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")) as e:
         CacheConfig.from_dict({"shadow": shadow})
     assert "\n" not in str(e.value)
@@ -146,7 +146,7 @@ def test_review_index_config_refuses_nonsense_shadow_settings(shadow, field):
     assert ok.shadow.fraction == 1.0 and isinstance(ok.shadow.fraction, float)
 
 
-def test_review_index_nearest_distance_histogram_has_a_bucket_up_to_the_code_width():
+def test_nearest_distance_histogram_has_a_bucket_up_to_the_code_width():
     """On an 80-bit head a miss whose nearest candidate is 70 bits away landed in +Inf, the bucket of
     "nothing within the observed radius" (bits + 1)."""
     m = CacheMetrics(80)

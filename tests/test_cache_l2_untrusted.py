@@ -1,4 +1,4 @@
-"""Review checks of the cache runtime's L2 and helpers: what a corrupt or hostile value in Redis does (a
+"""The cache runtime's L2 and helpers: what a corrupt or hostile value in Redis does (a
 miss, counted; never an exception or a promotion), the L2 lookup against a brute-force reference, and the
 thread safety and memory bound of the hot-key window and the rolling p99."""
 
@@ -52,7 +52,7 @@ def _race(workers, reader, switch_s=1e-6):
     return errors
 
 
-def test_review_l2_hot_keys_record_from_threads_while_scraped():
+def test_hot_keys_record_from_threads_while_scraped():
     """Lookups record hot keys from many threads while /metrics renders the window: no error (was
     'dictionary changed size during iteration' and KeyErrors from Space-Saving's replacement)."""
     hk = HotKeys(window_s=60.0, buckets=6, max_keys=64, clock=lambda: 1.0)
@@ -72,7 +72,7 @@ def test_review_l2_hot_keys_record_from_threads_while_scraped():
     assert sum(hk.counts().values()) == 40_000   # Space-Saving keeps the total
 
 
-def test_review_l2_rolling_p99_records_from_threads_while_read():
+def test_rolling_p99_records_from_threads_while_read():
     """Computations record their time from many threads while a store reads the p99 (adaptive TTL):
     no 'deque mutated during iteration'."""
     p = RollingP99(60.0, clock=lambda: 1.0)
@@ -89,7 +89,7 @@ def test_review_l2_rolling_p99_records_from_threads_while_read():
     assert p.p99_ms() == pytest.approx(10.0)
 
 
-def test_review_l2_rolling_p99_stays_within_its_window_when_never_read():
+def test_rolling_p99_stays_within_its_window_when_never_read():
     """With adaptive_ttl on, every computation is recorded, but the p99 is read only by stores without
     their own ttl_s: with ttl_s given on every call the window must still drop what left it."""
     head = LSHHead({"image": 16, "text": 16}, bits=64, dim=32, aligned=True, seed=0)
@@ -147,7 +147,7 @@ def _fresh_lookup(srv, f, code_only=False):
     ("k", b"j"),              # a value that is not JSON
 ])
 @pytest.mark.parametrize("code_only", [False, True])
-def test_review_l2_corrupt_entry_in_redis_is_a_counted_miss(redis_server, field, value, code_only):
+def test_corrupt_entry_in_redis_is_a_counted_miss(redis_server, field, value, code_only):
     """A corrupt or hostile entry hash in Redis is a miss for every replica, counted as
     cache_l2_errors_total{op="corrupt"}: never an exception (a 500 in the service), never served (a
     request without z skips the payload check) and never promoted into L1."""
@@ -163,7 +163,7 @@ def test_review_l2_corrupt_entry_in_redis_is_a_counted_miss(redis_server, field,
 
 
 @pytest.mark.parametrize("member", [b"nothex:abc", b"\xff\xfe:abc", b"00112233", b"0011:abc", b":abc"])
-def test_review_l2_corrupt_bucket_member_is_skipped(redis_server, member):
+def test_corrupt_bucket_member_is_skipped(redis_server, member):
     """A bucket member no put writes (not hex, not UTF-8, no id, a code of another length) is skipped
     and counted; the real entry of the bucket is still served."""
     f, _, bkeys = _stored(redis_server)
@@ -173,7 +173,7 @@ def test_review_l2_corrupt_bucket_member_is_skipped(redis_server, member):
     assert hit is not None and hit.value == "v1" and bad >= 1
 
 
-def test_review_l2_lookup_matches_a_brute_force_reference(redis_server):
+def test_lookup_matches_a_brute_force_reference(redis_server):
     """RedisStore.lookup against a naive scan of every stored code: the entries within the radius, by
     (distance, id), at most max_candidates; radii below and above the chunk count (probes with flips),
     duplicates and ties included."""
@@ -205,7 +205,7 @@ def test_review_l2_lookup_matches_a_brute_force_reference(redis_server):
             assert list(zip(dists, [e.id for e in entries])) == ref
 
 
-def test_review_l2_request_stored_again_without_ttl_loses_its_old_redis_expiry(redis_server):
+def test_request_stored_again_without_ttl_loses_its_old_redis_expiry(redis_server):
     """The same request stored again (same L2 id) without a TTL: its hash must not keep the Redis expiry
     of the earlier put (it said expires = inf, yet Redis dropped it at the old time for every replica)."""
     a = _cache(redis_server)
@@ -220,7 +220,7 @@ def test_review_l2_request_stored_again_without_ttl_loses_its_old_redis_expiry(r
     assert hit is not None and hit.value == "v2" and math.isinf(hit.expires)
 
 
-def test_review_l2_member_whose_code_is_not_its_entrys_is_not_served(redis_server):
+def test_member_whose_code_is_not_its_entrys_is_not_served(redis_server):
     """A bucket member "<code>:<id>" naming a real entry under another code: a request near that code is
     not served the entry (its code is far) and the mismatch is counted."""
     a = _cache(redis_server)

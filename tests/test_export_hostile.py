@@ -1,4 +1,4 @@
-"""Review checks of the payload codecs and the export loader: seeded naive references for the codecs, a
+"""The payload codecs and the export loader: seeded naive references for the codecs, a
 loaded export whose payload disagrees with its head or whose files are oversized, checked scoring of a
 query of the wrong shape, and a worker call that raises StopIteration."""
 
