@@ -2,6 +2,7 @@
 keeps the initial weights, seeding, and the gain over the previous default (issue: US-HASH that wins)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,6 +217,23 @@ def test_early_stopping_counts_from_the_best_epoch(data, tmp_path):
                     splits=data)
     epoch = torch.load(out["last"], weights_only=True)["epoch"]
     assert out["best_epoch"] == 0 and epoch < 5  # stopped 3 epochs after the start, not after 30
+
+
+def test_a_run_stopped_early_is_finished_when_run_again(data, tmp_path):
+    """Running a stopped run again (./run demo twice) trains nothing: it used to resume from last.ckpt, train
+    another epoch, and, when that one beat the best, overwrite best.ckpt and train on for another patience."""
+    cfg = ("trainer.max_epochs=30", "model.lr=0", "model.head_lr=0", "early_stop.patience=3")
+    first = run_train(_cfg(tmp_path, *cfg), splits=data)
+    best = Path(first["best"]).read_bytes()
+    last = torch.load(first["last"], weights_only=True)
+    again = run_train(_cfg(tmp_path, *cfg), splits=data)
+    assert Path(again["best"]).read_bytes() == best
+    resaved = torch.load(again["last"], weights_only=True)   # Lightning saves last.ckpt at the end of fit
+    assert (resaved["epoch"], resaved["global_step"]) == (last["epoch"], last["global_step"])
+    for k, v in last["state_dict"].items():
+        assert torch.equal(resaved["state_dict"][k], v), k
+    assert (again["val_score"], again["best_epoch"], again["val_scores"]) == \
+        (first["val_score"], first["best_epoch"], first["val_scores"])
 
 
 # ---------------------------------------------------------------------------------------------- seeding

@@ -72,7 +72,8 @@ def module_kwargs(cfg: DictConfig, in_dims: dict, provenance: dict, n_train_grou
 class BestOnVal(Callback):
     """Writes `path` whenever the validation score beats the best so far, the initial weights (before the
     first step) included, and stops training after `patience` epochs without a better score. Its state
-    (best score and epoch) travels in last.ckpt, so a resumed run keeps counting."""
+    (best score and epoch, every epoch's score) travels in last.ckpt, so a resumed run keeps counting, and a
+    run that had stopped trains no further when it is run again."""
 
     def __init__(self, path: Path, patience: int | None = None):
         self.path, self.patience = Path(path), (int(patience) if patience else None)
@@ -94,6 +95,12 @@ class BestOnVal(Callback):
             score, rows = module.val_scores()
             self.scores.append(score)
             self._keep(trainer, score, retrieval.mean_map(rows, "paired"), epoch=0)
+
+    def on_train_start(self, trainer, module) -> None:
+        # a resumed run that had stopped (scores[e] is epoch e's, the initial weights' at 0) is finished:
+        # another epoch could beat the best and train on for another patience, a different model
+        if self.patience and self.best_epoch is not None and len(self.scores) - 1 - self.best_epoch >= self.patience:
+            trainer.should_stop = True
 
     def on_validation_end(self, trainer, module) -> None:
         last, module.last_val = module.last_val, None
