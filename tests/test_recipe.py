@@ -219,10 +219,13 @@ def test_early_stopping_counts_from_the_best_epoch(data, tmp_path):
     assert out["best_epoch"] == 0 and epoch < 5  # stopped 3 epochs after the start, not after 30
 
 
-def test_a_run_stopped_early_is_finished_when_run_again(data, tmp_path):
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_run_stopped_early_is_finished_when_run_again(data, tmp_path, every):
     """Running a stopped run again (./run demo twice) trains nothing: it used to resume from last.ckpt, train
-    another epoch, and, when that one beat the best, overwrite best.ckpt and train on for another patience."""
-    cfg = ("trainer.max_epochs=30", "model.lr=0", "model.head_lr=0", "early_stop.patience=3")
+    another epoch, and, when that one beat the best, overwrite best.ckpt and train on for another patience.
+    Validating every other epoch, the epochs are counted, not the scores."""
+    cfg = ("trainer.max_epochs=30", "model.lr=0", "model.head_lr=0", "early_stop.patience=3",
+           f"trainer.check_val_every_n_epoch={every}")
     first = run_train(_cfg(tmp_path, *cfg), splits=data)
     best = Path(first["best"]).read_bytes()
     last = torch.load(first["last"], weights_only=True)

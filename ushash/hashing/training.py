@@ -97,9 +97,10 @@ class BestOnVal(Callback):
             self._keep(trainer, score, retrieval.mean_map(rows, "paired"), epoch=0)
 
     def on_train_start(self, trainer, module) -> None:
-        # a resumed run that had stopped (scores[e] is epoch e's, the initial weights' at 0) is finished:
-        # another epoch could beat the best and train on for another patience, a different model
-        if self.patience and self.best_epoch is not None and len(self.scores) - 1 - self.best_epoch >= self.patience:
+        # a resumed run that had stopped (its epochs done, counted as on_validation_end counts them, already
+        # `patience` past its best) is finished: another epoch could beat the best and train on for another
+        # patience, a different model
+        if self.patience and self.best_epoch is not None and trainer.current_epoch - self.best_epoch >= self.patience:
             trainer.should_stop = True
 
     def on_validation_end(self, trainer, module) -> None:
