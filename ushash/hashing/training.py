@@ -101,6 +101,8 @@ class BestOnVal(Callback):
         # `patience` past its best) is finished: another epoch could beat the best and train on for another
         # patience, a different model
         if self.patience and self.best_epoch is not None and trainer.current_epoch - self.best_epoch >= self.patience:
+            log.info("the run had stopped at epoch %d (best %d, patience %d): nothing to train", trainer.current_epoch,
+                     self.best_epoch, self.patience)
             trainer.should_stop = True
 
     def on_validation_end(self, trainer, module) -> None:
