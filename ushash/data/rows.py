@@ -28,6 +28,9 @@ class Row:
         if self.modality not in MODALITIES:
             raise ValueError(f"Row {self.id!r}: unknown modality {self.modality!r}; expected one of {MODALITIES}")
         for name in ("id", "group", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"Row {self.id!r}: its {name} must be a string, got "
+                                 f"{type(getattr(self, name)).__name__} {getattr(self, name)!r:.80}")
             # the store's digests join these with NUL: one inside would let two row lists share a digest
             if "\0" in getattr(self, name):
                 raise ValueError(f"Row {self.id!r}: its {name} holds a NUL character; remove it from the data set")

@@ -365,18 +365,32 @@ class _Stream(IterableDataset):
 
     def _decode(self, u: Unit, p: int, data: bytes):
         src = u.rows[p].source
+        if isinstance(data, media.MediaError):  # refused before it was read (MAX_MEMBER_BYTES)
+            return None, failure_of(media.MediaError(src, data.reason, data.code))
         if not data:  # a member without bytes (an empty file in the tar, an image cell with no bytes)
             return None, failure_of(media.MediaError(src, "empty member (0 bytes)", media.EMPTY))
         return prepare(self.encoder, u.modality, src, data)
 
 
+#: The most bytes a tar member may declare to be read: its size comes from the header, and a sparse member
+#: (or one of a compressed tar) of a few KB on disk can declare gigabytes of zeros, which reading it whole
+#: would allocate. A larger member is refused (over_limit) before any of it is read.
+MAX_MEMBER_BYTES = 1 << 30
+
+
 def _read_container(container: str, want: dict[str, int]):
-    """(member, bytes) for the wanted members of a container, in the container's own order."""
+    """(member, bytes) for the wanted members of a container, in the container's own order; for a member
+    over MAX_MEMBER_BYTES a MediaError (over_limit) instead of its bytes."""
     scheme, _, rest = container.partition(":")
     if scheme == "tar":
         with tarfile.open(rest, mode="r|*") as tf:  # a stream: one sequential pass
             for ti in tf:
                 if ti.isfile() and ti.name in want:
+                    if ti.size > MAX_MEMBER_BYTES:
+                        yield ti.name, media.MediaError(None, f"tar member declares {ti.size} bytes, over "
+                                                              f"{MAX_MEMBER_BYTES} (a sparse or compressed bomb?)",
+                                                        media.OVER_LIMIT)
+                        continue
                     f = tf.extractfile(ti)
                     yield ti.name, f.read() if f is not None else b""
     elif scheme == "hf":

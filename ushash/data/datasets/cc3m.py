@@ -32,6 +32,8 @@ from ushash.data.datasets import SPLITS, check_fracs, hash_split, register, reso
 from ushash.data.rows import Row
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+#: The most bytes a {key}.txt caption member may declare (a CC3M caption is a sentence, under 1 KB)
+MAX_CAPTION_BYTES = 1 << 20
 LAYOUT = (
     "expected the img2dataset webdataset layout: {root}/{train}/00000.tar, 00001.tar, ... and "
     "{root}/{test}/00000.tar, ..., each tar holding {{key}}.jpg, {{key}}.txt and {{key}}.json "
@@ -74,6 +76,9 @@ def _index_cached(path: str, size: int, mtime: float, image_ext: str) -> tuple[t
                 if key not in images and key not in captions:
                     order.append(key)
                 if ext == "txt":
+                    if ti.size > MAX_CAPTION_BYTES:  # from the header: a sparse member is gigabytes of zeros
+                        raise ValueError(f"{p}: caption member {ti.name} declares {ti.size} bytes, over "
+                                         f"{MAX_CAPTION_BYTES} (a sparse or damaged tar?); remove it from the tar")
                     f = tf.extractfile(ti)
                     captions[key] = media.decode_text(f.read()) if f is not None else ""
                 else:

@@ -68,8 +68,14 @@ def _karpathy(path: str, size: int, mtime: float) -> tuple:
     for i, im in enumerate(images):
         try:
             cid = str(im["cocoid"])
-            sents = sorted(((int(s["sentid"]), s.get("raw", "")) for s in im["sentences"]), key=lambda t: t[0])
+            # a caption missing or null is an empty caption (extraction reports it), as in the 2017 files
+            sents = sorted(((int(s["sentid"]), "" if s.get("raw") is None else s["raw"]) for s in im["sentences"]),
+                           key=lambda t: t[0])
             rec = (cid, im["filepath"], im["filename"], im["split"], tuple(sents))
+            bad = [k for k, v in (("filepath", rec[1]), ("filename", rec[2])) if not isinstance(v, str)]
+            bad += [f"sentence {sid} raw" for sid, raw in sents if not isinstance(raw, str)]
+            if bad:
+                raise TypeError(f"{', '.join(bad[:3])} not a string")
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: image #{i} lacks cocoid/filepath/filename/split/sentences ({e!r})") from e
         if cid in seen:
@@ -142,7 +148,10 @@ def _captions(path: str, size: int, mtime: float) -> dict[str, tuple[tuple[int, 
             if a["id"] in seen:
                 raise ValueError(f"{path}: caption id {a['id']} appears twice; the file is damaged")
             seen.add(a["id"])
-            caps.setdefault(str(a["image_id"]), []).append((int(a["id"]), a.get("caption") or ""))
+            cap = a.get("caption") or ""
+            if not isinstance(cap, str):
+                raise TypeError(f"caption {a['id']} is not a string: {cap!r:.80}")
+            caps.setdefault(str(a["image_id"]), []).append((int(a["id"]), cap))
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a COCO captions file (images, annotations): {e!r}") from e
     return {k: tuple(sorted(v)) for k, v in caps.items()}

@@ -50,27 +50,51 @@ def read_records(path: Path) -> tuple[list[tuple[int, dict]], list[str]]:
     if fmt == "jsonl":
         columns: dict[str, None] = {}
         with open(path, encoding="utf-8-sig") as f:
-            for ln, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"manifest {path}:{ln}: invalid JSON ({e.msg})") from e
-                if not isinstance(rec, dict):
-                    raise ValueError(f"manifest {path}:{ln}: expected a JSON object, got {type(rec).__name__}")
-                columns.update(dict.fromkeys(rec))
-                records.append((ln, rec))
+            try:
+                for ln, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"manifest {path}:{ln}: invalid JSON ({e.msg})") from e
+                    except RecursionError:  # nesting deeper than the parser's stack: no manifest needs it
+                        raise ValueError(f"manifest {path}:{ln}: JSON nested too deeply; a record is a flat object "
+                                         f"of strings (and a list of labels)") from None
+                    if not isinstance(rec, dict):
+                        raise ValueError(f"manifest {path}:{ln}: expected a JSON object, got {type(rec).__name__}")
+                    columns.update(dict.fromkeys(rec))
+                    records.append((ln, rec))
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, e) from None
         return records, list(columns)
     with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",")
-        header = [c.strip() for c in (reader.fieldnames or [])]
-        reader.fieldnames = header
-        for rec in reader:
-            if all(v in (None, "") for k, v in rec.items() if k is not None):
-                continue
-            records.append((reader.line_num, {k: v for k, v in rec.items() if k is not None}))
+        try:
+            header = [c.strip() for c in (reader.fieldnames or [])]
+            reader.fieldnames = header
+            for rec in reader:
+                if all(v in (None, "") for k, v in rec.items() if k is not None):
+                    continue
+                records.append((reader.line_num, {k: v for k, v in rec.items() if k is not None}))
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, e) from None
+        except csv.Error as e:  # a field over csv.field_size_limit(), a NUL byte in older Pythons ...
+            raise ValueError(f"manifest {path}: unreadable {fmt.upper()} after line {reader.line_num} ({e})") from None
     return records, header
+
+
+def _not_utf8(path: Path, e: UnicodeDecodeError) -> ValueError:
+    """The error for a manifest that is not UTF-8, naming the first line that is not (the decoder fails on a
+    block of the file, not a line)."""
+    with open(path, "rb") as f:
+        for ln, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return ValueError(f"manifest {path}:{ln}: not UTF-8 text ({bad.reason} at byte {bad.start + 1} of "
+                                  f"the line); save the manifest as UTF-8")
+    return ValueError(f"manifest {path}: not UTF-8 text ({e.reason}); save the manifest as UTF-8")
 
 
 def _text(value, path: Path, ln: int, col: str) -> str | None:
@@ -156,7 +180,10 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
             if key in seen:
                 continue
             seen.add(key)
-            out.append(Row(m, rid, group, source, labels))
+            try:
+                out.append(Row(m, rid, group, source, labels))
+            except ValueError as e:  # a NUL character in an id, group or value
+                raise ValueError(f"manifest {path}:{ln}: {e}") from None
     if dups:
         raise ValueError(f"manifest {path}: {len(dups)} duplicate ids, e.g. {', '.join(dups[:5])}")
     return out
