@@ -28,10 +28,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ushash.config import to_dict
-from ushash.core.io import atomic_write, save_figure, settings_digest, write_json
+from ushash.core.io import atomic_write, save_figure, set_aside, settings_digest, write_json
 from ushash.data.extract import relative_to_root
 from ushash.evaluation import retrieval
-from ushash.evaluation.sweep import open_splits, run_one, run_settings, sweep_settings
+from ushash.evaluation.sweep import SPLITS, _read_record, open_splits, run_one, run_settings, sweep_settings
 from ushash.hashing import methods
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,13 @@ def study_dir(cfg: DictConfig, space: dict) -> Path:
     return Path(cfg.paths.experiments_dir) / "search" / name
 
 
+def _trial_stores(out: Path, trial) -> dict | None:
+    """The content digests of the stores a finished trial's run read (its result.json), None when unknown."""
+    run = trial.user_attrs.get("run")
+    rec = _read_record(out / "runs" / run / "result.json") if run else None
+    return rec.get("stores") if rec else None
+
+
 def _test_scores(result: dict) -> dict:
     rows = [r for r in result.get("rows", []) if r["method"] == result["method"]]
     return {p: retrieval.mean_map(rows, p, key="tie_map@10") for p in ("paired", "label")}
@@ -107,6 +114,16 @@ def run_search(cfg: DictConfig) -> dict:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name="search", storage=f"sqlite:///{out / 'study.db'}", load_if_exists=True,
                                 direction="maximize")
+    stores = {sp: splits[sp].content for sp in SPLITS}
+    other = [t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE
+             and _trial_stores(out, t) != stores]
+    if other:  # trials scored on other features (a store made again): their val scores choose nothing now
+        del study
+        aside = set_aside(out, out.parent / "stale")
+        log.warning("search: trial(s) %s of the study were run on other features than the stores now give (or their "
+                    "runs are gone); the study is searched afresh, the old one kept in %s", other, aside)
+        out.mkdir(parents=True, exist_ok=True)
+        study = optuna.create_study(study_name="search", storage=f"sqlite:///{out / 'study.db'}", direction="maximize")
     # seeded by the sampler seed and the trials already made: a resumed or continued study does not draw
     # again the points its first session drew (a sampler seeded alike would repeat them)
     study.sampler = optuna.samplers.TPESampler(seed=int(s["sampler_seed"]) * 100_003 + len(study.trials))

@@ -219,13 +219,16 @@ def _entry_order(name: str) -> tuple:
     return (order.index(name) if name in order else len(order), name)
 
 
-def load_results(exp: Path) -> list[dict]:
+def load_results(exp: Path, unreadable: list | None = None) -> list[dict]:
+    """Every readable runs/*/result.json; the path of each unreadable one is appended to `unreadable`."""
     out = []
     for f in sorted((Path(exp) / "runs").glob("*/result.json")):
         try:
             out.append(json.loads(f.read_text()))
         except json.JSONDecodeError:
-            log.info(f"{f} is unreadable (interrupted write?); left out")
+            log.warning(f"{f} is unreadable (interrupted write?); left out")
+            if unreadable is not None:
+                unreadable.append(f)
     return out
 
 
@@ -282,14 +285,26 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
     out_dir = Path(out_dir) if out_dir else exp
     prev = out_dir / "results.json"
     old = json.loads(prev.read_text()) if prev.exists() else {}
-    results = load_results(exp)
+    unreadable: list[Path] = []
+    results = load_results(exp, unreadable)
     if digests is None and old.get("runs"):
         digests = [r["digest"] for r in old["runs"] if r.get("digest")] + [r["digest"] for r in
                                                                          old.get("not_applicable", []) if r.get("digest")]
     if digests is not None:
         want = set(digests)
         results = [r for r in results if r.get("digest") in want]
+        missing = want - {r.get("digest") for r in results}
+        if missing:  # a grid's table without some of its runs would be silently short of seeds or cells
+            keys = {r["digest"]: r["key"] for r in old.get("runs", []) + old.get("not_applicable", []) if r.get("digest")}
+            named = sorted(keys.get(d, d[:8]) for d in missing)
+            raise FileNotFoundError(f"{len(missing)} of the grid's {len(want)} runs have no readable result under "
+                                    f"{exp / 'runs'} ({', '.join(named[:5])}{', ...' if len(named) > 5 else ''}); "
+                                    "run the sweep again, which makes them again, then aggregate")
     else:
+        if unreadable:
+            raise FileNotFoundError(f"{len(unreadable)} run result(s) under {exp / 'runs'} are unreadable "
+                                    f"({', '.join(f.parent.name for f in unreadable[:5])}); run the sweep again, "
+                                    "which makes them again, then aggregate")
         by_key: dict = {}
         for r in results:
             by_key.setdefault(r["key"], []).append(r)
