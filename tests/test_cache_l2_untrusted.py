@@ -15,16 +15,7 @@ from ushash.serving.cache.hotkeys import HotKeys, HotKeysCollector
 from ushash.serving.cache.lsh import LSHHead
 from ushash.serving.cache.redis_store import revision_tag
 
-from test_cache_redis import REDIS, RedisServer, _cache
-
-
-@pytest.fixture
-def redis_server():
-    if REDIS is None:
-        pytest.skip("redis-server not installed")
-    srv = RedisServer()
-    yield srv
-    srv.stop()
+from test_cache_redis import _cache, redis_server  # noqa: F401 (fixture)
 
 
 def _race(workers, reader, switch_s=1e-6):

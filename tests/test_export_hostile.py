@@ -4,30 +4,16 @@ query of the wrong shape, and a worker call that raises StopIteration."""
 
 import asyncio
 import os
-import shutil
 import tracemalloc
 
 import numpy as np
 import pytest
-from conftest import write_tiny_export
-from test_export_checks import _resave
+from test_export_checks import _resave, copy, tiny  # noqa: F401 (fixtures)
 
 from ushash.serving import artifact
 from ushash.serving.artifact import CorruptExport, ExportError, TruncatedExport, load_export
 from ushash.serving.payload import PayloadError, PayloadFormat
 from ushash.serving.workers import Workers
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_export(tmp_path_factory.mktemp("export") / "tiny-64b")
-
-
-@pytest.fixture()
-def copy(tiny, tmp_path):
-    dst = tmp_path / "e"
-    shutil.copytree(tiny, dst)
-    return dst
 
 
 # ------------------------------------------------------------------------------------------ naive reference

@@ -50,26 +50,27 @@ def _naive_cosine(pool, stream, ttl, thr, spr):
     return {"hit_rate": hits / n, "false_hit_rate": false / n, "misses_nn_correct": nn_right / max(1, n - hits)}
 
 
-def test_cosine_cache_serves_a_live_entry_behind_many_expired_copies():
-    # one request, asked every 6 s, TTL 10 s: stored, hit, expired -> stored again, hit, ... a hit rate of 1/2.
-    # The float cache kept expired entries in its index and looked only at the 8 nearest: after 8 expiries the
-    # live copy (tied at cosine 1 with the expired ones) was never found again, and it missed for ever.
+def _one_request(n: int, every_s: float) -> dict:
+    """The float cache (TTL 10 s) replaying one request n times, every `every_s` seconds."""
     pool = Pool()
     pool.add("image", np.array([1, 0, 0, 0], np.float32), 0, "original", b"a")
     clock = SimClock()
     cache = CosineCache(_IdentityHead(4), pool, clock, ttl_s=10.0)
-    res = replay(cache, np.zeros(60, np.int64), pool, clock, seconds_per_request=6.0)
+    return replay(cache, np.zeros(n, np.int64), pool, clock, seconds_per_request=every_s)
+
+
+def test_cosine_cache_serves_a_live_entry_behind_many_expired_copies():
+    # one request, asked every 6 s, TTL 10 s: stored, hit, expired -> stored again, hit, ... a hit rate of 1/2.
+    # The float cache kept expired entries in its index and looked only at the 8 nearest: after 8 expiries the
+    # live copy (tied at cosine 1 with the expired ones) was never found again, and it missed for ever.
+    res = _one_request(60, 6.0)
     assert res["hit_rate"] == pytest.approx(0.5)
 
 
 def test_cosine_cache_nearest_entry_of_a_miss_is_a_live_one():
     # every miss of this stream comes after the only entry expired: nothing is cached, so no miss has a
     # "correct nearest entry" (as for the code caches, which drop expired entries before they search)
-    pool = Pool()
-    pool.add("image", np.array([1, 0, 0, 0], np.float32), 0, "original", b"a")
-    clock = SimClock()
-    cache = CosineCache(_IdentityHead(4), pool, clock, ttl_s=10.0)
-    res = replay(cache, np.zeros(10, np.int64), pool, clock, seconds_per_request=12.0)
+    res = _one_request(10, 12.0)
     assert res["hit_rate"] == 0.0 and res["misses_nn_correct"] == 0.0
 
 

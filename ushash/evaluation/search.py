@@ -31,7 +31,7 @@ from ushash.config import to_dict
 from ushash.core.io import atomic_write, save_figure, set_aside, settings_digest, write_json
 from ushash.data.extract import relative_to_root
 from ushash.evaluation import retrieval
-from ushash.evaluation.sweep import SPLITS, _read_record, open_splits, run_one, run_settings, sweep_settings
+from ushash.evaluation.sweep import SPLITS, read_record, open_splits, run_one, run_settings, sweep_settings
 from ushash.hashing import methods
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def study_dir(cfg: DictConfig, space: dict) -> Path:
 def _trial_stores(out: Path, trial) -> dict | None:
     """The content digests of the stores a finished trial's run read (its result.json), None when unknown."""
     run = trial.user_attrs.get("run")
-    rec = _read_record(out / "runs" / run / "result.json") if run else None
+    rec = read_record(out / "runs" / run / "result.json") if run else None
     return rec.get("stores") if rec else None
 
 

@@ -76,7 +76,7 @@ def run_path(exp: Path, key: str, dg: str) -> Path:
     return Path(exp) / "runs" / f"{key}-{dg[:8]}"
 
 
-def _read_record(f: Path) -> dict | None:
+def read_record(f: Path) -> dict | None:
     """A run's result.json or settings.json; None when absent or unreadable (an interrupted write)."""
     try:
         return json.loads(f.read_text())
@@ -144,8 +144,8 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     splits = splits or open_splits(cfg)
     stores = {sp: splits[sp].content for sp in SPLITS}  # what the result is computed from
     # the stores the folder's run read: its result's, else (a run cut before evaluation) its settings'
-    done = _read_record(result_file)
-    recorded = (done or _read_record(run_dir / "settings.json") or {}).get("stores")
+    done = read_record(result_file)
+    recorded = (done or read_record(run_dir / "settings.json") or {}).get("stores")
     if run_dir.exists() and recorded != stores:  # the same settings over other features (a store made again)
         aside = set_aside(run_dir, run_dir.parents[1] / "stale")  # out of runs/, which the tables read
         log.warning(f"{key}: the stored run used other features than the stores now give ({recorded or 'not recorded'}"
