@@ -163,3 +163,39 @@ def test_config_file_matches_the_recipe(tmp_path):
     cfg["path"] = str(write_jsonl(tmp_path / "m.jsonl", RECORDS))
     cfg.pop("recipe")
     assert load_rows(split="train", **cfg)
+
+
+# ------------------------------------------------------------------- records that name no group
+def test_records_sharing_a_file_without_group_are_one_item(tmp_path):
+    """An image listed once per caption with no group column is one item: its captions are its pairs, and
+    the hash split keeps them with it (before, each record was its own group, so one image could be a train
+    item and a test item at once)."""
+    recs = [{"image": f"img/{i}.png", "text": f"caption {i} {k}"} for i in range(60) for k in range(4)]
+    m = write_jsonl(tmp_path / "m.jsonl", recs)
+    got = all_splits(m)
+    where = {}
+    for s, rs in got.items():
+        for r in rs:
+            where.setdefault(r.group, set()).add(s)
+            if r.modality == "text":
+                assert r.group == str(4 * int(r.source.split()[1]) + 1)  # the first record's id (line number)
+    assert all(len(v) == 1 for v in where.values())
+    assert sum(r.modality == "image" for rs in got.values() for r in rs) == 60  # one row per image
+    assert sum(r.modality == "text" for rs in got.values() for r in rs) == 240
+    assert all(len(rs) for rs in got.values())
+
+
+def test_groups_by_file_join_through_other_files(tmp_path):
+    """A record naming an image and a sound joins the items of both; the group is named by the earliest record."""
+    recs = [{"id": "x", "audio": "b.wav"}, {"id": "y", "image": "a.png"}, {"id": "z", "image": "a.png", "audio": "b.wav"},
+            {"id": "w", "text": "alone"}, {"id": "v", "image": "a.png", "group": "mine"}]
+    m = write_jsonl(tmp_path / "m.jsonl", [dict(r, split="train") for r in recs])
+    got = {(r.modality, r.id): r.group for r in rows(m, "train")}
+    assert got == {("audio", "x"): "x", ("image", "y"): "x", ("text", "w"): "w", ("image", "v"): "mine"}
+
+
+def test_one_file_in_two_splits_is_refused(tmp_path):
+    m = write_jsonl(tmp_path / "m.jsonl", [{"image": "a.png", "text": "t", "group": "g1", "split": "train"},
+                                           {"image": "a.png", "text": "u", "group": "g2", "split": "test"}])
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: file '.*a\.png' is in split 'test' here but 'train' on line 1"):
+        rows(m, "val")

@@ -5,16 +5,19 @@ Columns (JSONL keys or a CSV/TSV header row; other columns are ignored):
     text    the caption itself           } any of them may be missing or empty in a given record
     audio   path to an audio file        }
     labels  class names: a JSON list in JSONL (["cat", "animal"]); "cat|animal" in CSV
-    group   the pairing key; records sharing a group are each other's pairs (default: the id)
+    group   the pairing key; records sharing a group are each other's pairs (default: see below)
     id      optional stable record id, unique in the file (default: the record's line number)
     split   optional "train" / "val" / "test" ("validation", "valid" and "dev" mean "val")
 
 Each record yields one row per modality it has, all with the record's id, group and labels. Relative
 paths are taken from the manifest file's folder. When the same (group, source) occurs in several
 records of a split (an image listed once per caption, COCO style), it becomes one row, with the first
-record's id. Records with an empty split value, and all records when the manifest has no split column,
+record's id. Records without a group that share an image or audio file are one group, named by the first
+such record's id: an image listed once per caption is one item, its captions each other's pairs, without a
+group column. Records with an empty split value, and all records when the manifest has no split column,
 are split by a hash of their group (`val_frac`, `test_frac`, `seed`), so a group never straddles
-splits; a group given explicit splits that disagree is an error. Paths are not checked here: a file
+splits; a group given explicit splits that disagree is an error, and so is one image or audio file in two
+splits (it would put test items into training). Paths are not checked here: a file
 that is missing or fails to decode is dropped (and counted) at extraction, like any bad row. So is an
 empty caption: a `text` that is only whitespace, or `""` in JSONL, is a text row that extraction
 reports as "empty caption" (in CSV an empty cell means the record has no caption).
@@ -139,8 +142,10 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
     ids: dict[str, int] = {}
     dups: list[str] = []
     group_split: dict[str, tuple[str, int]] = {}
+    file_split: dict[str, tuple[str, int]] = {}
     seen: set[tuple[str, str, str]] = set()
     out: list[Row] = []
+    keyed = []
     for ln, rec in records:
         rid = _text(str(rec["id"]) if isinstance(rec.get("id"), int) else rec.get("id"), path, ln, "id")
         rid = rid or str(ln)
@@ -148,7 +153,12 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
             dups.append(f"{rid!r} (lines {ids[rid]} and {ln})")
         ids.setdefault(rid, ln)
         group = _text(str(rec["group"]) if isinstance(rec.get("group"), int) else rec.get("group"), path, ln, "group")
-        group = group or rid
+        values = {m: _text(rec.get(m), path, ln, m) for m in MODALITIES}  # validated in every split
+        files = [os.path.normpath(base / Path(values[m]).expanduser()) for m in FILE_MODALITIES if values[m]]
+        keyed.append((ln, rec, rid, group, values, files))
+    file_group = _groups_by_file([(rid, files) for _, _, rid, group, _, files in keyed if group is None])
+    for ln, rec, rid, group, values, files in keyed:
+        group = group or (file_group[files[0]] if files else rid)
         labels = parse_labels(rec.get("labels"), path, ln)
 
         s = _text(rec.get(split_col), path, ln, split_col) if use_split_col else None
@@ -166,7 +176,13 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
                 f"manifest {path}:{ln}: group {group!r} is in split {s!r} here but {prev[0]!r} on line {prev[1]}; "
                 "a group's pairs must share a split"
             )
-        values = {m: _text(rec.get(m), path, ln, m) for m in MODALITIES}  # validated in every split
+        for f in files:
+            other = file_split.setdefault(f, (s, ln))
+            if other[0] != s:
+                raise ValueError(
+                    f"manifest {path}:{ln}: file {f!r} is in split {s!r} here but {other[0]!r} on line {other[1]}; "
+                    "one file in two splits puts test items into training: give its records one group or one split"
+                )
         if s != split:
             continue
         raw_text = rec.get("text")
@@ -187,6 +203,31 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
     if dups:
         raise ValueError(f"manifest {path}: {len(dups)} duplicate ids, e.g. {', '.join(dups[:5])}")
     return out
+
+
+def _groups_by_file(records: list[tuple[str, list[str]]]) -> dict[str, str]:
+    """The group of each file of records that name no group: records sharing a file, directly or through
+    others, are one group, named by the id of its first record (union-find over the files)."""
+    parent: dict[str, str] = {}
+
+    def root(f: str) -> str:
+        while parent[f] != f:
+            parent[f] = parent[parent[f]]
+            f = parent[f]
+        return f
+
+    first: dict[str, tuple[int, str]] = {}  # a set's root -> (position, id) of its first record
+    for i, (rid, files) in enumerate(records):
+        for f in files:
+            if f not in parent:
+                parent[f] = f
+                first[f] = (i, rid)
+        for f in files[1:]:
+            a, b = root(files[0]), root(f)
+            if a != b:
+                a, b = (a, b) if first[a] < first[b] else (b, a)
+                parent[b] = a
+    return {f: first[root(f)][1] for f in parent}
 
 
 @register("manifest")
