@@ -276,3 +276,31 @@ def test_a_length_a_method_cannot_make_is_recorded_not_fatal(tmp_path):
     agg = sweep.aggregate(tmp_path / "experiments" / "synthetic")
     assert agg["n_runs"] == 1 and agg["not_applicable"][0]["key"] == "pca_sign-128b-s0"
     assert "Not applicable (1 runs" in (tmp_path / "experiments" / "synthetic" / "results.md").read_text()
+
+
+def test_a_run_another_process_is_making_is_waited_for_not_made_twice(tmp_path):
+    """Two sweeps over one grid (two shells, or a rerun while the first runs): the second waits for the run's
+    lock and then reads the first's result. Before, both trained it and wrote over each other's folder."""
+    import time
+    cfg = _cfg(tmp_path, "method=lsh", "bits=16", "seed=0")
+    first = sweep.run_one(cfg)
+    run_dir = sweep.run_path(tmp_path / "experiments" / "synthetic", "lsh-16b-s0", first["digest"])
+    (run_dir / "result.json").unlink()  # the other process is making the run again
+    ready = tmp_path / "ready"
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import json, sys, time; from pathlib import Path; from filelock import FileLock\n"
+        "run, ready, res = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])\n"
+        "with FileLock(str(run.with_name(run.name + '.lock'))):\n"
+        "    ready.touch(); time.sleep(1.5)\n"
+        "    (run / 'result.json').write_text(json.dumps({**res, 'made_by': 'the other sweep'}))\n"),
+        str(run_dir), str(ready), json.dumps(first)])
+    try:
+        for _ in range(300):
+            if ready.exists() or other.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert ready.exists(), "the other process never took the lock"
+        second = sweep.run_one(cfg)
+    finally:
+        other.wait(timeout=60)
+    assert second.get("made_by") == "the other sweep"  # waited, then found it done: not computed again
