@@ -227,3 +227,54 @@ def test_member_whose_code_is_not_its_entrys_is_not_served(redis_server):
     assert b.lookup(b.query_from_code("text", y)) is None
     assert b.metrics.value("cache_l2_errors_total", op="corrupt") >= 1
     assert b.lookup(b.query_from_code("text", x)).value == "v1"
+
+
+def test_one_trial_call_at_a_time_once_the_circuit_half_opens():
+    """When the open time is up, one caller makes the trial call and the others are refused as if the circuit
+    were still open. Before, every arriving thread made a call (pybreaker lets all through in half-open), so a
+    dead Redis cost each of them its timeout."""
+    import time
+
+    import redis
+
+    from ushash.serving.cache.redis_store import L2Unavailable, RedisStore
+
+    calls, release, failing = [], threading.Event(), [True]
+
+    class Dead:
+        def register_script(self, _):
+            return None
+
+        def sunion(self, keys):
+            calls.append(threading.get_ident())
+            if failing[0]:
+                raise redis.ConnectionError("down")
+            release.wait(5)  # the trial call hangs, as on a connect timeout
+            return set()
+
+    store = RedisStore(bits=64, breaker_failures=1, breaker_backoff_s=0.05, client=Dead())
+    code = bytes(8)
+    with pytest.raises(L2Unavailable):
+        store.lookup("t", "r", code, 2)  # the failure opens the circuit
+    assert not store.available
+    time.sleep(0.1)  # the open time is up
+    failing[0] = False
+    refused = []
+
+    def one():
+        try:
+            store.lookup("t", "r", code, 2)
+        except L2Unavailable:
+            refused.append(1)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert len(calls) == 2 and len(refused) == 7  # the opening failure and one trial call
+    assert store._breaker.current_state == "closed"  # the trial succeeded
+    store.lookup("t", "r", code, 2)
+    assert len(calls) == 3  # closed again: every call goes through

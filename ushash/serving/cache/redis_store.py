@@ -29,7 +29,8 @@ Failures: every call has a socket timeout; errors are counted (cache_l2_errors_t
 cache carries on with L1 alone. A circuit breaker (pybreaker's state machine) opens after
 `breaker_failures` consecutive failures: the store then stops trying for `breaker_backoff_s` (doubling,
 as redis-py's ExponentialBackoff, up to `breaker_max_backoff_s`, after each failed trial call), so a dead
-or slow Redis costs nothing per request.
+or slow Redis costs nothing per request. One trial call at a time: while it is out, other calls are refused
+as if the circuit were open.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Callable
@@ -162,6 +164,7 @@ class RedisStore:
         # itself outside pybreaker's lock (its `call` holds the lock for the whole call, which would make
         # every thread wait on every other's round trip) and reports the outcome to it
         self._storage = pybreaker.CircuitMemoryStorage(pybreaker.STATE_CLOSED)
+        self._trial = threading.Lock()
         self._breaker = pybreaker.CircuitBreaker(
             fail_max=int(breaker_failures), reset_timeout=float(breaker_backoff_s), state_storage=self._storage,
             listeners=[_Backoff(breaker_backoff_s, breaker_max_backoff_s)], throw_new_error_on_trip=False,
@@ -225,7 +228,10 @@ class RedisStore:
             pass
 
     def _call(self, op: str, fn):
-        if not self.available:
+        # once the open time is up, one trial call at a time: the others are refused as if it were still
+        # open (pybreaker lets every caller through in half-open, a herd of timeouts on a dead Redis)
+        trial = self._breaker.current_state != pybreaker.STATE_CLOSED
+        if not self.available or (trial and not self._trial.acquire(blocking=False)):
             if self.metrics is not None:
                 self.metrics.l2_errors.labels(op="circuit_open").inc()
             raise L2Unavailable(op)
@@ -236,7 +242,11 @@ class RedisStore:
                 self.metrics.l2_errors.labels(op=op).inc()
             self._report(e)
             raise L2Unavailable(op) from e
-        self._report(None)
+        else:
+            self._report(None)
+        finally:
+            if trial:
+                self._trial.release()
         return out
 
     # ------------------------------------------------------------------ revisions
