@@ -17,6 +17,8 @@ from ushash.sim.replay import run_cachesim
     ("stream.seconds_per_request=0", "stream.seconds_per_request"),  # a stopped clock: TTLs never act
     ("stream.zipf_s=-1", "stream.zipf_s"),
     ("cosine_threshold=1.5", "cosine_threshold"),
+    ("split=train", "split=train: the heads were trained on it"),  # flattering hit rates, reported as a replay
+    ("split=tset", "split=tset: unknown split"),
 ])
 def test_meaningless_replay_settings_are_refused(override, field):
     cfg = compose("cachesim", ["export=nowhere", override])

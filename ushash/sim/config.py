@@ -126,6 +126,9 @@ def check_replay_settings(cfg) -> None:
         raise ValueError(f"methods: unknown method(s) {unknown}; choose from {list(METHODS)}")
     if "ushash_codes_only" in methods and "ushash" not in methods:
         raise ValueError("methods: ushash_codes_only runs only with ushash; add ushash to methods")
+    if str(cfg.split) not in ("val", "test"):
+        why = "the heads were trained on it: its hit rates flatter them" if str(cfg.split) == "train" else "unknown split"
+        raise ValueError(f"split={cfg.split}: {why}; replay split=test (or split=val)")
     st = cfg.stream
     if int(st.n_requests) <= 0:
         raise ValueError(f"stream.n_requests must be > 0; got {st.n_requests}")
