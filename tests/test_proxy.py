@@ -510,3 +510,26 @@ def test_the_model_service_answers_a_text_with_the_nearest_imagenet_class():
     r = client.post("/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400
     assert client.get("/v1/stats").json()["calls"] == 3
+
+
+def test_metrics_count_each_answer_by_outcome_and_need_a_token(setup):
+    """GET /metrics: the cache's series and the proxy's own, counted against what the responses said."""
+    client, up, _ = setup
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers=H("z")).status_code == 401
+    said = []
+    for body, headers in ((chat("q1"), H()), (chat("q1"), H()), (chat("q2"), H(**{"Cache-Control": "no-cache"})),
+                          ({"input": 3}, H()), (chat("q1"), H("z")), ({**chat("q3"), "fail": True}, H())):
+        r = client.post("/v1/chat/completions", json=body, headers=headers)
+        said.append(r.headers.get("x-cache") or "refused")
+    up_fail = httpx.MockTransport(lambda req: (_ for _ in ()).throw(httpx.ConnectError("down")))
+    client.app.state.client._transport = up_fail
+    r = client.post("/v1/chat/completions", json=chat("q4"), headers=H())
+    assert r.status_code == 502
+    said.append("upstream_error")
+    text = client.get("/metrics", headers=H("b")).text
+    got = {m[0]: float(m[1]) for m in re.findall(r'^proxy_requests_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+    want = {o: float(said.count(o)) for o in ("hit", "miss", "bypass", "refused", "upstream_error")}
+    assert got == want and want == {"hit": 1, "miss": 2, "bypass": 2, "refused": 1, "upstream_error": 1}
+    assert re.search(r"^proxy_upstream_duration_seconds_count 4\.0$", text, re.M)  # the forwarded ones that were answered
+    assert re.search(r'^cache_gets_total\{result="hit"\} 1\.0$', text, re.M)  # the cache's own series beside them

@@ -24,6 +24,11 @@ line). `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long t
 encoding the request, the search and the check) and, on a forwarded request, the upstream
 (`upstream;dur=`: until its answer's headers).
 
+GET /metrics is the cache's Prometheus series and the proxy's own: `proxy_requests_total{outcome}` (each POST
+the proxy answered: hit, miss, bypass, refused (its own 4xx), upstream_error (502)), the upstream's time to
+its answer's headers (`proxy_upstream_duration_seconds`) and answers relayed but not stored
+(`proxy_store_failures_total`). With a token set, /metrics needs one too (any): aggregate counts only.
+
 Tenants: `tokens` maps a bearer token to a tenant; with a map, a request without a known token is 401.
 Without one, `token` (or USHASH_PROXY_TOKEN) is the one accepted token, required when the proxy binds
 beyond loopback, and every request is tenant `default`. A tenant the cache does not serve (`cache.tenants`)
@@ -44,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
@@ -249,6 +254,32 @@ def request_target(scope) -> bytes:
     return path + (b"?" + query if query else b"")
 
 
+class ProxyMetrics:
+    """The proxy's own series, in a registry of their own (rendered after the cache's at /metrics)."""
+
+    OUTCOMES = ("hit", "miss", "bypass", "refused", "upstream_error")
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = r = CollectorRegistry()
+        requests = Counter("proxy_requests", "POST requests the proxy answered, by outcome", ["outcome"], registry=r)
+        self._by_outcome = {o: requests.labels(outcome=o) for o in self.OUTCOMES}  # every series from the start
+        self.upstream = Histogram("proxy_upstream_duration_seconds", "Upstream time to its answer's headers",
+                                  buckets=(1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                                           30.0, 60.0), registry=r)
+        self.store_failures = Counter("proxy_store_failures", "Upstream answers relayed but not stored (the store "
+                                      "failed)", registry=r)
+
+    def answered(self, outcome: str) -> None:
+        self._by_outcome[outcome].inc()
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
 def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: dict | None = None,
                      text_path: str | None = None, image_path: str | None = None,
                      max_body_bytes: int = ProxyConfig.max_body_bytes,
@@ -265,6 +296,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     tokens = dict(tokens or {})
     check_tenants(cache, tokens)
     client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s, transport=transport)
+    own = ProxyMetrics()
     workers = Workers()   # the cache's work (encoding, search, store) off the event loop
 
     @contextlib.asynccontextmanager
@@ -298,6 +330,14 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     @app.get("/healthz")
     def healthz():
         return {"ok": True, "revision": cache.revision}
+
+    @app.get("/metrics")
+    def metrics(request: Request):
+        if tenant_of(request.headers) is None:
+            return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(cache.metrics.text() + own.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/{path:path}")
     async def every_post(path: str):
@@ -380,6 +420,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     async def post(scope, receive, send):
         answer = await proxy(scope, receive)
         if answer is not None:
+            own.answered(answer.headers.get("x-cache")
+                         or ("upstream_error" if answer.status_code == 502 else "refused"))
             await answer(scope, receive, send)
 
     def lookup(modality, data, filters, tenant):
@@ -404,10 +446,12 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             up = await client.send(up_req, stream=True)
         except httpx.HTTPError as e:
             return err(502, f"upstream failed: {type(e).__name__}")
+        waited = time.perf_counter() - t0
+        own.upstream.observe(waited)
         out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP | {"x-cache", "server-timing"}}
         out_headers["X-Cache"] = label
         # the upstream's own Server-Timing metrics, if any, after the proxy's
-        out_headers["Server-Timing"] = ", ".join([f"{timing}upstream;dur={(time.perf_counter() - t0) * 1e3:.3f}",
+        out_headers["Server-Timing"] = ", ".join([f"{timing}upstream;dur={waited * 1e3:.3f}",
                                                   *up.headers.get_list("server-timing")])
         ctype = up.headers.get("content-type", "application/json")
         chunks = up.aiter_bytes()   # decoded: content-encoding is not copied
@@ -425,6 +469,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 await workers.run(functools.partial(cache.store_response, q, {"body": text, "content_type": ctype},
                                                     metadata=meta, tenant=tenant, ttl=ttl_s))
             except Exception as e:   # noqa: BLE001 (the upstream's answer is the client's, stored or not)
+                own.store_failures.inc()
                 log.warning("the upstream's answer was relayed but not stored: %s: %s", type(e).__name__, e)
 
         async def relay(head: list[bytes]):
