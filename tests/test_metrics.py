@@ -188,7 +188,7 @@ def test_end_to_end_with_tied_codes(protocol, denominator):
 
 # ------------------------------------------------------------------------------- bad inputs
 
-I0 = np.zeros((2, 3), np.int64)
+I0 = np.array([[0, 1, 2], [3, 2, 1]], np.int64)
 G2, G4 = np.array([0, 1]), np.array([0, 1, 2, 3])
 L2, L4 = np.zeros((2, 5), bool), np.zeros((4, 5), bool)
 R = np.zeros((2, 3), bool)

@@ -1,6 +1,6 @@
 """python -m ushash.eval ckpt=checkpoints/<run>/best.ckpt: every direction and protocol on the test split
 of the checkpoint's own feature store (ushash/evaluation/evaluate.py); returns the codes' mean tie-aware
-paired mAP@10."""
+paired mAP@k (the tie-broken one with denominator=found, which has no tie-aware value)."""
 
 from __future__ import annotations
 

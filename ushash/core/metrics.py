@@ -77,6 +77,12 @@ def _check_rel(rel, n_rel, k: int | None = None, kname: str = "k"):
     return rel, n_rel
 
 
+def _check_k(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be a positive int; got {k!r}")
+    return int(k)
+
+
 def _check_ks(ks) -> tuple[int, ...]:
     ks = (ks,) if isinstance(ks, (int, np.integer)) else tuple(ks)
     if not ks or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1 for x in ks):
@@ -110,6 +116,9 @@ def relevance(I, q_groups, db_groups, protocol="paired", q_labels=None, db_label
         raise ValueError(f"protocol must be one of {PROTOCOLS}; got {protocol!r}")
     if ((I < -1) | (I >= n)).any():
         raise ValueError(f"I must hold database indices in [0, {n}) or -1; got values in [{I.min()}, {I.max()}]")
+    srt = np.sort(I, axis=1)
+    if ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any():
+        raise ValueError("I repeats a database index within a row; a ranking lists each item at most once")
     valid = I >= 0
     safe = np.where(valid, I, 0)
     if protocol == "paired":
@@ -140,8 +149,7 @@ def average_precision_at_k(rel, n_rel, k, denominator="min") -> np.ndarray:
     rel: bool [M, >= k] relevance of the ranked results (only the first k columns are used);
     n_rel: int [M] relevant items in the whole database. Take `.mean()` for mAP@k.
     """
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"k must be a positive int; got {k!r}")
+    k = _check_k(k)
     if denominator not in DENOMINATORS:
         raise ValueError(f"denominator must be one of {DENOMINATORS}; got {denominator!r}")
     rel, n_rel = _check_rel(rel, n_rel, int(k))
@@ -265,6 +273,10 @@ def hamming_blocks(dist, rel, bits: int) -> tuple[np.ndarray, np.ndarray]:
     (empty blocks included), so no sort is needed."""
     dist = np.asarray(dist)
     rel = np.asarray(rel, bool)
+    if dist.ndim != 2 or rel.shape != dist.shape or not np.issubdtype(dist.dtype, np.integer):
+        raise ValueError(f"dist (int) and rel must be [M, N] of one shape; got {dist.shape} {dist.dtype} and {rel.shape}")
+    if dist.size and (dist.min() < 0 or dist.max() > bits):
+        raise ValueError(f"dist must be Hamming distances in [0, bits={bits}]; got values in [{dist.min()}, {dist.max()}]")
     m, n = dist.shape
     width = int(bits) + 1
     flat = (np.arange(m)[:, None] * width + dist).ravel()
@@ -281,6 +293,17 @@ def _log_factorial(n: int) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1)))])
 
 
+def _check_blocks(count, relevant, n_rel):
+    count, relevant, n_rel = np.asarray(count), np.asarray(relevant), np.asarray(n_rel)
+    if count.ndim != 2 or relevant.shape != count.shape or n_rel.shape != count.shape[:1]:
+        raise ValueError(f"count and relevant must be [M, B] of one shape and n_rel [M]; got {count.shape}, "
+                         f"{relevant.shape} and {n_rel.shape}")
+    count, relevant, n_rel = (x.astype(np.int64) for x in (count, relevant, n_rel))
+    if ((relevant < 0) | (relevant > count)).any() or (relevant.sum(axis=1) > n_rel).any():
+        raise ValueError("tie blocks must have 0 <= relevant <= count and n_rel >= the relevant items in the blocks")
+    return count, relevant, n_rel
+
+
 def expected_report(count, relevant, n_rel, k=10, ks=(1, 5, 10), denominator="min") -> dict:
     """Tie-aware metrics (TIE_DOC) from tie blocks (`tie_blocks` / `hamming_blocks`):
     {f"tie_map@{k}", f"tie_R@{K}", f"tie_P@{K}"}: means over queries of the expected AP@k (Z named as in
@@ -294,10 +317,8 @@ def expected_report(count, relevant, n_rel, k=10, ks=(1, 5, 10), denominator="mi
     """
     if denominator not in ("min", "all"):
         raise ValueError(f"tie-aware AP is defined here for denominator 'min' or 'all' (Z fixed); got {denominator!r}")
-    ks = _check_ks(ks)
-    count = np.asarray(count, np.int64)
-    relevant = np.asarray(relevant, np.int64)
-    n_rel = np.asarray(n_rel, np.int64)
+    k, ks = _check_k(k), _check_ks(ks)
+    count, relevant, n_rel = _check_blocks(count, relevant, n_rel)
     m = count.shape[0]
     if m == 0:
         return {f"tie_map@{k}": 0.0, **{f"tie_R@{K}": 0.0 for K in ks}, **{f"tie_P@{K}": 0.0 for K in ks}}

@@ -72,5 +72,5 @@ def run_eval(cfg: DictConfig) -> dict:
     log.info("%s", table)
     log.info("wrote %s and results.md", out / "results.json")
     codes_name = next(iter(methods_for(module, enc["name"])))
-    score = retrieval.mean_map([r for r in rows if r["method"] == codes_name], "paired", key=f"tie_map@{int(cfg.k)}")
+    score = retrieval.headline_map([r for r in rows if r["method"] == codes_name], int(cfg.k))
     return {"out": str(out), "rows": rows, "table": table, "score": score}

@@ -19,6 +19,7 @@ from ushash.data.store import FeatureSplit
 from ushash.core.index import HammingIndex, _l2_normalise, cosine_scores, cosine_search, distinct_rows
 
 LETTER = {"image": "I", "text": "T", "audio": "A"}
+KINDS = ("codes", "float")
 DENOMINATOR_DOC = {"min": "Z=min(k, #relevant)", "found": "Z=#relevant in top k", "all": "Z=#relevant"}
 
 # A method returns ("codes", uint8 [N, bits/8]) or ("float", float32 [N, d]).
@@ -62,6 +63,8 @@ def _joint_label_matrix(splits: list[FeatureSplit]) -> list[dict[str, np.ndarray
         for m, t in s.tables.items():
             mh = np.zeros((len(t), len(names)), dtype=bool)
             for i, labs in enumerate(t.labels):
+                if isinstance(labs, str):  # "cat" would be the labels c, a and t
+                    raise ValueError(f"the labels of {m} row {i} must be a tuple of names; got the str {labs!r}")
                 mh[i, [col[l] for l in labs]] = True
             per[m] = mh
         out.append(per)
@@ -74,9 +77,27 @@ def represent(split: FeatureSplit, method: Method) -> dict:
     for m, t in split.tables.items():
         try:
             reps[m] = method(m, np.asarray(t.x))
-        except KeyError:
-            continue  # the method has no encoder for this modality
+        except KeyError as e:
+            if e.args != (m,):
+                raise  # a bug inside the method, not "no encoder": its directions must not vanish silently
+            continue  # the method has no encoder for this modality (it raised KeyError(modality))
     return reps
+
+
+def check_rep(rep, name: str, modality: str, n_rows: int, where: str) -> tuple[str, np.ndarray]:
+    """A method's output for one table: ("codes", packed uint8 [n_rows, bits/8]) or ("float", finite [n_rows, d])."""
+    what = f"method {name!r} on the {where} {modality} table"
+    if not (isinstance(rep, tuple) and len(rep) == 2 and rep[0] in KINDS and isinstance(rep[1], np.ndarray)):
+        got = f"({rep[0]!r}, {type(rep[1]).__name__})" if isinstance(rep, tuple) and len(rep) == 2 else type(rep).__name__
+        raise ValueError(f"{what} must return ('codes', uint8 array) or ('float', float array); got {got}")
+    kind, x = rep
+    if x.ndim != 2 or len(x) != n_rows:
+        raise ValueError(f"{what} must return one row per table row [{n_rows}, ...]; got shape {x.shape}")
+    if kind == "codes" and x.dtype != np.uint8:
+        raise ValueError(f"{what} must return packed uint8 codes (ushash.core.codes.pack); got dtype {x.dtype}")
+    if kind == "float" and np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+        raise ValueError(f"{what} returned NaN or inf; check the features and the method's weights")
+    return kind, x
 
 
 #: K of the P@K curves (`evaluate(..., curves=True)`); capped at the database size.
@@ -89,7 +110,8 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method] | None = None, k: i
     """One row per (method, direction, protocol). The label protocol runs only if the split has labels.
 
     Queries come from `split`; the database is `database` when given (the hashing protocol's query set
-    against its retrieval set), else `split` itself. A database smaller than k pads the ranking with
+    against its retrieval set), else `split` itself. A direction runs when its query table and its database
+    table both have rows (no queries: no mean to take). A database smaller than k pads the ranking with
     "no result" (-1), which is never relevant. Methods are functions (`methods`) or representations already
     computed by `represent` (`reps`: name -> modality -> (kind, array)), for queries and database alike
     when there is no separate database.
@@ -112,9 +134,15 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method] | None = None, k: i
     for name, (q_reps, d_reps) in sources.items():
         d_reps = d_reps if d_reps is not None else q_reps
         mods = [m for m in split.modalities if m in q_reps and m in d_reps]
+        q_reps = {m: check_rep(q_reps[m], name, m, len(split.tables[m]), "query") for m in mods}
+        d_reps = {m: check_rep(d_reps[m], name, m, len(db_split.tables[m]), "database") for m in mods}
         for q, d in directions(mods):
             kind, qx = q_reps[q]
-            _, dx = d_reps[d]
+            dkind, dx = d_reps[d]
+            if dkind != kind:
+                raise ValueError(f"method {name!r} returned {kind} for {q} but {dkind} for {d}; one kind per method")
+            if not len(qx) or not len(dx):
+                continue
             I, bits = rank(kind, qx, dx, max(k, *ks))  # R@K for every K of ks, whatever k is
             here = [p for p in protocols if p != "label" or labels is not None]
             rel_args = {p: (q_groups[q], d_groups[d], p, labels[0][q] if p == "label" else None,
@@ -204,6 +232,9 @@ def selection_score(split: FeatureSplit, method: Method) -> float:
 
 def selection(rows: list[dict]) -> float:
     """The selection score of one method's `evaluate` rows (SELECTION_DOC)."""
+    if not rows:
+        raise ValueError("selection needs the rows of at least one direction; got none (the method encoded fewer "
+                         "than two modalities with rows)")
     return float(np.mean([mean_map(rows, p) for p in sorted({r["protocol"] for r in rows})]))
 
 
@@ -211,3 +242,10 @@ def mean_map(rows: list[dict], protocol: str = "paired", k: int = 10, key: str |
     """Mean over directions of mAP@k (`key`: another row field, e.g. "tie_map@10")."""
     vals = [r[key or f"map@{k}"] for r in rows if r["protocol"] == protocol]
     return float(np.mean(vals)) if vals else 0.0
+
+
+def headline_map(rows: list[dict], k: int = 10) -> float:
+    """Mean over directions of the paired tie-aware mAP@k; the tie-broken one where the rows have no tie-aware
+    value (denominator "found", whose Z depends on the order)."""
+    key = f"tie_map@{k}" if any(f"tie_map@{k}" in r for r in rows) else f"map@{k}"
+    return mean_map(rows, "paired", key=key)
