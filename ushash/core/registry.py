@@ -12,6 +12,7 @@ or an eviction policy is one module that registers itself plus one config file (
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable
 
 
@@ -42,7 +43,17 @@ def _same_object(a: Any, b: Any) -> bool:
                 and ca.co_firstlineno == cb.co_firstlineno)
     if isinstance(a, type) and isinstance(b, type):
         return a.__qualname__ == b.__qualname__ and a.__module__ == b.__module__
+    if type(a) is type(b) and dataclasses.is_dataclass(a):  # e.g. a MethodSpec made again: every field the same
+        return all(_same_object(x, y) or _equal(x, y)
+                   for x, y in ((getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)))
     return type(a) is type(b) and getattr(a, "name", None) == getattr(b, "name", object())  # e.g. a spec made again
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. arrays: not one truth value
+        return False
 
 
 class Registry(dict):
@@ -76,6 +87,9 @@ class Registry(dict):
         lowered = {k.lower(): k for k in self}
         if name.lower() in lowered:
             return lowered[name.lower()]
+        lowered_aliases = {k.lower(): v for k, v in self.aliases.items()}  # an alias spelled with capitals
+        if name.lower() in lowered_aliases:
+            return lowered_aliases[name.lower()]
         raise self.unknown(name)
 
     def unknown(self, name: str) -> UnknownName:

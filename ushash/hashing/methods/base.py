@@ -58,6 +58,8 @@ class FittedMethod:
         raise NotImplementedError
 
     def encode(self, modality: str, x) -> tuple[str, np.ndarray]:
+        if self.space is None:
+            raise RuntimeError(f"{type(self).__name__}.encode before fit: call fit(train_split, val_split) first")
         y = self.space.transform(modality, x)
         if self.output == "float":
             return "float", y

@@ -110,6 +110,9 @@ class SharedSpace:
             raise ValueError("max_rank/reg='auto' are chosen on the validation split: use "
                              "ushash.hashing.methods.space.choose_space(train, val, ...) (or pass numbers)")
         self.align, self.common_dim, self.max_rank, self.reg, self.power = align, int(common_dim), int(max_rank), float(reg), float(power)
+        if self.common_dim < 1 or self.max_rank < 1 or not (np.isfinite(self.reg) and self.reg >= 0):
+            raise ValueError(f"shared space: common_dim and max_rank must be >= 1 and reg a finite number >= 0; got "
+                             f"common_dim={common_dim!r}, max_rank={max_rank!r}, reg={reg!r}")
         self.maps: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # modality -> (input mean, projection)
         self.post_mean: dict[str, np.ndarray] = {}
         self.resolved = None
@@ -120,6 +123,14 @@ class SharedSpace:
     def fit(self, train: FeatureSplit) -> "SharedSpace":
         self.resolved = resolve_align(self.align, train.meta["encoder"]["name"])
         tables = {m: train.tables[m] for m in train.modalities}
+        for m, t in tables.items():  # an empty or non-finite table would give NaN maps, hence silently constant codes
+            if len(t) == 0:
+                raise ValueError(f"the training split has no {m} rows, so the shared space cannot map {m}; extract {m} "
+                                 f"features for the training split, or leave {m} out of the store")
+            bad = int((~np.isfinite(np.asarray(t.x))).any(axis=1).sum())
+            if bad:
+                raise ValueError(f"the training split's {m} features have {bad} rows with NaN or inf; extract them again "
+                                 f"(or drop those rows) before fitting the shared space")
         if self.resolved == "none":
             dims = {m: t.x.shape[1] for m, t in tables.items()}
             if len(set(dims.values())) != 1:
@@ -149,6 +160,10 @@ class SharedSpace:
             uniq, xg, mean, s, vt = views[m]
             lam = s ** 2
             r = int(min(self.max_rank, (lam > lam[0] * 1e-10).sum()))
+            if r == 0:  # one training group, or identical rows: no direction to whiten, every m row would get one code
+                raise ValueError(f"align=gcca: the training split's {m} features span no direction ({len(uniq)} group(s), "
+                                 f"all rows equal after averaging per group); {m} needs rows of at least two distinct "
+                                 f"groups to be mapped, or leave {m} out of the store")
             lam, v = lam[:r], vt[:r].T
             w = v / np.sqrt(lam + self.reg * lam.mean())
             rows = uniq  # ids in the one vocabulary
@@ -198,7 +213,11 @@ class SharedSpace:
         """float32 [N, dim]: mapped, centred by the modality's training mean, L2-normalised."""
         if self.resolved is None:
             raise RuntimeError("SharedSpace.transform before fit()")
-        y = self._map(modality, np.asarray(x, np.float64))
+        x = np.asarray(x, np.float64)
+        if x.size and not np.isfinite(x).all():  # NaN would map to a NaN row: a code of all zeros, silently
+            raise ValueError(f"{modality} features contain NaN or inf in {int((~np.isfinite(x)).reshape(len(x), -1).any(axis=1).sum())} "
+                             f"row(s); expected finite values (re-extract those items or drop them)")
+        y = self._map(modality, x)
         return _l2(y - self.post_mean[modality])
 
     def train_embeddings(self, train: FeatureSplit) -> np.ndarray:
@@ -243,9 +262,9 @@ def choose_space(train: FeatureSplit, val: FeatureSplit | None, align: str = _S.
         raise ValueError(f"the shared space is chosen on the validation split only; got the {val.meta.get('split')!r} split")
     ranks = [int(r) for r in rank_grid] if auto_rank else [int(max_rank)]
     regs = [float(r) for r in reg_grid] if auto_reg else [float(reg)]
-    # a store's folder names its identity (rows included) and `created` tells a rebuilt store apart
-    key = (str(train.path), train.meta.get("created"), str(val.path), val.meta.get("created"), align, int(common_dim),
-           tuple(ranks), tuple(regs), float(power))
+    # what the stores hold (`FeatureSplit.content`, computed once per opened split; training and sweeps read it too):
+    # a store made again in place within one second has the same folder and `created`, and other features
+    key = (train.content, val.content, align, int(common_dim), tuple(ranks), tuple(regs), float(power))
     if key in _CHOSEN:
         return _CHOSEN[key]
     from ushash.evaluation import retrieval
