@@ -154,6 +154,30 @@ def test_tiny_is_seeded_and_fingerprinted():
     assert build_encoder({**TINY, "amp": False}).fingerprint == a.fingerprint
 
 
+def test_a_code_version_changes_the_fingerprint_and_zero_keeps_it(monkeypatch):
+    """A change to what an encoder's code computes that neither its config nor its weights show (its
+    preprocessing, its pooling) had no way to keep the stores of the old features from being reused: each
+    encoder and each part has a code_version in the fingerprint; 0 (all today) keeps the old fingerprints."""
+    from ushash.encoders import tiny
+
+    base = build_encoder(TINY).fingerprint
+    # the value recorded before code_version existed (the stores and checkpoints of today are found by it)
+    import hashlib
+    enc = build_encoder(TINY)
+    from ushash.encoders.base import weights_digest
+    cfg = {"dim": enc.dims, "modalities": list(enc.parts), "seed": 0, "image_size": 32, "vocab_size": 4096,
+           "sample_rate": 16000, "audio_seconds": 1.0}
+    blob = json.dumps({"name": "tiny", "config": cfg, "dims": enc.dims, "weights": weights_digest(enc)},
+                      sort_keys=True, default=str)
+    assert base == hashlib.sha256(blob.encode()).hexdigest()[:16]
+    monkeypatch.setattr(tiny.TinyImage, "code_version", 1)
+    part = build_encoder(TINY).fingerprint
+    monkeypatch.setattr(tiny.TinyImage, "code_version", 0)
+    monkeypatch.setattr(tiny.TinyEncoder, "code_version", 1)
+    whole = build_encoder(TINY).fingerprint
+    assert len({base, part, whole}) == 3
+
+
 def test_tiny_fingerprint_is_stable_across_processes():
     code = "from ushash.encoders import build_encoder; print(build_encoder({'name': 'tiny', 'device': 'cpu'}).fingerprint)"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -126,6 +126,59 @@ def test_most_rows_bad_stops_with_what_was_found(tmp_path):
         extract(rows, CountingEncoder(), tmp_path / "feat", "toy", "train", num_workers=0, progress=False)
 
 
+def test_rows_that_failed_are_tried_again_when_the_extraction_resumes(tmp_path, monkeypatch):
+    """A passing failure (an optional decoder missing, a read that failed) stops the extraction at
+    `max_bad_frac`; once it is fixed, the resumed extraction decodes those rows again instead of keeping their
+    old failures (which stopped every later run the same way), and equals one made from scratch."""
+    from ushash.data import media
+
+    rows = _rows(tmp_path, n=10, corrupt=(), empty_caption=())
+    real = media.load
+
+    def flaky(modality, source, *a, **k):
+        if modality == "image" and not source.endswith(("img0.png", "img1.png")):
+            raise media.MediaError(source, "SVG needs cairosvg", media.NEEDS_DEPENDENCY)
+        return real(modality, source, *a, **k)
+
+    monkeypatch.setattr(media, "load", flaky)
+    with pytest.raises(FeatureStoreError, match="8 of 10 image rows failed"):
+        extract(rows, CountingEncoder(), tmp_path / "feat", "toy", "train", batch_size=3, num_workers=0,
+                progress=False)
+    monkeypatch.setattr(media, "load", real)
+    enc = CountingEncoder()
+    split = extract(rows, enc, tmp_path / "feat", "toy", "train", batch_size=3, num_workers=0, progress=False)
+    assert enc.seen == 8 + 0 + 10  # the 8 failed images again (the 2 good ones are kept), then the text
+    assert split.report["failed"] == [] and split.report["modalities"]["image"] == {"rows": 10, "ok": 10, "failed": 0}
+    fresh = extract(rows, CountingEncoder(), tmp_path / "fresh", "toy", "train", batch_size=4, num_workers=0,
+                    progress=False)
+    assert split.tables["image"].ids == fresh.tables["image"].ids
+    np.testing.assert_array_equal(split.tables["image"].x, fresh.tables["image"].x)
+
+
+def test_a_kill_while_failed_rows_are_retried_loses_none_of_them(tmp_path, monkeypatch):
+    """Killed while retrying: each row is still either encoded or recorded as failed, never neither."""
+    from ushash.data import media
+
+    rows = _rows(tmp_path, n=10, corrupt=(), empty_caption=())
+    real = media.load
+    monkeypatch.setattr(media, "load", lambda m, src, *a, **k: (_ for _ in ()).throw(
+        media.MediaError(src, "read failed", media.UNDECODABLE)) if m == "image" else real(m, src, *a, **k))
+    with pytest.raises(FeatureStoreError):
+        extract(rows, CountingEncoder(), tmp_path / "feat", "toy", "train", batch_size=3, num_workers=0,
+                progress=False)
+    monkeypatch.setattr(media, "load", real)
+    with pytest.raises(KeyboardInterrupt):
+        extract(rows, CountingEncoder(fail_after=3), tmp_path / "feat", "toy", "train", batch_size=3,
+                num_workers=0, progress=False, flush_every=1)
+    partial = next((tmp_path / "feat").rglob("*.partial"))
+    prog = json.loads((partial / "image.progress.json").read_text())
+    assert len(prog["ok"]) == 3 and len(prog["failed"]) == 7
+    assert {rows[2 * i].id for i in prog["ok"]}.isdisjoint(prog["failed"])
+    split = extract(rows, CountingEncoder(), tmp_path / "feat", "toy", "train", batch_size=3, num_workers=0,
+                    progress=False)
+    assert len(split.tables["image"]) == 10
+
+
 def test_duplicate_ids_refused(tmp_path):
     rows = _rows(tmp_path, n=3, corrupt=())
     rows.append(rows[0])
@@ -267,6 +320,35 @@ def test_store_uses_the_one_atomic_write_and_lock(tmp_path):
     with features.store_lock(out):
         with pytest.raises(Timeout):
             FileLock(str(out.with_name(out.name + ".lock"))).acquire(timeout=0)
+
+
+def test_every_file_of_a_store_reaches_the_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """Only meta.json was fsynced: after a power cut a finished-looking store could hold arrays and row lists
+    that never reached the disk. Each file is fsynced before the rename, the folder too."""
+    import os
+
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else fd)
+        return real_fsync(fd)
+
+    def replace(a, b):
+        renamed.append((str(a), len(synced)))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    split = extract(_rows(tmp_path, n=3, corrupt=(), empty_caption=()), CountingEncoder(), tmp_path / "feat",
+                    "toy", "train", num_workers=0, progress=False)
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("needs /proc to name the fsynced files")
+    partial = str(split.path) + ".partial"
+    before = synced[:[n for a, n in renamed if a == partial][0]]
+    for name in ("image.npy", "text.npy", "image.rows.jsonl", "text.rows.jsonl", "report.json", "meta.json"):
+        assert os.path.join(partial, name) in before, name
+    assert partial in before
 
 
 def test_run_extract_logs_one_summary_line_per_split(tmp_path, caplog):

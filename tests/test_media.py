@@ -61,6 +61,19 @@ def test_other_transparent_modes(tmp_path, mode):
     assert out.shape == (4, 4, 3) and (out == 255).all()
 
 
+def test_an_svg_file_over_the_byte_limit_is_refused_unread(tmp_path, monkeypatch):
+    """SVG files are read whole: a file over max_svg_bytes was read into memory (gigabytes) and only then
+    refused. Its size on disk refuses it first, in one line naming the file and the limit."""
+    path = tmp_path / "big.svg"
+    with open(path, "wb") as f:
+        f.write(SVG.encode())
+        f.truncate(media.FILE_LIMITS.max_svg_bytes * 2)   # sparse: no disk used
+    monkeypatch.setattr(media, "_read", lambda p: pytest.fail("read before its size was checked"))
+    with pytest.raises(MediaError) as e:
+        load_image(path)
+    assert e.value.code == media.OVER_LIMIT and str(path) in str(e.value) and "max_svg_bytes" in str(e.value)
+
+
 def test_svg_is_rasterised_to_svg_size(tmp_path):
     pytest.importorskip("cairosvg")
     (tmp_path / "a.svg").write_text(SVG)

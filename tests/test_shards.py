@@ -139,6 +139,25 @@ def test_bad_rows_across_shards_and_the_limit(tmp_path, encoder):
                                num_workers=0, progress=False)
 
 
+def test_a_split_stopped_by_bad_rows_extracts_them_again_once_fixed(tmp_path, encoder, monkeypatch):
+    """Stopped at max_bad_frac by a passing failure: the units holding failed rows were kept as finished, so
+    every later run stopped the same way after the fix. They are extracted again; the store equals a fresh one."""
+    from ushash.data import media
+
+    rows = _rows(tmp_path, n=8)
+    real = media.load
+    monkeypatch.setattr(media, "load", lambda m, src, *a, **k: (_ for _ in ()).throw(
+        media.MediaError(src, "needs cairosvg", media.NEEDS_DEPENDENCY)) if m == "image" and not src.endswith(
+        "img000.png") else real(m, src, *a, **k))
+    kw = dict(shards=3, accelerator="cpu", num_workers=0, progress=False)
+    with pytest.raises(FeatureStoreError, match="7 of 8 image rows failed"):
+        shards.extract_sharded(rows, encoder, tmp_path / "f", "toy", "test", **kw)
+    monkeypatch.setattr(media, "load", real)
+    split = shards.extract_sharded(rows, encoder, tmp_path / "f", "toy", "test", **kw)
+    assert split.report["failed"] == [] and len(split.tables["image"]) == 8
+    _same(split, extract(rows, encoder, tmp_path / "plain", "toy", "test", num_workers=0, progress=False))
+
+
 def _tar(path, members, truncate_at=None):
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:

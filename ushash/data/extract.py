@@ -290,14 +290,14 @@ def extract(rows: list[Row], encoder, root: str | Path, dataset: str, split: str
 class _Decode(Dataset):
     """Decodes and preprocesses rows in DataLoader workers: (index, x, None) or (index, None, failure)."""
 
-    def __init__(self, rows: list[Row], encoder, start: int):
-        self.rows, self.encoder, self.start = rows, encoder, start
+    def __init__(self, rows: list[Row], encoder, indices: list[int]):
+        self.rows, self.encoder, self.indices = rows, encoder, indices
 
     def __len__(self) -> int:
-        return len(self.rows) - self.start
+        return len(self.indices)
 
-    def __getitem__(self, i: int):
-        i += self.start
+    def __getitem__(self, k: int):
+        i = self.indices[k]
         row = self.rows[i]
         return (i, *prepare(self.encoder, row.modality, row.source))
 
@@ -318,14 +318,20 @@ def _extract_modality(rows: list[Row], encoder, work: Path, modality: str, batch
         del arr
         write_json(prog_file, prog)
     prog["failed"] = {k: v if isinstance(v, dict) else failure(UNKNOWN, v) for k, v in prog["failed"].items()}
-    if prog["done"] >= len(rows):
+    # The rows an interrupted run could not use are tried again, first: a failure may have been passing (an
+    # optional decoder such as cairosvg installed since, a file system that failed a read). They once stayed
+    # failed in every resumed run, so an extraction stopped by `max_bad_frac` stopped again after the fix.
+    # A row stays in "failed" until it is encoded, so a kill during the retry loses none of them.
+    retry = [i for i, r in enumerate(rows[:prog["done"]]) if r.id in prog["failed"]]
+    todo = retry + list(range(prog["done"], len(rows)))
+    if not todo:
         return prog
     arr = np.load(arr_file, mmap_mode="r+")
     ok = set(prog["ok"])
-    loader = DataLoader(_Decode(rows, encoder, prog["done"]), batch_size=batch_size, num_workers=num_workers,
+    loader = DataLoader(_Decode(rows, encoder, todo), batch_size=batch_size, num_workers=num_workers,
                         collate_fn=collate_list, shuffle=False,
                         persistent_workers=False, prefetch_factor=4 if num_workers else None)
-    bar = tqdm(total=len(rows), initial=prog["done"], desc=f"extract {modality}", unit="item",
+    bar = tqdm(total=len(rows) + len(retry), initial=prog["done"], desc=f"extract {modality}", unit="item",
                disable=not progress, dynamic_ncols=True)
     for step, batch in enumerate(loader):
         good = [(i, x) for i, x, fail in batch if fail is None]
@@ -340,7 +346,8 @@ def _extract_modality(rows: list[Row], encoder, work: Path, modality: str, batch
                 else:
                     arr[i] = f
                     ok.add(i)
-        prog["done"] = batch[-1][0] + 1
+                    prog["failed"].pop(rows[i].id, None)
+        prog["done"] = max(prog["done"], batch[-1][0] + 1)
         bar.update(len(batch))
         if (step + 1) % flush_every == 0 or prog["done"] >= len(rows):
             arr.flush()

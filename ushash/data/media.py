@@ -159,6 +159,9 @@ def load_image(path: str | os.PathLike, svg_size: int = SVG_SIZE, limits: MediaL
     p = Path(path)
     _check_file(p)
     if p.suffix.lower() in SVG_SUFFIXES:
+        cap = limits.max_svg_bytes   # read whole below: a file of gigabytes was read into memory, then refused
+        if cap is not None and p.stat().st_size > cap + cap // 1000 + 1024:  # (gzip adds at most that)
+            raise MediaError(p, f"SVG file of {p.stat().st_size} bytes is over max_svg_bytes={cap}", OVER_LIMIT)
         return _flatten(_rasterise_svg(_read(p), p, svg_size, limits), p)
     if limits.max_image_segments is not None:   # mapped, not read: the count touches the headers' pages only
         try:

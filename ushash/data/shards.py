@@ -290,6 +290,19 @@ class Plan:
                                     f"{self.enc_name} ({self.enc_modalities}); found {report['modalities']}")
         return report
 
+    def forget_failed_units(self) -> None:
+        """Remove the finished units that hold failed rows, so that the next run extracts them again: after a
+        split stopped at `max_bad_frac` for a passing cause (a missing optional decoder, an unmounted or
+        flaky disk), every later run found those units finished and stopped the same way after the fix."""
+        for u in self.units:
+            path = self.unit_store(u)
+            try:
+                failed = json.loads((path / "report.json").read_text(encoding="utf-8"))["failed"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if failed:
+                shutil.rmtree(path, ignore_errors=True)
+
     def merge(self, report: dict) -> FeatureSplit:
         """Write the finished store from the units, in the split's row order, atomically; drop the units."""
         tmp = self.work / "merge"
@@ -469,7 +482,12 @@ def extract_sharded(rows: list[Row], encoder, root: str | Path, dataset: str, sp
                 return open_split(plan.out)
             trainer.predict(_extractor(plan, encoder), return_predictions=False)
             trainer.strategy.barrier("ushash-shards-extracted")
-            report = plan.check()  # on every rank, so all of them stop on a bad split
+            try:
+                report = plan.check()  # on every rank, so all of them stop on a bad split
+            except FeatureStoreError:
+                if trainer.is_global_zero and all(plan.done(u) for u in plan.units):  # stopped by bad rows
+                    plan.forget_failed_units()
+                raise
             if trainer.is_global_zero:
                 with store_lock(plan.out) if trainer.world_size > 1 else contextlib.nullcontext():
                     if not (plan.out / "meta.json").exists():

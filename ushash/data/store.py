@@ -48,7 +48,8 @@ def encoder_meta(encoder, config: dict | None = None) -> dict:
 def rows_fingerprint(rows) -> str:
     """16 hex digits over every row's modality, id, group, labels and source, in order: a caption by its
     text, a file by its path, size and modification time (a member of a container, `tar:...#m` or `hf:...#m`,
-    by the container's), and over how a file is decoded (`decode_identity`). Another manifest,
+    by the container's; a container that is a folder by its files', `_folder_key`), and over how a file is decoded
+    (`decode_identity`). Another manifest,
     another split seed or fraction, an edited caption or label, a replaced image (even of the same size: an
     image of the same size and dimensions once reused the old pixels' store) or a change to decoding give
     another fingerprint, so a feature store is never reused for other rows or other pixels. Like make and
@@ -113,10 +114,32 @@ def _source_key(row, sizes: dict) -> str:
     if path not in sizes:
         try:
             st = os.stat(path)
-            sizes[path] = f"{st.st_size}\0{st.st_mtime_ns}"
+            sizes[path] = _folder_key(path) if os.path.isdir(path) else f"{st.st_size}\0{st.st_mtime_ns}"
         except OSError:
             sizes[path] = "missing"
     return f"{src}\0{sizes[path]}"
+
+
+def _folder_key(path: str) -> str:
+    """A container that is a folder (`hf:<dataset dir>#...`, a Hugging Face dataset saved to disk) by the
+    names, sizes and modification times of the files in it: a folder's own size and time change only when
+    an entry is added, removed or renamed, so a dataset saved again over the same files (its .arrow files
+    rewritten in place with other images) once kept its rows fingerprint and its old features. Hidden files
+    and `datasets`' cache files (`cache-*.arrow`, written beside the data by a map or filter) are left out."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.startswith((".", "cache-")):  # locks, and `datasets`' own cache files of a map or filter
+                continue
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue
+            rel = os.path.relpath(full, path)
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode("utf-8", "surrogatepass"))
+    return "folder " + h.hexdigest()[:16]
 
 
 def store_identity(dataset: str, split: str, encoder: dict, rows: str | None = None) -> dict:
@@ -243,11 +266,41 @@ def write_meta(work: Path, identity: dict, modalities: dict[str, dict]) -> None:
 
 
 def finish(work: Path, out: Path) -> FeatureSplit:
-    """Rename a complete `<out>.partial` folder into place (replacing an older `out`) and open it."""
+    """Rename a complete `<out>.partial` folder into place (replacing an older `out`) and open it.
+
+    Every file of it is fsynced first, and the folders after the rename: only meta.json (written by
+    `write_json`) was, so a power cut after the rename could leave a finished-looking store whose arrays or
+    row lists had not reached the disk (zeros or a short file under a whole meta.json)."""
+    _sync_tree(work)
     if out.exists():
         shutil.rmtree(out)
     os.replace(work, out)
+    _fsync_dir(out.parent)
     return open_split(out)
+
+
+def _sync_tree(folder: Path) -> None:
+    for p in sorted(folder.iterdir()):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory handles (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_split(out: str | Path, dataset: str, split: str, tables: dict[str, dict], encoder: dict,

@@ -128,6 +128,7 @@ class Part(nn.Module):
     """One modality's encoder inside a composite encoder (see `Encoder.parts`)."""
 
     dim: int
+    code_version: int = 0  # see Encoder.code_version
 
     def preprocess(self, raw: Any) -> Any:
         raise NotImplementedError
@@ -148,6 +149,10 @@ class Encoder(nn.Module):
     """
 
     name: str = ""
+    #: raised with a change to what the code computes (preprocessing, pooling) that neither the config nor the
+    #: weights show, so that the stores of the old features are not reused (as media.DECODE_VERSION does for
+    #: decoding); a Part has its own. 0 everywhere leaves the fingerprints as they were before it existed.
+    code_version: int = 0
     modalities: tuple[str, ...] = ()
     sample_rate: int | None = None  # Hz the audio input must have; None without audio
     audio_seconds: float | None = None  # clip length audio is cropped/padded to; None without audio
@@ -171,11 +176,11 @@ class Encoder(nn.Module):
         self.requires_grad_(False)
         self.eval()
         arch = {k: v for k, v in config.items() if k not in RUNTIME_ARGS}
-        blob = json.dumps(
-            {"name": self.name, "config": arch, "dims": self.dims, "weights": weights_digest(self)},
-            sort_keys=True,
-            default=str,
-        )
+        record = {"name": self.name, "config": arch, "dims": self.dims, "weights": weights_digest(self)}
+        code = {m: p.code_version for m, p in self.parts.items() if p.code_version}
+        if self.code_version or code:
+            record["code"] = {"encoder": self.code_version, **code}
+        blob = json.dumps(record, sort_keys=True, default=str)
         self.fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
         self.to(self._target_device)
 

@@ -1,0 +1,102 @@
+"""A feature store is never served for anything but what made it: each change below to the rows, their
+files, their decoding or the encoder makes another store with the features the code gives now."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ushash.data.extract import extract
+from ushash.data.rows import Row
+from ushash.encoders import build_encoder
+
+SVG = b'<svg xmlns="http://www.w3.org/2000/svg" width="20" height="20"><rect width="20" height="10" fill="red"/></svg>'
+
+
+def _png(path, value, size=8):
+    Image.fromarray(np.full((size, size, 3), value, np.uint8)).save(path)
+    return str(path)
+
+
+def _rows(tmp_path, n=4):
+    rows = []
+    for i in range(n):
+        rows.append(Row("image", f"i{i}", f"g{i}", _png(tmp_path / f"{i}.png", 40 * i)))
+        rows.append(Row("text", f"t{i}", f"g{i}", f"caption number {i}"))
+    return rows
+
+
+def _extract(rows, root, enc=None, **kw):
+    enc = enc or build_encoder({"name": "tiny", "dim": 8, "modalities": ["image", "text"], "device": "cpu"})
+    return extract(rows, enc, root, "toy", "train", batch_size=3, num_workers=0, progress=False, **kw)
+
+
+def _fresh(rows, tmp_path, name, enc=None):
+    return _extract(rows, tmp_path / name, enc)
+
+
+def _same_as_fresh(split, fresh):
+    for m in fresh.tables:
+        assert split.tables[m].ids == fresh.tables[m].ids
+        np.testing.assert_array_equal(np.asarray(split.tables[m].x), np.asarray(fresh.tables[m].x))
+
+
+@pytest.mark.parametrize("change", ["caption", "image_same_name", "image_same_size", "reorder", "add_row",
+                                    "labels", "group"])
+def test_a_changed_row_never_reuses_the_store(tmp_path, change):
+    rows = _rows(tmp_path)
+    first = _extract(rows, tmp_path / "feat")
+    if change == "caption":
+        rows[1] = Row("text", "t0", "g0", "another caption")
+    elif change == "image_same_name":
+        _png(rows[2].source, 250, size=12)
+    elif change == "image_same_size":  # same bytes count and dimensions, other pixels, a later mtime
+        size = os.path.getsize(rows[2].source)
+        Image.fromarray(np.full((8, 8, 3), 7, np.uint8)).save(rows[2].source)
+        st = os.stat(rows[2].source)
+        os.utime(rows[2].source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert os.path.getsize(rows[2].source) == size
+    elif change == "reorder":
+        rows = rows[2:] + rows[:2]
+    elif change == "add_row":
+        rows.append(Row("text", "t9", "g9", "one more"))
+    elif change == "labels":
+        rows[1] = Row("text", "t0", "g0", rows[1].source, ("new",))
+    elif change == "group":
+        rows[1] = Row("text", "t0", "g1", rows[1].source)
+    again = _extract(rows, tmp_path / "feat")
+    assert again.path != first.path
+    _same_as_fresh(again, _fresh(rows, tmp_path, "fresh"))
+
+
+@pytest.mark.parametrize("setting", [{"image_size": 16}, {"seed": 1}, {"vocab_size": 512}])
+def test_another_encoder_setting_or_weights_never_reuses_the_store(tmp_path, setting):
+    rows = _rows(tmp_path)
+    first = _extract(rows, tmp_path / "feat")
+    enc = build_encoder({"name": "tiny", "dim": 8, "modalities": ["image", "text"], "device": "cpu", **setting})
+    again = _extract(rows, tmp_path / "feat", enc)
+    assert again.path != first.path
+    assert not np.allclose(np.asarray(again.tables["image" if "vocab_size" not in setting else "text"].x),
+                           np.asarray(first.tables["image" if "vocab_size" not in setting else "text"].x))
+
+
+def test_a_dataset_folder_saved_again_over_the_same_files_gives_other_rows(tmp_path):
+    """`hf:<dataset dir>#...` rows were keyed by the folder's own size and time, which change only when an
+    entry is added or removed: a dataset saved again over the same .arrow files kept its fingerprint."""
+    from ushash.data.store import rows_fingerprint
+
+    ds = tmp_path / "coco_hf"
+    (ds / "test").mkdir(parents=True)
+    arrow = ds / "test" / "data-00000-of-00001.arrow"
+    arrow.write_bytes(b"images, version 1")
+    rows = [Row("image", "0", "g0", f"hf:{ds}#test/0/image")]
+    before = rows_fingerprint(rows)
+    folder_time = os.stat(ds).st_mtime_ns
+    with open(arrow, "r+b") as f:  # rewritten in place: same name, same size
+        f.write(b"images, version 2")
+    st = os.stat(arrow)
+    os.utime(arrow, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert os.stat(ds).st_mtime_ns == folder_time
+    assert rows_fingerprint(rows) != before
