@@ -68,6 +68,21 @@ class Result:
     verified: bool | None = None   # a shadow check computed this hit anyway: did the answers agree
 
 
+def _packed(codes) -> np.ndarray:
+    """Packed code bytes as uint8: bytes as they are, integer arrays of values 0..255 as uint8; anything else
+    is refused (a cast would wrap 300 to 44 or truncate 0.7 to 0: another request's code)."""
+    if isinstance(codes, (bytes, bytearray, memoryview)):
+        return np.frombuffer(codes, np.uint8)
+    a = np.asarray(codes)
+    if a.dtype == np.uint8:
+        return a
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer) or \
+            (a.size and (int(a.min()) < 0 or int(a.max()) > 255)):
+        raise RequestError(f"code must be packed bytes (uint8, or integers 0..255); got {a.dtype} "
+                           f"{a.reshape(-1)[:4].tolist()}...")
+    return a.astype(np.uint8)
+
+
 def _flight_key(hit: Hit | None, tenant: str, q: Query):
     """The single-flight key of a lookup's outcome: None when the hit is served as it is; a miss computes
     once per (tenant, code); an XFetch refresh once per ("refresh", tenant, code)."""
@@ -137,6 +152,8 @@ class SemanticCache(CheckStore):
         self.bits = int(head.bits)
         self.code_bytes = self.bits // 8
         self.payload_codec = getattr(head, "payload", None)
+        # a query z's shape (the shared space): one of another width would broadcast in a tier's payload check
+        self._zshape = (self.payload_codec[head.modalities[0]].dim,) if self.payload_codec is not None else None
         self.encoder = QueryEncoder(head, encoder, c.media)
         self.l1 = L1Tier(self.bits, self._tier_config, self.metrics, self.clock, self.payload_codec, head.modalities,
                          str(head.revision))
@@ -230,11 +247,19 @@ class SemanticCache(CheckStore):
 
     def query_from_code(self, modality: str, code, z=None) -> Query:
         """A Query from a precomputed packed code (and z for the payload check)."""
-        code = np.asarray(code, dtype=np.uint8).reshape(-1)
+        modality = self.encoder.check_modality(modality)
+        code = _packed(code).reshape(-1)
         if code.shape != (self.code_bytes,):
             raise RequestError(f"code must be {self.code_bytes} bytes ({self.bits} bits); got {code.shape}")
         if z is not None:
-            z = np.asarray(z, np.float32).reshape(-1)
+            with np.errstate(over="ignore", invalid="ignore"):
+                z = np.asarray(z, np.float32).reshape(-1)
+            dim = getattr(self.head, "dim", None)
+            if dim is not None and z.shape != (int(dim),):
+                # a z of another width would broadcast in the payload check (a 1-d z gives cosines > 1)
+                raise RequestError(f"z must be {int(dim)} floats (the head's shared space); got {z.shape[0]}")
+            if not np.isfinite(z).all():
+                raise RequestError("z must be finite float32 numbers")
             z = z / max(float(np.sqrt(z @ z)), 1e-30)
         return Query(modality, code.tobytes(), z)
 
@@ -270,6 +295,7 @@ class SemanticCache(CheckStore):
         encoded before a reload() misses, and a hit found while one happened is not served."""
         t0 = time.perf_counter()
         tenant = self.check_tenant(tenant)
+        self._check_queries(queries)
         n = len(queries)
         hits: list[Hit | None] = [None] * n
         tiers: str | list[str] = "l1"   # one tier for all, or one per lookup once the L2 is asked
@@ -344,6 +370,21 @@ class SemanticCache(CheckStore):
                                                       for h, d in zip(hits, nearest)], dt)
         return hits
 
+    def _check_queries(self, queries) -> None:
+        """Refuse a Query made by hand whose code is not `code_bytes` bytes (a batch's codes are joined and
+        cut into rows: a short one would shift the others onto codes of other requests) or whose z is not
+        a vector of the shared space's width (the payload check would broadcast it: a 1-d z gives cosines
+        far above 1, a false hit)."""
+        cb, shape = self.code_bytes, self._zshape
+        for q in queries:
+            if not isinstance(q.code, bytes) or len(q.code) != cb:
+                raise RequestError(f"a query's code must be {cb} bytes ({self.bits} bits); got "
+                                   f"{type(q.code).__name__} of {len(q.code) if hasattr(q.code, '__len__') else '?'}")
+            z = q.z
+            if z is not None and shape is not None and np.shape(z) != shape:
+                raise RequestError(f"a query's z must be {shape[0]} floats (the shared space); got shape "
+                                   f"{np.shape(z)}")
+
     def _hit(self, f, tier: str, now: float, q: Query | None = None) -> Hit:
         e = f.entry
         if q is not None:
@@ -360,6 +401,7 @@ class SemanticCache(CheckStore):
             return [h] if h is not None else []
         t0 = time.perf_counter()
         tenant = self.check_tenant(tenant)
+        self._check_queries([q])
         hit, nearest, tier, more = None, None, "l1", []
         l1, tier_list, rev = self._serving   # as lookup_many: the query's revision, while it is the one served
         if q.revision is not None and q.revision != rev:
@@ -435,6 +477,7 @@ class SemanticCache(CheckStore):
         the batch in one index add."""
         t0 = time.perf_counter()
         tenant = self.check_tenant(tenant)
+        self._check_queries(queries)
         if len(values) != len(queries):
             raise ValueError(f"{len(queries)} queries but {len(values)} values")
         scopes = list(scopes) if scopes is not None else [b""] * len(queries)
@@ -489,7 +532,13 @@ class SemanticCache(CheckStore):
         """Bulk-load precomputed codes uint8 [N, bits/8] (and payload records uint8 [N, nbytes]) into L1
         (benchmarks, warm starts), `batch` entries per L1 call. Returns how many were admitted. Not written
         to the L2."""
-        codes = np.ascontiguousarray(codes, dtype=np.uint8)
+        tenant = self.check_tenant(tenant)
+        modality = self.encoder.check_modality(modality)
+        codes = np.ascontiguousarray(_packed(codes))
+        if codes.ndim != 2 or codes.shape[1] != self.code_bytes:
+            raise RequestError(f"codes must be uint8 [N, {self.code_bytes}] ({self.bits}-bit codes); got {codes.shape}")
+        if len(values) != len(codes):
+            raise ValueError(f"{len(codes)} codes but {len(values)} values")
         if payloads is not None:  # L1 records are decoded unchecked on every lookup: check them once here
             payloads = self.payload_codec[modality].check_records(payloads, "payloads")
         n = 0

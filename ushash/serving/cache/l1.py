@@ -24,7 +24,7 @@ import threading
 import numpy as np
 from ushash.core.jit import njit
 
-from ushash.serving.cache.entries import MISS, Entry, EntryTable, Found, found
+from ushash.serving.cache.entries import MISS, VALUE_KINDS, Entry, EntryTable, Found, found
 from ushash.serving.cache.freshness import ExpiryHeap
 from ushash.serving.cache.hitcheck import _CHECK, _SERVABLE, Batch, HitCheck
 from ushash.serving.cache.mindex import _NO_IDS, _NO_OFFS, _NO_TC, _search
@@ -148,12 +148,14 @@ _TRUE1, _FALSE1 = np.ones(1, bool), np.zeros(1, bool)
 _LITTLE = sys.byteorder == "little"
 
 
-def _query_columns(queries: list, mods: list[str], no_z):
+def _query_columns(queries: list, mods: list[str], no_z, zdim: int | None = None):
     """(modality id int64 [B], has z bool [B], z float32 [B, dim] with zero rows where there is none, or `no_z`
     when no query has one, the modality names the ids index). A query modality the tier holds no entry of gets
     an id past `mods`, its name appended to the names, so a per-pair point still finds its pair by name."""
     if len(queries) == 1:
         q0 = queries[0]
+        if q0.z is not None and zdim is not None and q0.z.shape != (zdim,):
+            raise ValueError(f"a query's z must be {zdim} floats (the shared space); got shape {np.shape(q0.z)}")
         if q0.modality in mods:
             qmod, names = np.array([mods.index(q0.modality)], np.int64), mods
         else:
@@ -171,9 +173,14 @@ def _query_columns(queries: list, mods: list[str], no_z):
     if not has_z.any():
         return qmod, has_z, no_z, names
     dim = next(z for z in zs if z is not None).shape[0]
+    if any(z is not None and z.shape != (dim,) for z in zs):   # rows of other widths would be cut and misaligned
+        widths = sorted({np.shape(z) for z in zs if z is not None})
+        raise ValueError(f"the queries' z must all be 1-d of one width; got {widths}")
     if not has_z.all():
         zero = np.zeros(dim, np.float32)
         zs = [zero if z is None else z for z in zs]
+    if zdim is not None and dim != zdim:
+        raise ValueError(f"a query's z must be {zdim} floats (the shared space); got {dim}")
     # np.stack's rows, by one concatenation (stack makes a view of every row first)
     return qmod, has_z, np.concatenate(zs).reshape(len(zs), dim), names
 
@@ -189,6 +196,8 @@ class L1Tier:
         self.observe_radius = int(c.observe_radius if c.observe_radius is not None else c.radius)
         self.payload_codec = payload_codec
         pw = max(payload_codec.nbytes(m) for m in modalities) if payload_codec is not None else 0
+        # the shared space's width: a query z of another would broadcast in the payload check (cosines > 1)
+        self._zdim = payload_codec[modalities[0]].dim if payload_codec is not None and len(modalities) else None
         self.table = EntryTable(self.code_bytes, pw)
         opts = dict(c.policy_options or {})
         self.policy = make_policy(c.policy, c.capacity_bytes, clock=clock, **opts)
@@ -263,9 +272,12 @@ class L1Tier:
 
     def expire(self, now: float) -> None:
         t = self.table
+        n = t.live
         for slot, exp in self._expiry.due(now):
             if t.alive[slot] and t.expires[slot] == exp:
                 self._remove(slot, "expired")
+        if t.live != n:   # a lookup's sweep too: the gauges say what is held now
+            self.update_gauges()
         if len(self._expiry) > 2 * t.live + 1024:  # records of evicted / replaced entries: drop them
             live = t.live_slots()
             self._expiry.replace(t.expires[live], live)
@@ -409,7 +421,7 @@ class L1Tier:
         counts_l, nearest_l = counts.tolist(), nearest_d.tolist()
         if len(slots) == 0:   # nothing within the radius: the nearest seen, if any, is all there is to say
             return [-1] * nq, [-1] * nq, [float("nan")] * nq, counts_l, nearest_l
-        qmod, has_z, qz, names = _query_columns(queries, self._modalities, None)
+        qmod, has_z, qz, names = _query_columns(queries, self._modalities, None, self._zdim)
         chosen, cos = check.select(qz, has_z, qmod, list(names), self._batch(qlims, slots, dists, cur, exp, mod, hasp),
                                    now, trusted=True)
         sel = chosen >= 0
@@ -434,7 +446,7 @@ class L1Tier:
             out[0] = Found(nearest=nearest)
             return out
         t, mods, rev = self.table, list(self._modalities), self._revision
-        qmod, has_z, qz, names = _query_columns([q], mods, None)
+        qmod, has_z, qz, names = _query_columns([q], mods, None, self._zdim)
         ranked = check.select_top(qz, has_z, qmod, list(names), self._batch(qlims, slots, dists, cur, exp, mod, hasp), now,
                                   trusted=True, k=k)
         if not ranked:
@@ -478,7 +490,7 @@ class L1Tier:
         t = self.table
         mi = backend._mi
         masks, use = mi.plan(self.observe_radius, len(backend))
-        qmod, has_z, qz, _ = _query_columns(queries, self._modalities, _NO_Z)
+        qmod, has_z, qz, _ = _query_columns(queries, self._modalities, _NO_Z, self._zdim)
         # the query words straight from the code bytes where they are whole 64-bit words
         qw = np.frombuffer(codes, "<u8").reshape(nq, mi.nwords) if self.bits % 64 == 0 and _LITTLE else \
             mi.words(np.frombuffer(codes, np.uint8).reshape(nq, self.code_bytes))
@@ -510,6 +522,13 @@ class L1Tier:
         other = next((e.revision for e in entries if e.revision != self._revision), None)
         if other is not None:  # before any write: a batch is stored whole or not at all
             raise ValueError(f"an entry of revision {other!r} put into the L1 of revision {self._revision!r}")
+        cb, pw = self.code_bytes, self.table.payload_bytes
+        bad = next((e for e in entries if len(e.code) != cb or len(e.payload) > pw or e.kind not in VALUE_KINDS),
+                   None)
+        if bad is not None:   # before any write: a slot taken and then refused would be held by nothing
+            raise ValueError(f"an entry of a {len(bad.code)}-byte code, a {len(bad.payload)}-byte payload record and "
+                             f"value kind {bad.kind!r} put into an L1 of {cb}-byte codes and payload rows of {pw} "
+                             f"bytes")
         m = self.metrics
         cap = self.config.capacity_bytes
         out = [False] * len(entries)
@@ -526,6 +545,8 @@ class L1Tier:
             codes = np.frombuffer(b"".join(entries[i].code for i in fits), np.uint8).reshape(len(fits), self.code_bytes)
             lims, same_code, _ = backend.search_many(codes, 0)
             placed: dict[tuple, int] = {}   # (modality, code, payload, scope) -> slot, for this batch
+            placed_key: dict[int, tuple] = {}   # its inverse: a slot of this batch removed (replaced, evicted)
+                                                # leaves `placed` at once, as its slot may be reused
             added: dict[int, None] = {}     # slots written by this batch, in order
             exp_at: list[float] = []         # expiry records (expires, slot) of the admitted entries (finite ones kept)
             exp_slots: list[int] = []
@@ -544,6 +565,7 @@ class L1Tier:
                 if old is not None and t.alive[old]:
                     self._remove(old, None)  # the same request stored again: replace its value
                     added.pop(old, None)
+                    placed.pop(placed_key.pop(old, None), None)
                 slot = t.alloc()
                 t.write(slot, e, ti, mi)
                 self._tenant_live[ti] += 1
@@ -556,8 +578,10 @@ class L1Tier:
                     else:
                         self._remove(s, "capacity")
                         added.pop(s, None)
+                        placed.pop(placed_key.pop(s, None), None)
                 if admitted:
                     placed[key] = slot
+                    placed_key[slot] = key
                     added[slot] = None
                     exp_at.append(e.expires)
                     exp_slots.append(slot)
