@@ -37,3 +37,34 @@ def test_exclusive_is_reentrant_across_uses(tmp_path):
         pass
     with exclusive(tmp_path / "lock"):
         pass
+
+
+def test_the_rename_reaches_the_disk_too(tmp_path, monkeypatch):
+    """The file is fsynced before the rename and its folder after it: without the folder's, a crash could
+    bring the old file back (or none) after the write had returned."""
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_write(tmp_path / "f", "x")
+    assert synced == [False, True]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the umask from /proc")
+def test_the_mode_is_found_without_setting_the_umask(tmp_path, monkeypatch):
+    """os.umask(0) to read the mask left it 0 for a moment: a file another thread made then was world-writable."""
+    def no_umask(mask):
+        raise AssertionError("os.umask called")
+
+    mask = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", no_umask)
+        p = atomic_write(tmp_path / "f", "x")
+        assert stat.S_IMODE(p.stat().st_mode) == 0o640
+    finally:
+        monkeypatch.undo()
+        os.umask(mask)

@@ -212,3 +212,96 @@ def test_a_checkpoint_from_before_the_weight_average_resumes_only_as_it_was_trai
         run_train(_cfg(tmp_path, "trainer.max_epochs=2", "model.lr=0.001"), splits=splits)
     resumed = run_train(_cfg(tmp_path, "trainer.max_epochs=2", *old), splits=splits)
     assert torch.load(resumed["last"], map_location="cpu", weights_only=True)["epoch"] == 2
+
+
+class _Cut(Exception):
+    pass
+
+
+def _cut_at_epoch(monkeypatch, epoch):
+    """Make run_train's Trainer raise at the start of training epoch `epoch` (0-based): a run killed there."""
+    import pytorch_lightning as pl
+
+    from ushash.hashing import training
+
+    class Cut(pl.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            if trainer.current_epoch == epoch:
+                raise _Cut(f"cut at epoch {epoch}")
+
+    class Trainer(pl.Trainer):
+        def __init__(self, *a, callbacks=(), **k):
+            super().__init__(*a, callbacks=[*callbacks, Cut()], **k)
+
+    monkeypatch.setattr(training.pl, "Trainer", Trainer)
+
+
+def test_a_run_cut_mid_training_resumes_to_the_model_an_uncut_run_makes(tmp_path, monkeypatch):
+    """last.ckpt is written after every validation (Lightning's ModelCheckpoint without a top-k wrote it only
+    when fit ended, so a run killed mid-training had nothing to resume and started over), and it holds the
+    random state the run draws from next (the loader's shuffle, the batcher's row choice): resumed, the run
+    trains the same weights and records the same val scores as one that was never cut."""
+    import torch
+
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 200, "val": 60, "test": 20},
+                                       n_classes=4, dims={"image": 8, "text": 8, "audio": 6})
+    cfg = ["trainer.max_epochs=4", "bits=16", "model.batch_size=32", "early_stop.patience=null"]
+    whole = run_train(_cfg(tmp_path, "run_name=whole", *cfg), splits=splits)
+    with monkeypatch.context() as m:
+        _cut_at_epoch(m, 2)
+        with pytest.raises(_Cut):
+            run_train(_cfg(tmp_path, "run_name=cut", *cfg), splits=splits)
+    last = tmp_path / "checkpoints" / "cut" / "last.ckpt"
+    assert last.exists(), "a run cut after two epochs left no last.ckpt"
+    assert torch.load(last, weights_only=True)["epoch"] == 1
+    resumed = run_train(_cfg(tmp_path, "run_name=cut", *cfg), splits=splits)
+    assert resumed["val_scores"] == whole["val_scores"]
+    a, b = torch.load(whole["last"], weights_only=True), torch.load(resumed["last"], weights_only=True)
+    assert (a["epoch"], a["global_step"]) == (b["epoch"], b["global_step"])
+    for key in ("state_dict", "current_model_state"):
+        for k, v in a[key].items():
+            assert torch.equal(b[key][k], v), (key, k)
+
+
+def test_a_checkpoint_write_cut_short_leaves_the_previous_last_ckpt_whole(tmp_path, monkeypatch):
+    """last.ckpt is written beside itself and renamed into place: a run killed while saving it leaves the
+    previous one, readable and resumable (written in place, it was a truncated file the rerun failed on)."""
+    import torch
+    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 120, "val": 40, "test": 40},
+                                       n_classes=4, dims={"image": 8, "text": 8})
+    first = run_train(_cfg(tmp_path, "trainer.max_epochs=1", "bits=16"), splits=splits)
+    before = Path(first["last"]).read_bytes()
+    real = TorchCheckpointIO.save_checkpoint
+
+    def killed_while_writing(self, checkpoint, path, storage_options=None):
+        if "last" in Path(path).name:
+            Path(path).write_bytes(before[: len(before) // 3])
+            raise _Cut("killed while writing")
+        return real(self, checkpoint, path, storage_options)
+
+    with monkeypatch.context() as m:
+        m.setattr(TorchCheckpointIO, "save_checkpoint", killed_while_writing)
+        with pytest.raises(_Cut):
+            run_train(_cfg(tmp_path, "trainer.max_epochs=2", "bits=16"), splits=splits)
+    assert Path(first["last"]).read_bytes() == before
+    out = run_train(_cfg(tmp_path, "trainer.max_epochs=2", "bits=16"), splits=splits)
+    assert torch.load(out["last"], weights_only=True)["epoch"] == 2
+
+
+def test_an_unreadable_last_ckpt_is_refused_in_one_line_naming_it(tmp_path):
+    """Resuming from a last.ckpt that cannot be read was a traceback from inside torch.load; it is a
+    ValueError naming the file and the two ways on, and resume=false trains the run afresh over it."""
+    import torch
+
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 120, "val": 40, "test": 40},
+                                       n_classes=4, dims={"image": 8, "text": 8})
+    last = tmp_path / "checkpoints" / "r" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"last.ckpt cannot be read as a checkpoint .*resume=false") as e:
+        run_train(_cfg(tmp_path, "run_name=r", "trainer.max_epochs=1", "bits=16"), splits=splits)
+    assert "\n" not in str(e.value)
+    out = run_train(_cfg(tmp_path, "run_name=r", "trainer.max_epochs=1", "bits=16", "resume=false"), splits=splits)
+    assert torch.load(out["last"], weights_only=True)["epoch"] == 1

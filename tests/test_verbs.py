@@ -155,3 +155,49 @@ def test_a_wrong_code_length_is_refused_before_any_extraction(tmp_path, monkeypa
         training.run_train(cfg)
     with pytest.raises(ValueError, match="bits must be a multiple of 8"):
         sweep.run_one(compose("config", [f"paths.root={tmp_path}", "bits=12", "experiment=sweep_synthetic"]))
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.lr=-1", "model.lr=-1.0"), ("model.head_lr=-0.1", "model.head_lr=-0.1"),
+    ("model.weight_decay=-1", "model.weight_decay"), ("model.batch_size=0", "model.batch_size=0"),
+    ("early_stop.patience=0", "early_stop.patience=0"), ("early_stop.patience=-2", "early_stop.patience=-2"),
+    ("model.loss.distill=-1", "model.loss.distill=-1.0"), ("model.beta_start=0", "model.beta_start"),
+    ("model.relax=sgn", "model.relax='sgn'"), ("seed=-1", "seed=-1"), ("model.dropout=1.5", "model.dropout"),
+    ("model.init=random model.dim=0", "model.dim=0"), ("model.init=random model.layers=0", "model.layers=0"),
+    ("model.init=xavier", "model.init='xavier'")])
+def test_a_bad_training_setting_is_refused_by_name_before_any_extraction(tmp_path, monkeypatch, override, named):
+    """These failed deep in torch after the extraction and the closed-form fit (a negative lr, a batch of 0,
+    beta_start=0 a ZeroDivisionError traceback), or trained without a word: a negative head lr or loss weight
+    (gradient ascent), a 0-d or 0-layer head, patience 0 read as "never stop" and a negative one as
+    "already stopped". Each is one line naming the setting, status 2, before anything is extracted."""
+    from ushash.config import compose
+    from ushash.hashing import training
+
+    def no_extraction(*a, **k):
+        raise AssertionError("extraction ran before the settings were checked")
+
+    monkeypatch.setattr(training, "run_extract", no_extraction)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    cfg = compose("config", [f"paths.root={tmp_path}", *override.split()])
+    with pytest.raises(ValueError) as e:
+        training.run_train(cfg)
+    assert str(e.value).startswith(named) and "\n" not in str(e.value)
+    with pytest.raises(SystemExit) as ex:
+        user_errors(training.run_train)(cfg)
+    assert ex.value.code == 2
+
+
+def test_a_trainer_setting_lightning_refuses_is_one_line_and_status_2(caplog, monkeypatch):
+    """trainer.devices=0 or an accelerator that is not there: Lightning's MisconfigurationException was a
+    traceback with status 1."""
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def main(cfg):
+        raise MisconfigurationException("`Trainer(devices=0)` value is not a valid input using cpu accelerator.")
+
+    with caplog.at_level(logging.ERROR, logger="ushash"), pytest.raises(SystemExit) as e:
+        user_errors(main)({})
+    assert e.value.code == 2
+    (rec,) = caplog.records
+    assert "trainer settings (trainer.*)" in rec.getMessage() and "devices=0" in rec.getMessage()

@@ -196,12 +196,21 @@ def user_errors(main):
                     PermissionError, FeatureStoreError, TuxFetchError, EmojiFetchError, MissingMandatoryValue)
         try:
             return main(cfg)
-        except mistakes as e:
+        except Exception as e:
+            if not (isinstance(e, mistakes) or _refused_by_lightning(e)):
+                raise
             if os.environ.get("HYDRA_FULL_ERROR") == "1" or _hydra_verbose():
                 raise
             logging.getLogger("ushash").error("%s (hydra.verbose=true for the traceback)", _one_line(e))
             sys.exit(2)
     return wrapped
+
+
+def _refused_by_lightning(e: Exception) -> bool:
+    """Lightning's MisconfigurationException: the Trainer refused a trainer.* setting (trainer.devices=0, an
+    accelerator that is not there). Told by its name, so that verbs that never import Lightning do not."""
+    return type(e).__name__ == "MisconfigurationException" and type(e).__module__.split(".")[0] in (
+        "lightning_fabric", "pytorch_lightning", "lightning")
 
 
 def _one_line(e: Exception) -> str:
@@ -211,6 +220,8 @@ def _one_line(e: Exception) -> str:
     if isinstance(e, MissingMandatoryValue):
         key = getattr(e, "full_key", None) or "a required setting"
         return f"{key} is required: add {key}=... to the command (--help shows the verb's usage)"
+    if _refused_by_lightning(e):
+        return f"the trainer settings (trainer.*) were refused: {' '.join(str(e).split())}"
     return str(e) or type(e).__name__
 
 

@@ -1,4 +1,4 @@
-"""Files: one atomic write (temp file in the same folder, fsync, rename) and one inter-process lock.
+"""Files: one atomic write (temp file in the same folder, fsync, rename, fsync of the folder) and one inter-process lock.
 
 Every artifact ushash writes (feature-store metadata, results, checkpoints' companions, exports) goes
 through `atomic_write` or `write_json` (a plot through `save_figure`), so a reader never sees half a file and
@@ -38,7 +38,22 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    _fsync_dir(path.parent)
     return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    """The rename itself reaches the disk (a crash after it cannot bring the old file back, or none)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - a platform whose folders cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - a file system that cannot sync a folder
+        pass
+    finally:
+        os.close(fd)
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: float | None = None) -> Path:
@@ -54,7 +69,16 @@ def save_figure(fig, path: str | os.PathLike, dpi: float | None = None) -> Path:
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process's umask, read where the kernel reports it: setting it to read it (os.umask) leaves it 0 for
+    a moment, and a file another thread creates then is world-writable."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0)  # pragma: no cover - no /proc (not Linux)
     os.umask(mask)
     return mask
 

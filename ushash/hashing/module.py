@@ -16,7 +16,9 @@ The recipe (docs/baselines.md has the measurements behind each choice):
 
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
 
 import numpy as np
 import pytorch_lightning as pl
@@ -33,7 +35,72 @@ _M, _L = ModelConfig(), LossConfig()
 
 INITS = ("gcca", "random")
 DISTILL_PAIRS = ("cross", "all")
+RELAXATIONS = ("tanh", "ste")
 MAX_LOGIT_SCALE = 100.0  # CLIP's clamp on exp(logit_scale)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_settings(method: str = "ushash", init: str = _M.init, layers: int = _M.layers, dim: int = _M.dim,
+                   hidden: int = _M.hidden, dropout: float = _M.dropout, lr: float = _M.lr,
+                   head_lr: float | None = _M.head_lr, weight_decay: float = _M.weight_decay,
+                   temperature: float = _M.temperature, temperature_lr: float | None = _M.temperature_lr,
+                   relax: str = _M.relax, beta_start: float = _M.beta_start, beta_end: float = _M.beta_end,
+                   prototypes_from: str = _M.prototypes_from, distill_kernel: str = _M.distill_kernel,
+                   distill_pairs: str = _M.distill_pairs, margin_fraction: float = _M.margin_fraction,
+                   ema_epochs: float | None = _M.ema_epochs, **weights) -> None:
+    """Refuse a setting that would train nonsense or fail deep inside torch, in one line that names it and says
+    what it takes. `USHashModule` runs it on its arguments, and `run_train` on the config before any extraction.
+    weights: the loss weights w_* (each a number >= 0)."""
+    from ushash.hashing import methods
+    from ushash.hashing.methods.ushash import PROTOTYPE_STARTS
+    spec = methods.get(method)
+    if spec.kind != "trained":
+        raise ValueError(f"method {method!r} is a no-training baseline; it is fitted, not trained "
+                         f"(python -m ushash.sweep method={spec.name})")
+    if init not in INITS:
+        raise ValueError(f"model.init={init!r}: expected one of {INITS}")
+    for key, v in (("layers", layers), ("dim", dim), ("hidden", hidden)):
+        if not (isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1):
+            raise ValueError(f"model.{key}={v!r}: expected a whole number >= 1")
+    if init == "gcca" and int(layers) != 1:
+        raise ValueError(f"model.init=gcca starts a linear head from the closed-form space; model.layers={layers} "
+                         "asks for an MLP: set model.layers=1, or model.init=random for an MLP head")
+    if not (_is_number(dropout) and 0 <= dropout < 1):
+        raise ValueError(f"model.dropout={dropout!r}: expected a probability in [0, 1)")
+    for key, v in (("lr", lr), ("weight_decay", weight_decay)):
+        if not (_is_number(v) and v >= 0):
+            raise ValueError(f"model.{key}={v!r}: expected a number >= 0")
+    if head_lr is not None and not (_is_number(head_lr) and head_lr >= 0):
+        raise ValueError(f"model.head_lr={head_lr!r}: expected a number >= 0, or null for model.lr")
+    if prototypes_from not in (*PROTOTYPE_STARTS, "val"):
+        raise ValueError(f"model.prototypes_from={prototypes_from!r}: expected one of {(*PROTOTYPE_STARTS, 'val')}")
+    if relax not in RELAXATIONS:
+        raise ValueError(f"model.relax={relax!r}: expected one of {RELAXATIONS}")
+    for key, v in (("beta_start", beta_start), ("beta_end", beta_end)):
+        if not (_is_number(v) and v > 0):
+            raise ValueError(f"model.{key}={v!r}: expected a number > 0 (the relaxation's gain)")
+    if distill_kernel not in losses.DISTILL_KERNELS:
+        raise ValueError(f"model.distill_kernel={distill_kernel!r}: expected one of {losses.DISTILL_KERNELS}")
+    if distill_pairs not in DISTILL_PAIRS:
+        raise ValueError(f"model.distill_pairs={distill_pairs!r}: expected one of {DISTILL_PAIRS}")
+    if not (_is_number(margin_fraction) and 0 < margin_fraction <= 0.5):
+        raise ValueError(f"model.margin_fraction={margin_fraction!r}: expected a share of the bits in (0, 0.5]")
+    if not (_is_number(temperature) and temperature > 0):
+        raise ValueError(f"model.temperature={temperature!r}: expected a positive number")
+    if ema_epochs is not None and not (_is_number(ema_epochs) and ema_epochs > 0):
+        raise ValueError(f"model.ema_epochs={ema_epochs!r}: expected a number of epochs > 0, or null for no averaging")
+    if temperature_lr is not None and not (_is_number(temperature_lr) and temperature_lr >= 0):
+        raise ValueError(f"model.temperature_lr={temperature_lr!r}: expected a number >= 0, or null for model.lr")
+    for key, v in weights.items():
+        if not (_is_number(v) and v >= 0):
+            raise ValueError(f"model.loss.{key.removeprefix('w_')}={v!r}: expected a weight >= 0 (0 turns the term off)")
+
+
+_CHECKED = tuple(inspect.signature(check_settings).parameters)[:-1] + tuple(
+    f"w_{k}" for k in ("contrastive", "float", "quant", "balance", "decor", "proto", "distill", "margin"))
 
 
 class USHashModule(pl.LightningModule):
@@ -71,32 +138,7 @@ class USHashModule(pl.LightningModule):
         super().__init__()
         from ushash.hashing import methods
         spec = methods.get(method)
-        if spec.kind != "trained":
-            raise ValueError(f"method {method!r} is a no-training baseline; it is fitted, not trained "
-                             f"(python -m ushash.sweep method={spec.name})")
-        if init not in INITS:
-            raise ValueError(f"model.init={init!r}: expected one of {INITS}")
-        if init == "gcca" and int(layers) != 1:
-            raise ValueError(f"model.init=gcca starts a linear head from the closed-form space; model.layers={layers} "
-                             "asks for an MLP: set model.layers=1, or model.init=random for an MLP head")
-        from ushash.hashing.methods.ushash import PROTOTYPE_STARTS
-        if prototypes_from not in (*PROTOTYPE_STARTS, "val"):
-            raise ValueError(f"model.prototypes_from={prototypes_from!r}: expected one of {(*PROTOTYPE_STARTS, 'val')}")
-        if distill_kernel not in losses.DISTILL_KERNELS:
-            raise ValueError(f"model.distill_kernel={distill_kernel!r}: expected one of {losses.DISTILL_KERNELS}")
-        if distill_pairs not in DISTILL_PAIRS:
-            raise ValueError(f"model.distill_pairs={distill_pairs!r}: expected one of {DISTILL_PAIRS}")
-        if not (isinstance(margin_fraction, (int, float)) and not isinstance(margin_fraction, bool)
-                and 0 < margin_fraction <= 0.5):
-            raise ValueError(f"model.margin_fraction={margin_fraction!r}: expected a share of the bits in (0, 0.5]")
-        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0):
-            raise ValueError(f"model.temperature={temperature!r}: expected a positive number")
-        if ema_epochs is not None and not (isinstance(ema_epochs, (int, float)) and not isinstance(ema_epochs, bool)
-                                           and ema_epochs > 0):
-            raise ValueError(f"model.ema_epochs={ema_epochs!r}: expected a number of epochs > 0, or null for no averaging")
-        if temperature_lr is not None and not (isinstance(temperature_lr, (int, float)) and
-                                               not isinstance(temperature_lr, bool) and temperature_lr >= 0):
-            raise ValueError(f"model.temperature_lr={temperature_lr!r}: expected a number >= 0, or null for model.lr")
+        check_settings(**{k: v for k, v in locals().items() if k in _CHECKED})
         method, method_args = spec.name, dict(method_args or {})  # canonical name; plain dict in the checkpoint
         self.save_hyperparameters()
         self._objective = spec.objective

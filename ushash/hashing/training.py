@@ -69,6 +69,26 @@ def module_kwargs(cfg: DictConfig, in_dims: dict, provenance: dict, n_train_grou
                 **m, **{f"w_{k}": float(v) for k, v in w.items()})
 
 
+def check_settings(cfg: DictConfig) -> None:
+    """Refuse, in one line naming the setting, what would fail deep inside torch after the extraction and the
+    closed-form fit (a negative learning rate, a batch of 0 groups), or train nonsense without a word (a
+    negative head learning rate or loss weight, a 0-d head, patience 0 read as "never stop")."""
+    from ushash.hashing.module import _CHECKED, check_settings as check_module
+    check_bits(cfg.bits)
+    seed = cfg.seed
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 32):
+        raise ValueError(f"seed={seed!r}: expected a whole number in [0, 2^32)")
+    bs = cfg.model.batch_size
+    if not (isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1):
+        raise ValueError(f"model.batch_size={bs!r}: expected a number of groups per batch >= 1")
+    patience = (cfg.get("early_stop") or {}).get("patience")
+    if patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 1):
+        raise ValueError(f"early_stop.patience={patience!r}: expected a number of epochs >= 1, or null never to "
+                         "stop early")
+    kw = module_kwargs(cfg, {}, {})
+    check_module(**{k: v for k, v in kw.items() if k in _CHECKED})
+
+
 class BestOnVal(Callback):
     """Writes `path` whenever the validation score beats the best so far, the initial weights (before the
     first step) included, and stops training after `patience` epochs without a better score. Its state
@@ -76,7 +96,10 @@ class BestOnVal(Callback):
     run that had stopped trains no further when it is run again."""
 
     def __init__(self, path: Path, patience: int | None = None):
-        self.path, self.patience = Path(path), (int(patience) if patience else None)
+        if patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 1):
+            raise ValueError(f"early_stop.patience={patience!r}: expected a number of epochs >= 1, or null never to "
+                             "stop early")
+        self.path, self.patience = Path(path), patience
         self.best: float | None = None
         self.best_epoch: int | None = None
         self.best_map: float | None = None
@@ -125,16 +148,83 @@ class BestOnVal(Callback):
             os.replace(tmp, self.path)
 
 
+class LastCheckpoint(ModelCheckpoint):
+    """last.ckpt after every validation, not only when fit ends (Lightning's ModelCheckpoint with no top-k saves
+    `last` at the end of training only, so a run cut mid-training had nothing to resume from and started
+    over), and when training ends, as Lightning's does. Every write is atomic (a
+    temporary file beside it, then a rename): a run killed while saving leaves the previous last.ckpt whole."""
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))  # as Lightning's: the finished run
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        path = Path(filepath)
+        tmp = path.with_name(f".{path.name}.tmp")
+        super()._save_checkpoint(trainer, str(tmp))
+        if trainer.is_global_zero:
+            os.replace(tmp, path)
+        self._last_checkpoint_saved = str(path)
+
+
+class RandomState(Callback):
+    """The random state training draws from, in every checkpoint, and put back when a run resumes: torch's
+    (the loader's shuffle draws from it each epoch) and the batcher's (which of a group's rows a batch takes).
+    Without it a resumed run re-drew the first epoch's order from the seed, and trained a different model
+    than the run it continued would have. Restored at the first training epoch after the load, after
+    the sanity check's draws, where the run it continues drew next."""
+
+    def __init__(self):
+        self._loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        import torch
+        trainer = getattr(self, "_trainer", None)
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        batcher = getattr(dm, "train_set", None)
+        return {"torch": torch.get_rng_state(),
+                "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else [],
+                "batcher": batcher.rng.bit_generator.state if batcher is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._loaded = dict(state)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        state, self._loaded = self._loaded, None
+        if not state:
+            return
+        import torch
+        torch.set_rng_state(state["torch"])
+        cuda = state.get("cuda") or []
+        if cuda and torch.cuda.is_initialized() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        batcher = getattr(trainer.datamodule, "train_set", None)
+        if state.get("batcher") is not None and batcher is not None:
+            batcher.rng.bit_generator.state = state["batcher"]
+
+
 def _saved_hparams(last: Path) -> dict | None:
-    """The hyper-parameters a checkpoint was saved with; None when there is none or it is unreadable
-    (Lightning reports an unreadable checkpoint itself when it resumes)."""
+    """The hyper-parameters a checkpoint was saved with; None when there is none. One that cannot be read
+    is refused in one line (Lightning's own report was a traceback from inside torch.load)."""
     if not last.exists():
         return None
     import torch
     try:
-        return torch.load(last, map_location="cpu", weights_only=True).get("hyper_parameters") or {}
-    except Exception:
-        return None
+        ckpt = torch.load(last, map_location="cpu", weights_only=True)
+    except Exception as e:
+        why = " ".join(str(e).split())[:200]
+        raise ValueError(f"{last} cannot be read as a checkpoint ({type(e).__name__}: {why}); set resume=false to "
+                         f"train this run afresh, or run_name=... for a new run") from e
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{last} is not a Lightning checkpoint; set resume=false to train this run afresh, or "
+                         f"run_name=... for a new run")
+    return ckpt.get("hyper_parameters") or {}
 
 
 def _as_trained(hp: dict) -> dict:
@@ -200,7 +290,7 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     when the initial weights were never beaten; val_scores every epoch's selection score, the initial
     weights' first (val_score is their maximum, so it is biased upwards by the epochs' noise: comparing
     recipes, read the later epochs' too)."""
-    check_bits(cfg.bits)  # before extraction: a wrong length must not cost an extraction first
+    check_settings(cfg)  # before extraction: a wrong setting must not cost an extraction first
     splits = splits or run_extract(cfg, splits=["train", "val"])
     if cfg.model.init == "gcca" and cfg.model.prototypes_from == "val":
         return _train_from_each_start(cfg, splits)
@@ -242,11 +332,12 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
         saved = None
     run_dir.mkdir(parents=True, exist_ok=True)
     best = BestOnVal(run_dir / "best.ckpt", patience=(cfg.get("early_stop") or {}).get("patience"))
-    last_ckpt = ModelCheckpoint(dirpath=run_dir, save_top_k=0, save_last=True, enable_version_counter=False)
+    last_ckpt = LastCheckpoint(dirpath=run_dir, save_top_k=0, save_last=True, enable_version_counter=False)
     kind = cfg.logger.kind
     # logs/version_<n>/: a resumed run logs beside the first part instead of deleting its metrics
     logger = (TensorBoardLogger if kind == "tensorboard" else CSVLogger)(save_dir=str(run_dir), name="logs")
-    trainer = pl.Trainer(**to_dict(cfg.trainer), callbacks=[best, last_ckpt], logger=logger, default_root_dir=str(run_dir))
+    trainer = pl.Trainer(**to_dict(cfg.trainer), callbacks=[best, RandomState(), last_ckpt], logger=logger,
+                         default_root_dir=str(run_dir))
     resume = str(last) if cfg.resume and last.exists() else None
     if resume and saved is not None:
         _check_resumable(last, saved, dict(module.hparams))
