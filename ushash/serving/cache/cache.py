@@ -22,6 +22,7 @@ Thread-safe: L1 has its lock; encoding and the L2 round trips run outside it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import time
@@ -154,6 +155,7 @@ class SemanticCache(CheckStore):
         self.payload_codec = getattr(head, "payload", None)
         # a query z's shape (the shared space): one of another width would broadcast in a tier's payload check
         self._zshape = (self.payload_codec[head.modalities[0]].dim,) if self.payload_codec is not None else None
+        self._zdim = int(head.dim) if getattr(head, "dim", None) is not None else None
         self.encoder = QueryEncoder(head, encoder, c.media)
         self.l1 = L1Tier(self.bits, self._tier_config, self.metrics, self.clock, self.payload_codec, head.modalities,
                          str(head.revision))
@@ -252,15 +254,17 @@ class SemanticCache(CheckStore):
         if code.shape != (self.code_bytes,):
             raise RequestError(f"code must be {self.code_bytes} bytes ({self.bits} bits); got {code.shape}")
         if z is not None:
-            with np.errstate(over="ignore", invalid="ignore"):
-                z = np.asarray(z, np.float32).reshape(-1)
-            dim = getattr(self.head, "dim", None)
-            if dim is not None and z.shape != (int(dim),):
+            if not (type(z) is np.ndarray and z.dtype == np.float32):   # (errstate costs a lookup's 2 us)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    z = np.asarray(z, np.float32)
+            z = z.reshape(-1)
+            if self._zdim is not None and z.shape[0] != self._zdim:
                 # a z of another width would broadcast in the payload check (a 1-d z gives cosines > 1)
-                raise RequestError(f"z must be {int(dim)} floats (the head's shared space); got {z.shape[0]}")
-            if not np.isfinite(z).all():
-                raise RequestError("z must be finite float32 numbers")
-            z = z / max(float(np.sqrt(z @ z)), 1e-30)
+                raise RequestError(f"z must be {self._zdim} floats (the head's shared space); got {z.shape[0]}")
+            n = float(z @ z)   # NaN or inf in z (or a norm past float32's range) makes it so too
+            if not math.isfinite(n):
+                raise RequestError("z must be finite float32 numbers (and its norm too)")
+            z = z / max(math.sqrt(n), 1e-30)
         return Query(modality, code.tobytes(), z)
 
     # ------------------------------------------------------------------ lookup
