@@ -38,11 +38,11 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """The rename itself reaches the disk (a crash after it cannot bring the old file back, or none)."""
     try:
         fd = os.open(folder, os.O_RDONLY)

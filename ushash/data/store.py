@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import ushash
-from ushash.core.io import exclusive, write_json  # noqa: F401  write_json: re-exported for older imports
+from ushash.core.io import exclusive, fsync_dir, write_json  # noqa: F401  write_json: re-exported for older imports
 
 STORE_VERSION = 1
 
@@ -275,7 +275,7 @@ def finish(work: Path, out: Path) -> FeatureSplit:
     if out.exists():
         shutil.rmtree(out)
     os.replace(work, out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     return open_split(out)
 
 
@@ -287,20 +287,7 @@ def _sync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # a platform without directory handles (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(folder)
 
 
 def write_split(out: str | Path, dataset: str, split: str, tables: dict[str, dict], encoder: dict,
