@@ -31,7 +31,7 @@ from ushash.config import to_dict
 from ushash.core.io import atomic_write, save_figure, set_aside, settings_digest, write_json
 from ushash.data.extract import relative_to_root
 from ushash.evaluation import retrieval
-from ushash.evaluation.sweep import SPLITS, read_record, open_splits, run_one, run_settings, sweep_settings
+from ushash.evaluation.sweep import open_splits, read_record, run_one, run_settings, store_digests, sweep_settings
 from ushash.hashing import methods
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def run_search(cfg: DictConfig) -> dict:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name="search", storage=f"sqlite:///{out / 'study.db'}", load_if_exists=True,
                                 direction="maximize")
-    stores = {sp: splits[sp].content for sp in SPLITS}
+    stores = store_digests(splits)
     other = [t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE
              and _trial_stores(out, t) != stores]
     if other:  # trials scored on other features (a store made again): their val scores choose nothing now

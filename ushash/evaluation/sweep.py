@@ -76,6 +76,11 @@ def run_path(exp: Path, key: str, dg: str) -> Path:
     return Path(exp) / "runs" / f"{key}-{dg[:8]}"
 
 
+def store_digests(splits: dict[str, FeatureSplit]) -> dict[str, str]:
+    """The content digest of each split's store: what a run's result is computed from, recorded beside it."""
+    return {sp: splits[sp].content for sp in SPLITS}
+
+
 def read_record(f: Path) -> dict | None:
     """A run's result.json or settings.json; None when absent or unreadable (an interrupted write)."""
     try:
@@ -140,78 +145,84 @@ def run_one(cfg: DictConfig, splits: dict[str, FeatureSplit] | None = None) -> d
     settings = run_settings(cfg)
     dg = settings_digest(settings)
     run_dir = run_path(exp_dir(cfg), key, dg)  # named by its settings: a variant never replaces another's run
-    # One process at a time per run: a second sweep over the same grid waits, then finds the run done
+    # one process at a time per run: a second sweep over the same grid waits, then finds the run done
     with exclusive(run_dir.with_name(run_dir.name + ".lock"), f"the sweep's run {key}"):
-        result_file = run_dir / "result.json"
-        splits = splits or open_splits(cfg)
-        stores = {sp: splits[sp].content for sp in SPLITS}  # what the result is computed from
-        # the stores the folder's run read: its result's, else (a run cut before evaluation) its settings'
-        done = read_record(result_file)
-        recorded = (done or read_record(run_dir / "settings.json") or {}).get("stores")
-        if run_dir.exists() and recorded != stores:  # the same settings over other features (a store made again)
-            aside = set_aside(run_dir, run_dir.parents[1] / "stale")  # out of runs/, which the tables read
-            log.warning(f"{key}: the stored run used other features than the stores now give ({recorded or 'not recorded'}"
-                        f" vs {stores}); it is run again (not resumed), the old run kept in {aside}")
-        elif done is not None and done.get("digest") == dg:
-            log.info(f"{key}: done already, skipped ({result_file})")
-            return done
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(run_dir / "settings.json", json.loads(json.dumps({**settings, "stores": stores}, default=str)))
-        t0 = time.perf_counter()
-        train, test = splits["train"], splits["test"]
-        extra = {}
-        if spec.kind == "fitted":
-            model = methods.build(spec.name, bits=int(cfg.bits), seed=int(cfg.seed), **settings["method"]["args"])
-            try:
-                model.fit(train, splits["val"])  # fitted on train; val only chooses the space's "auto" settings
-            except NotApplicable as e:  # recorded, so the sweep goes on and the tables say why the cell is empty
-                result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
-                          "digest": dg, "stores": stores, "status": "not_applicable", "reason": str(e)}
-                write_json(result_file, result)
-                log.info(f"{key}: not applicable: {e}")
-                return result
-            entries = {spec.name: (spec.title, model)}
-            extra["space"] = model.describe()
-            extra["space_choice"] = {k: v for k, v in model.space.choice.items() if k != "candidates"}
-            if getattr(model.space, "shared_axes", None) is not None:
-                extra["shared_axes"] = int(model.space.shared_axes)
-        else:
-            from ushash.hashing.module import load_checkpoint
-            from ushash.hashing.training import run_train
-            tcfg = cfg.copy()
-            with open_dict(tcfg):
-                tcfg.paths.checkpoints_dir = str(run_dir.parent)
-                tcfg.run_name = run_dir.name
-            out = run_train(tcfg, splits={"train": train, "val": splits["val"]})
-            module = load_checkpoint(out["best"])
-            entries = {spec.name: (spec.title, module.code_method())}
-            if spec.name == "ushash":  # its own continuous upper bound: the head's embedding z
-                entries["ushash_float"] = (f"US-HASH float z ({module.hparams.dim}-d, cosine)", module.float_method())
-            extra.update({"val_map@10": out["val_map@10"], "val_score": out["val_score"], "best_epoch": out["best_epoch"],
-                          "val_scores": out["val_scores"], "checkpoint": Path(out["best"]).name})
-            if "start" in out:  # model.prototypes_from=val: which closed-form start was kept, every start's val score
-                extra.update({"start": out["start"], "starts": out["starts"]})
-            if out["space"]:
-                extra["space_choice"] = out["space"]
-        rows, curves, outputs = [], [], {}
-        for name, (title, fn) in entries.items():
-            reps = retrieval.represent(test, fn)
-            for r in retrieval.evaluate(test, reps={name: reps}, k=int(s["k"]), protocols=tuple(s["protocols"]),
-                                        denominator=str(s["denominator"]), curves=True):
-                curve = {key: r.pop(key) for key in CURVE_KEYS if key in r}
-                rows.append(r)
-                curves.append({key: r[key] for key in ("method", "kind", "bits", "direction", "protocol", "n_queries",
-                                                       "n_database")} | curve)
-            outputs[name] = {"title": title, "kind": next(iter(reps.values()))[0]}
-        result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
-                  "digest": dg, "stores": stores, "entries": outputs, "dataset": test.meta["dataset"], "split": "test",
-                  "encoder": {k: test.meta["encoder"].get(k) for k in ("name", "fingerprint")},
-                  "fitted_on": train.meta["split"], "n_rows": {m: len(t) for m, t in test.tables.items()},
-                  "wall_s": round(time.perf_counter() - t0, 2), **extra, "rows": rows, "curves": curves}
-        write_json(result_file, result)
-        maps = {n: retrieval.mean_map([r for r in rows if r["method"] == n], "paired") for n in outputs}
-        log.info(f"{key}: {result['wall_s']:.1f}s, mean paired mAP@10 " + ", ".join(f"{n} {v:.3f}" for n, v in maps.items()))
-        return result
+        return _make_run(cfg, spec, s, key, settings, dg, run_dir, splits)
+
+
+def _make_run(cfg: DictConfig, spec, s: dict, key: str, settings: dict, dg: str, run_dir: Path,
+              splits: dict[str, FeatureSplit] | None) -> dict:
+    """`run_one` under the run's lock: its stored result when it is done over these stores, else the run made."""
+    result_file = run_dir / "result.json"
+    splits = splits or open_splits(cfg)
+    stores = store_digests(splits)  # what the result is computed from
+    # the stores the folder's run read: its result's, else (a run cut before evaluation) its settings'
+    done = read_record(result_file)
+    recorded = (done or read_record(run_dir / "settings.json") or {}).get("stores")
+    if run_dir.exists() and recorded != stores:  # the same settings over other features (a store made again)
+        aside = set_aside(run_dir, run_dir.parents[1] / "stale")  # out of runs/, which the tables read
+        log.warning(f"{key}: the stored run used other features than the stores now give ({recorded or 'not recorded'}"
+                    f" vs {stores}); it is run again (not resumed), the old run kept in {aside}")
+    elif done is not None and done.get("digest") == dg:
+        log.info(f"{key}: done already, skipped ({result_file})")
+        return done
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "settings.json", json.loads(json.dumps({**settings, "stores": stores}, default=str)))
+    t0 = time.perf_counter()
+    train, test = splits["train"], splits["test"]
+    extra = {}
+    if spec.kind == "fitted":
+        model = methods.build(spec.name, bits=int(cfg.bits), seed=int(cfg.seed), **settings["method"]["args"])
+        try:
+            model.fit(train, splits["val"])  # fitted on train; val only chooses the space's "auto" settings
+        except NotApplicable as e:  # recorded, so the sweep goes on and the tables say why the cell is empty
+            result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
+                      "digest": dg, "stores": stores, "status": "not_applicable", "reason": str(e)}
+            write_json(result_file, result)
+            log.info(f"{key}: not applicable: {e}")
+            return result
+        entries = {spec.name: (spec.title, model)}
+        extra["space"] = model.describe()
+        extra["space_choice"] = {k: v for k, v in model.space.choice.items() if k != "candidates"}
+        if getattr(model.space, "shared_axes", None) is not None:
+            extra["shared_axes"] = int(model.space.shared_axes)
+    else:
+        from ushash.hashing.module import load_checkpoint
+        from ushash.hashing.training import run_train
+        tcfg = cfg.copy()
+        with open_dict(tcfg):
+            tcfg.paths.checkpoints_dir = str(run_dir.parent)
+            tcfg.run_name = run_dir.name
+        out = run_train(tcfg, splits={"train": train, "val": splits["val"]})
+        module = load_checkpoint(out["best"])
+        entries = {spec.name: (spec.title, module.code_method())}
+        if spec.name == "ushash":  # its own continuous upper bound: the head's embedding z
+            entries["ushash_float"] = (f"US-HASH float z ({module.hparams.dim}-d, cosine)", module.float_method())
+        extra.update({"val_map@10": out["val_map@10"], "val_score": out["val_score"], "best_epoch": out["best_epoch"],
+                      "val_scores": out["val_scores"], "checkpoint": Path(out["best"]).name})
+        if "start" in out:  # model.prototypes_from=val: which closed-form start was kept, every start's val score
+            extra.update({"start": out["start"], "starts": out["starts"]})
+        if out["space"]:
+            extra["space_choice"] = out["space"]
+    rows, curves, outputs = [], [], {}
+    for name, (title, fn) in entries.items():
+        reps = retrieval.represent(test, fn)
+        for r in retrieval.evaluate(test, reps={name: reps}, k=int(s["k"]), protocols=tuple(s["protocols"]),
+                                    denominator=str(s["denominator"]), curves=True):
+            curve = {key: r.pop(key) for key in CURVE_KEYS if key in r}
+            rows.append(r)
+            curves.append({key: r[key] for key in ("method", "kind", "bits", "direction", "protocol", "n_queries",
+                                                   "n_database")} | curve)
+        outputs[name] = {"title": title, "kind": next(iter(reps.values()))[0]}
+    result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
+              "digest": dg, "stores": stores, "entries": outputs, "dataset": test.meta["dataset"], "split": "test",
+              "encoder": {k: test.meta["encoder"].get(k) for k in ("name", "fingerprint")},
+              "fitted_on": train.meta["split"], "n_rows": {m: len(t) for m, t in test.tables.items()},
+              "wall_s": round(time.perf_counter() - t0, 2), **extra, "rows": rows, "curves": curves}
+    write_json(result_file, result)
+    maps = {n: retrieval.mean_map([r for r in rows if r["method"] == n], "paired") for n in outputs}
+    log.info(f"{key}: {result['wall_s']:.1f}s, mean paired mAP@10 " + ", ".join(f"{n} {v:.3f}" for n, v in maps.items()))
+    return result
 
 
 # ---------------------------------------------------------------------------------------------- aggregation

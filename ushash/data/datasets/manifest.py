@@ -154,10 +154,11 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
         ids.setdefault(rid, ln)
         group = _text(str(rec["group"]) if isinstance(rec.get("group"), int) else rec.get("group"), path, ln, "group")
         values = {m: _text(rec.get(m), path, ln, m) for m in MODALITIES}  # validated in every split
-        files = [os.path.normpath(base / Path(values[m]).expanduser()) for m in FILE_MODALITIES if values[m]]
-        keyed.append((ln, rec, rid, group, values, files))
-    file_group = _groups_by_file([(rid, files) for _, _, rid, group, _, files in keyed if group is None])
-    for ln, rec, rid, group, values, files in keyed:
+        paths = {m: os.path.normpath(base / Path(values[m]).expanduser()) for m in FILE_MODALITIES if values[m]}
+        keyed.append((ln, rec, rid, group, values, paths))
+    file_group = _groups_by_file([(rid, list(paths.values())) for _, _, rid, group, _, paths in keyed if group is None])
+    for ln, rec, rid, group, values, paths in keyed:
+        files = list(paths.values())
         group = group or (file_group[files[0]] if files else rid)
         labels = parse_labels(rec.get("labels"), path, ln)
 
@@ -191,7 +192,7 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
         for m, v in values.items():
             if v is None:
                 continue
-            source = os.path.normpath(base / Path(v).expanduser()) if m in FILE_MODALITIES else v
+            source = paths[m] if m in FILE_MODALITIES else v
             key = (m, group, source)
             if key in seen:
                 continue
