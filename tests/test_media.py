@@ -61,6 +61,51 @@ def test_other_transparent_modes(tmp_path, mode):
     assert out.shape == (4, 4, 3) and (out == 255).all()
 
 
+@pytest.mark.parametrize("mode", ["L", "RGB"])
+@pytest.mark.parametrize("side", [8, 600])  # 600: decoded reduced (decode_side), the key applied before resampling
+def test_a_colour_key_is_transparency_too(tmp_path, mode, side):
+    """A grayscale or RGB PNG with a tRNS colour key (Tux Paint's chick-hatched.png): the key's pixels are
+    transparent, composited on white like an alpha channel, not left in the key's colour (near-black)."""
+    key = 1 if mode == "L" else (0, 0, 1)
+    arr = np.zeros((side, side) if mode == "L" else (side, side, 3), np.uint8)
+    if mode == "L":
+        arr[:] = 1                                    # the key colour everywhere ...
+    else:
+        arr[..., 2] = 1
+    arr[: side // 2, : side // 2] = 200               # ... but an opaque light gray quarter
+    Image.fromarray(arr, mode).save(tmp_path / "a.png", transparency=key)
+    out = np.asarray(load_image(tmp_path / "a.png")).astype(int)
+    h = out.shape[0]
+    assert (out[-h // 4:, -h // 4:] == 255).all()     # the keyed part: white, not (0, 0, 1)
+    assert (abs(out[: h // 4, : h // 4] - 200) <= 1).all()
+
+
+def test_16_bit_grayscale_is_scaled_not_clipped(tmp_path):
+    """A 16-bit grayscale PNG (Pillow mode I;16): Pillow's convert clips it to 0..255, so mid-gray (and any
+    value above 255) decoded as white; it is scaled to 8 bits. A tRNS key on it is transparency."""
+    ramp = np.array([[0, 257 * 64, 32768, 65535]], np.uint16)
+    Image.fromarray(ramp).save(tmp_path / "g.png")
+    assert Image.open(tmp_path / "g.png").mode.startswith("I")
+    out = np.asarray(load_image(tmp_path / "g.png"))
+    assert out[0, :, 0].tolist() == [0, 64, 128, 255] and (out == out[..., :1]).all()
+    Image.fromarray(ramp).save(tmp_path / "k.png", transparency=0)
+    assert np.asarray(load_image(tmp_path / "k.png"))[0, :, 0].tolist() == [255, 64, 128, 255]
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF"])
+def test_a_sliver_image_is_refused_before_the_encoder_blows_it_up(tmp_path, fmt):
+    """A 1 x 6000 PNG is 97 bytes; the encoders' transforms resize its shorter side to 256, which took 2.3 GB
+    and 5 s (1 x 60000: an out-of-memory kill of the whole extraction). The dataset limits refuse an aspect
+    ratio over 256 from the header, in one line naming the file and the limit; Tux Paint's longest is 7."""
+    path = tmp_path / f"sliver.{fmt.lower()}"
+    Image.new("RGB", (6000, 1), (10, 20, 30)).save(path, fmt)
+    with pytest.raises(MediaError) as e:
+        load_image(path)
+    assert e.value.code == media.OVER_LIMIT and str(path) in str(e.value) and "max_aspect=256" in str(e.value)
+    Image.new("RGB", (2000, 8), (10, 20, 30)).save(path, fmt)   # 250: still read
+    assert load_image(path).size[0] > 1
+
+
 def test_an_svg_file_over_the_byte_limit_is_refused_unread(tmp_path, monkeypatch):
     """SVG files are read whole: a file over max_svg_bytes was read into memory (gigabytes) and only then
     refused. Its size on disk refuses it first, in one line naming the file and the limit."""

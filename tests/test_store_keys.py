@@ -82,6 +82,24 @@ def test_another_encoder_setting_or_weights_never_reuses_the_store(tmp_path, set
                            np.asarray(first.tables["image" if "vocab_size" not in setting else "text"].x))
 
 
+def test_an_svg_store_made_without_cairosvg_is_not_reused_once_it_is_installed(tmp_path, monkeypatch):
+    """Without cairosvg the SVG rows fail (needs_dependency); under max_bad_frac the store is finished without
+    them. It was reused, still without them, after cairosvg was installed: the SVG renderer is part of the
+    rows fingerprint of rows with SVG files."""
+    pytest.importorskip("cairosvg")
+    rows = _rows(tmp_path, n=3)
+    (tmp_path / "s.svg").write_bytes(SVG)
+    rows.append(Row("image", "svg", "g0", str(tmp_path / "s.svg")))
+    monkeypatch.setitem(sys.modules, "cairosvg", None)     # import cairosvg raises ImportError
+    without = _extract(rows, tmp_path / "feat")
+    assert "svg" not in without.tables["image"].ids
+    assert [f["code"] for f in without.report["failed"]] == ["needs_dependency"]
+    monkeypatch.delitem(sys.modules, "cairosvg")
+    with_svg = _extract(rows, tmp_path / "feat")
+    assert with_svg.path != without.path
+    assert "svg" in with_svg.tables["image"].ids and with_svg.report["failed"] == []
+
+
 def test_a_dataset_folder_saved_again_over_the_same_files_gives_other_rows(tmp_path):
     """`hf:<dataset dir>#...` rows were keyed by the folder's own size and time, which change only when an
     entry is added or removed: a dataset saved again over the same .arrow files kept its fingerprint."""

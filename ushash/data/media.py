@@ -49,7 +49,8 @@ SVG_SUFFIXES = (".svg", ".svgz")
 SVG_SIZE = 512
 #: raised with any change to what decoding makes of a file that the settings (FILE_LIMITS, SVG_SIZE) do not
 #: show: it is part of every feature store's rows fingerprint (ushash.data.store.decode_identity)
-DECODE_VERSION = 1
+DECODE_VERSION = 2  # 2: 16-bit grayscale scaled to 8 bits (was clipped: white), colour-key transparency of
+                    # L/RGB images composited on white (was the key's colour)
 _WHITE = (255, 255, 255)
 
 # MediaError.code: what went wrong, for programs (failure reports, a cache's 4xx). Each with the short
@@ -105,6 +106,9 @@ class MediaLimits:
     # JPEG inside the decoder (1/2 to 1/8 scale, so memory follows the reduced size), others resized after
     # decoding; max_pixels bounds the pixels actually decoded
     decode_side: Optional[int] = 448
+    # a JPEG over max_pixels that decode_side reduces is decoded reduced (True) or refused before any work
+    # (False); None: reduced when max_aspect is None (what this meant before it could be said)
+    reduce_large_jpeg: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("max_pixels", "max_svg_bytes", "max_svg_elements", "max_svg_style_bytes", "max_svg_draws",
@@ -124,10 +128,13 @@ class MediaLimits:
 #: The dataset loaders' limits: only what no dataset needs is refused (more decoded pixels than Pillow's
 #: decompression-bomb warning size, SVG bombs); nothing a real data set holds (tested on every Tux Paint
 #: SVG). A photo larger than that is decoded reduced (a JPEG up to 64 times that size in the decoder).
-FILE_LIMITS = MediaLimits(max_pixels=Image.MAX_IMAGE_PIXELS, max_aspect=None, max_svg_bytes=16 << 20,
+#: max_aspect: the encoders resize the shorter side to 224-256 before cropping, so a 1 x 6000 PNG of 97 bytes
+#: once took 2.3 GB and 5 s in the image transform (1 x 60000: ten times that, an out-of-memory kill of the
+#: extraction); 256 is far beyond any data set image (Tux Paint's longest: 7) and bounds that to ~17M pixels.
+FILE_LIMITS = MediaLimits(max_pixels=Image.MAX_IMAGE_PIXELS, max_aspect=256.0, max_svg_bytes=16 << 20,
                           max_svg_elements=1_000_000, max_svg_style_bytes=4 << 20, max_svg_draws=5_000_000,
                           max_svg_cpu_s=60.0, max_image_segments=None, max_audio_seconds=None, max_audio_channels=64,
-                          max_sample_rate=768_000, max_text_chars=None)
+                          max_sample_rate=768_000, max_text_chars=None, reduce_large_jpeg=True)
 
 
 class MediaError(Exception):
@@ -152,7 +159,8 @@ class MediaError(Exception):
 def load_image(path: str | os.PathLike, svg_size: int = SVG_SIZE, limits: MediaLimits = FILE_LIMITS) -> Image.Image:
     """Decode an image file to RGB, fully (not lazily).
 
-    Transparency (RGBA, LA, palette with a transparent index) is composited on white. SVG files are
+    Transparency (RGBA, LA, palette with a transparent index, the colour key of an L or RGB PNG) is composited
+    on white; 16-bit grayscale is scaled to 8 bits. SVG files are
     rasterised with cairosvg (an optional dependency) so that the longer side is `svg_size` pixels.
     JPEG EXIF orientation is applied. Formats other than IMAGE_FORMATS and SVG are refused.
     """
@@ -283,8 +291,11 @@ def _open_raster(fp, source, limits: MediaLimits) -> Image.Image:
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...
         raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})") from e
     reducible = img.format == "JPEG" and bool(limits.decode_side)
-    if not reducible or limits.max_aspect is not None:  # a service's limits refuse a large JPEG before any work
+    reduce = limits.reduce_large_jpeg if limits.reduce_large_jpeg is not None else limits.max_aspect is None
+    if not reducible or not reduce:  # a service's limits refuse a large JPEG before any work
         check_image_size(img.width, img.height, source, limits)
+    elif limits.max_aspect is not None and max(img.size) > limits.max_aspect * min(img.size):
+        check_image_size(img.width, img.height, source, limits)  # raises: the aspect ratio, before any work
     if reducible and min(img.size) > limits.decode_side:
         s = limits.decode_side / min(img.size)
         img.draft("RGB", (max(1, round(img.width * s)), max(1, round(img.height * s))))  # DCT scaling: >= asked
@@ -300,15 +311,44 @@ def _decode_image(fp, source, limits: MediaLimits = FILE_LIMITS) -> Image.Image:
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...
         raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})") from e
     if limits.decode_side and min(img.size) > limits.decode_side:
+        img = _keyed_to_alpha(img)  # before resampling blends a colour key into its neighbours
         s = limits.decode_side / min(img.size)
         img = img.resize((max(1, round(img.width * s)), max(1, round(img.height * s))), Image.Resampling.BICUBIC,
                          reducing_gap=2.0)
     return _flatten(img, source)
 
 
+#: Pillow's modes of 16-bit grayscale (a 16-bit grayscale PNG opens as "I;16", as "I" in older Pillows):
+#: `convert` clips them to 0..255 instead of scaling, so every value above 255 (almost all) came out white
+_WIDE_GRAY = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+def _gray8(img: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image as 8-bit "L" (0..65535 scaled to 0..255), or "LA" when a tRNS colour key
+    marks a gray value transparent (Pillow's own conversion of these modes drops the key)."""
+    a = np.asarray(img).astype(np.int64)
+    gray = Image.fromarray(np.clip((a + 128) // 257, 0, 255).astype(np.uint8), "L")
+    key = img.info.get("transparency")
+    if isinstance(key, int) and not isinstance(key, bool):
+        return Image.merge("LA", (gray, Image.fromarray(np.where(a == key, 0, 255).astype(np.uint8), "L")))
+    return gray
+
+
+def _keyed_to_alpha(img: Image.Image) -> Image.Image:
+    """16-bit grayscale as 8 bits (`_gray8`), and a colour key (the tRNS chunk of an L or RGB PNG) as an alpha
+    channel: its pixels once kept the key's colour instead of being composited on white (Tux Paint's
+    chick-hatched.png: a third of it near-black). Other images are returned as they are."""
+    if img.mode in _WIDE_GRAY:
+        img = _gray8(img)
+    if img.mode in ("1", "L", "RGB") and "transparency" in img.info:
+        img = img.convert("RGBA")
+    return img
+
+
 def _flatten(img: Image.Image, source) -> Image.Image:
     if img.width == 0 or img.height == 0:
         raise MediaError(source, f"empty image ({img.width}x{img.height})", EMPTY)
+    img = _keyed_to_alpha(img)
     has_alpha = img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
         img.mode == "P" and "transparency" in img.info
     )

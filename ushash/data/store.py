@@ -48,8 +48,8 @@ def encoder_meta(encoder, config: dict | None = None) -> dict:
 def rows_fingerprint(rows) -> str:
     """16 hex digits over every row's modality, id, group, labels and source, in order: a caption by its
     text, a file by its path, size and modification time (a member of a container, `tar:...#m` or `hf:...#m`,
-    by the container's; a container that is a folder by its files', `_folder_key`), and over how a file is decoded
-    (`decode_identity`). Another manifest,
+    by the container's; a container that is a folder by its files', `_folder_key`), over how a file is decoded
+    (`decode_identity`) and, for rows with SVG files, over what renders them (`svg_renderer`). Another manifest,
     another split seed or fraction, an edited caption or label, a replaced image (even of the same size: an
     image of the same size and dimensions once reused the old pixels' store) or a change to decoding give
     another fingerprint, so a feature store is never reused for other rows or other pixels. Like make and
@@ -58,10 +58,27 @@ def rows_fingerprint(rows) -> str:
     h = hashlib.sha256()
     h.update(decode_identity().encode() + b"\n")
     sizes: dict[str, object] = {}
+    svg = False
     for r in rows:
         h.update(f"{r.modality}\0{r.id}\0{r.group}\0{labels_key(r.labels)}\0".encode("utf-8", "surrogatepass"))
         h.update(_source_key(r, sizes).encode("utf-8", "surrogatepass") + b"\n")
+        svg = svg or (r.modality == "image" and r.source.lower().endswith((".svg", ".svgz")))
+    if svg:
+        h.update(b"svg renderer\0" + svg_renderer().encode() + b"\n")
     return h.hexdigest()[:16]
+
+
+def svg_renderer() -> str:
+    """What rasterises SVG rows here: cairosvg's and the cairo library's versions, or "none" without them.
+    Part of the rows fingerprint of rows with SVG files: extracted without cairosvg, their SVG rows fail
+    (needs_dependency) and the store, finished without them, was reused after cairosvg was installed; another
+    cairo may render other pixels."""
+    try:
+        import cairocffi
+        import cairosvg
+    except (ImportError, OSError) as e:  # OSError: cairocffi without the cairo C library
+        return f"none ({type(e).__name__})"
+    return f"cairosvg {cairosvg.__version__}, cairo {cairocffi.cairo_version_string()}"
 
 
 def content_digest(split: FeatureSplit) -> str:
