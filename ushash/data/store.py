@@ -55,6 +55,7 @@ def rows_fingerprint(rows) -> str:
     another fingerprint, so a feature store is never reused for other rows or other pixels. Like make and
     rsync's quick check, a file copied over another with both its size and its modification time kept
     (`cp -p` of a same-size file) is not seen; remove the store (or touch the file) after such a copy."""
+    from ushash.data.media import SVG_SUFFIXES
     h = hashlib.sha256()
     h.update(decode_identity().encode() + b"\n")
     sizes: dict[str, object] = {}
@@ -62,7 +63,7 @@ def rows_fingerprint(rows) -> str:
     for r in rows:
         h.update(f"{r.modality}\0{r.id}\0{r.group}\0{labels_key(r.labels)}\0".encode("utf-8", "surrogatepass"))
         h.update(_source_key(r, sizes).encode("utf-8", "surrogatepass") + b"\n")
-        svg = svg or (r.modality == "image" and r.source.lower().endswith((".svg", ".svgz")))
+        svg = svg or (r.modality == "image" and r.source.lower().endswith(SVG_SUFFIXES))
     if svg:
         h.update(b"svg renderer\0" + svg_renderer().encode() + b"\n")
     return h.hexdigest()[:16]

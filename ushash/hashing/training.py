@@ -81,12 +81,16 @@ def check_settings(cfg: DictConfig) -> None:
     bs = cfg.model.batch_size
     if not (isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1):
         raise ValueError(f"model.batch_size={bs!r}: expected a number of groups per batch >= 1")
-    patience = (cfg.get("early_stop") or {}).get("patience")
+    check_patience((cfg.get("early_stop") or {}).get("patience"))
+    kw = module_kwargs(cfg, {}, {})
+    check_module(**{k: v for k, v in kw.items() if k in _CHECKED})
+
+
+def check_patience(patience) -> None:
+    """early_stop.patience: a whole number of epochs >= 1, or None never to stop early (0 was read as "never")."""
     if patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 1):
         raise ValueError(f"early_stop.patience={patience!r}: expected a number of epochs >= 1, or null never to "
                          "stop early")
-    kw = module_kwargs(cfg, {}, {})
-    check_module(**{k: v for k, v in kw.items() if k in _CHECKED})
 
 
 class BestOnVal(Callback):
@@ -96,9 +100,7 @@ class BestOnVal(Callback):
     run that had stopped trains no further when it is run again."""
 
     def __init__(self, path: Path, patience: int | None = None):
-        if patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 1):
-            raise ValueError(f"early_stop.patience={patience!r}: expected a number of epochs >= 1, or null never to "
-                             "stop early")
+        check_patience(patience)
         self.path, self.patience = Path(path), patience
         self.best: float | None = None
         self.best_epoch: int | None = None
