@@ -101,7 +101,7 @@ def test_filters_compare_json_values_exactly_and_never_raise_on_one(cache):
 
 def test_metadata_must_be_json_and_is_refused_rather_than_changed(cache):
     x = np.ones(24, np.float32)
-    with pytest.raises(ValueError, match="metadata key 7 is not a string: metadata is stored as JSON; use '7'"):
+    with pytest.raises(ValueError, match="metadata key 7 is not a string: it is stored as JSON, whose keys are strings; use '7'"):
         cache.store(None, "r", features=x, metadata={7: "seven"})
     with pytest.raises(ValueError, match="metadata key 7 is not a string"):
         cache.store(None, "r", features=x, metadata={7: "a", "b": 1})           # mixed keys: no TypeError

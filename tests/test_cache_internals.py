@@ -146,6 +146,44 @@ def test_an_l1_refuses_a_batch_holding_an_entry_of_another_revision_before_writi
     assert {c.table.read(s, ["image"], rev).revision for s in c.table.live_slots().tolist()} == {rev}
 
 
+def test_an_l1_batch_that_raises_midway_lets_go_of_its_tenant_and_keeps_what_it_admitted_findable():
+    from ushash.serving.cache.request import Query
+
+    """A raise inside put_many (here the eviction policy's, at the batch's third entry) used to leave the
+    tenant held forever (never dropped when emptied) and the entries admitted before it out of the index."""
+    c = SemanticCache(LSHHead({"image": 8}, bits=64, dim=8, seed=0), {"bloom": False}, clock=FakeClock())
+    rev = c.revision
+    batch = [dataclasses.replace(e, modality="image", payload=b"", revision=rev, expires=math.inf)
+             for e in _entries(np.random.default_rng(9), 4)]
+    insert, calls = c.l1.policy.insert, []
+
+    def failing(slot, nbytes):
+        calls.append(slot)
+        if len(calls) == 3:
+            raise MemoryError("policy")
+        return insert(slot, nbytes)
+
+    c.l1.policy.insert = failing
+    with pytest.raises(MemoryError):
+        c.l1.put_many("t", batch)
+    c.l1.policy.insert = insert
+    ti = c.l1._tenant_ids["t"]
+    assert c.l1._tenant_live[ti] == 2 and len(c) == 2   # the two admitted; the slot it raised at is freed
+    for e in batch[:2]:
+        q = Query(modality="image", code=e.code, z=None)
+        assert c.l1.find(q, "t", rev, c.hit_check, c.clock(), 1).entry.value == e.value
+    assert c.delete_tenant("t") == 2 and "t" not in c.l1._tenant_ids   # emptied: the tenant is dropped
+
+
+def test_a_scope_that_is_not_bytes_is_refused():
+    """bytes(5) is five zero bytes: an int scope would silently file the answer in another scope."""
+    c = SemanticCache(LSHHead({"image": 8}, bits=64, dim=8, seed=0), {"bloom": False}, clock=FakeClock())
+    q = c.query("image", None, np.ones(8, np.float32))
+    with pytest.raises(TypeError, match="scope is bytes.*got int 5"):
+        c.store_query(q, "v", scope=5)
+    assert len(c) == 0 and c.store_query(q, "v", scope=b"\x05")
+
+
 def test_expiry_records_drop_only_the_entry_they_were_made_for():
     """An expiry record names (expires, slot): a slot reused by a later entry keeps that entry until its own
     expiry, however many records of earlier entries of the slot come due before it."""

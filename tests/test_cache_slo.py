@@ -188,3 +188,17 @@ def test_stored_json_values_decode_as_json_does():
               {"a": [2 ** 64 + 1]}, "s", 1.2345678901234567e-300):
         kind, data = encode_value(v)
         assert decode_value(kind, data) == v and type(decode_value(kind, data)) is type(v)
+
+
+def test_values_json_would_change_are_refused_rather_than_changed():
+    """A hit hands back what was stored: {7: "a"} would come back as {"7": "a"} and a tuple as a list, so
+    such values are refused at store time, naming the place and the fix."""
+    from ushash.serving.cache.entries import encode_value
+
+    with pytest.raises(TypeError, match="the value key 7 is not a string.*use '7'"):
+        encode_value({7: "a"})
+    with pytest.raises(TypeError, match=r"the value\['a'\]\[1\] is a tuple.*pass a list"):
+        encode_value({"a": [1, (2, 3)]})
+    with pytest.raises(TypeError, match="is a float32, not a JSON value"):
+        encode_value([np.float32(1.5)])
+    assert encode_value({"a": [1, True, None, 2.5]}) == ("j", b'{"a":[1,true,null,2.5]}')

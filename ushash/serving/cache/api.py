@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import os
 import uuid
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from ushash.serving.cache.entries import check_json
 from ushash.serving.cache.request import Query, RequestError
 
 #: Files larger than this are not read as a request's image or sound.
@@ -69,27 +69,6 @@ def metadata_scope(metadata: Mapping) -> bytes:
         return b""
     text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr)
     return hashlib.sha256(text.encode()).digest()[:16]
-
-
-def check_json(value, what: str = "metadata") -> None:
-    """Refuse (ValueError naming the field and the fix) what JSON would not give back as it was: metadata is
-    stored as JSON, so a key that is not a string, a tuple, a float that is not finite or any other type
-    would come back changed, or not at all. JSON is str, int, float, bool, None, list and dict."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ValueError(f"{what} key {k!r} is not a string: metadata is stored as JSON; use {str(k)!r}")
-            check_json(v, f"{what}[{k!r}]")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            check_json(v, f"{what}[{i}]")
-    elif isinstance(value, tuple):
-        raise ValueError(f"{what} is a tuple: metadata is stored as JSON, which has no tuples; pass a list")
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{what} is {value}: JSON has no NaN or infinity; store it as a string or None")
-    elif not isinstance(value, (str, int, float, bool, type(None))):
-        raise ValueError(f"{what} is a {type(value).__name__}, not a JSON value (str, int, float, bool, None, "
-                         f"list or dict); convert it to one")
 
 
 def json_equal(a, b) -> bool:
@@ -137,7 +116,7 @@ class CheckStore:
         id, or None when the cache did not keep it."""
         if metadata is not None and not isinstance(metadata, Mapping):
             raise TypeError(f"metadata must be a mapping; got {type(metadata).__name__}")
-        check_json(dict(metadata or {}))
+        check_json(dict(metadata or {}), "metadata")
         if isinstance(response, (bytes, bytearray, memoryview)):
             raise TypeError("check/store responses are JSON values (str, numbers, lists, dicts); put() stores bytes")
         key = uuid.uuid4().hex

@@ -487,6 +487,10 @@ class SemanticCache(CheckStore):
         scopes = list(scopes) if scopes is not None else [b""] * len(queries)
         if len(scopes) != len(queries):
             raise ValueError(f"{len(queries)} queries but {len(scopes)} scopes")
+        bad = next((s for s in scopes if not isinstance(s, (bytes, bytearray))), None)
+        if bad is not None:   # bytes(5) would be five zero bytes: another scope, silently
+            raise TypeError(f"an entry's scope is bytes (a digest of what its answer depends on); got "
+                            f"{type(bad).__name__} {bad!r}")
         encoded = [encode_value(v) for v in values]
         payloads = [b""] * len(queries)
         if self.payload_codec is not None:

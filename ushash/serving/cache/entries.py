@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -42,14 +43,38 @@ def valid_tenant(tenant) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- values
+def check_json(value, what: str = "the value") -> None:
+    """Refuse (ValueError naming the place and the fix) what JSON would not give back as it was: a key that is
+    not a string, a tuple, a float that is not finite or any other type would come back changed ({7: "a"} as
+    {"7": "a"}, a tuple as a list), or not at all. JSON is str, int, float, bool, None, list and dict."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{what} key {k!r} is not a string: it is stored as JSON, whose keys are strings; "
+                                 f"use {str(k)!r}")
+            check_json(v, f"{what}[{k!r}]")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_json(v, f"{what}[{i}]")
+    elif isinstance(value, tuple):
+        raise ValueError(f"{what} is a tuple: it is stored as JSON, which has no tuples; pass a list")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} is {value}: JSON has no NaN or infinity; store it as a string or None")
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        raise ValueError(f"{what} is a {type(value).__name__}, not a JSON value (str, int, float, bool, None, "
+                         f"list or dict); convert it to one")
+
+
 def encode_value(value) -> tuple[str, bytes]:
     """Values are stored as bytes: bytes as they are, str as UTF-8, anything else as JSON (no pickle:
-    an L2 shared with other processes must never be able to run code in this one)."""
+    an L2 shared with other processes must never be able to run code in this one), and only what JSON gives
+    back as it was (`check_json`): a hit never hands back a changed value."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "b", bytes(value)
     try:
         if isinstance(value, str):
             return "s", value.encode("utf-8")
+        check_json(value)
         return "j", json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 for it, and no reader could use it
         raise TypeError(f"cache values must be valid Unicode text; this one holds a lone surrogate at {e.start}") from e

@@ -551,51 +551,58 @@ class L1Tier:
             exp_at: list[float] = []         # expiry records (expires, slot) of the admitted entries (finite ones kept)
             exp_slots: list[int] = []
             self._tenant_live[ti] += 1      # hold the tenant while the batch evicts
-            for j, i in enumerate(fits):
-                e = entries[i]
-                mi = self._modality_id(e.modality)
-                key = (mi, e.code, e.payload, e.scope)
-                old = placed.get(key)
-                if old is None:
-                    for s in same_code[lims[j]:lims[j + 1]].tolist():
-                        if (t.alive[s] and t.modality[s] == mi and t.code[s].tobytes() == e.code
-                                and t.payload_of(s) == e.payload and t.scope.get(s, b"") == e.scope):
-                            old = s
-                            break
-                if old is not None and t.alive[old]:
-                    self._remove(old, None)  # the same request stored again: replace its value
-                    added.pop(old, None)
-                    placed.pop(placed_key.pop(old, None), None)
-                slot = t.alloc()
-                t.write(slot, e, ti, mi)
-                self._tenant_live[ti] += 1
-                admitted = True
-                for s in self.policy.insert(slot, e.nbytes):
-                    if s == slot:
-                        admitted = False
-                        m.rejections.labels(reason="admission").inc()
-                        self._remove(slot, None)
-                    else:
-                        self._remove(s, "capacity")
-                        added.pop(s, None)
-                        placed.pop(placed_key.pop(s, None), None)
-                if admitted:
-                    placed[key] = slot
-                    placed_key[slot] = key
-                    added[slot] = None
-                    exp_at.append(e.expires)
-                    exp_slots.append(slot)
-                    if self.bloom is not None:
-                        self.bloom.add(ti, e.code)
-                    m.puts.inc()
-                    out[i] = True
-            if exp_at:   # pushed together: the same records, popped in the same order, as one by one
-                self._expiry.push_many(exp_at, exp_slots)
-            live = np.array([s for s in added if t.alive[s]], np.int64)
-            if len(live):
-                backend.add_many(live, t.code[live])
-            self._tenant_live[ti] -= 1
-            self._drop_tenant_if_empty(ti)
+            pending = None                   # a slot written and not yet admitted or refused
+            try:
+                for j, i in enumerate(fits):
+                    e = entries[i]
+                    mi = self._modality_id(e.modality)
+                    key = (mi, e.code, e.payload, e.scope)
+                    old = placed.get(key)
+                    if old is None:
+                        for s in same_code[lims[j]:lims[j + 1]].tolist():
+                            if (t.alive[s] and t.modality[s] == mi and t.code[s].tobytes() == e.code
+                                    and t.payload_of(s) == e.payload and t.scope.get(s, b"") == e.scope):
+                                old = s
+                                break
+                    if old is not None and t.alive[old]:
+                        self._remove(old, None)  # the same request stored again: replace its value
+                        added.pop(old, None)
+                        placed.pop(placed_key.pop(old, None), None)
+                    slot = pending = t.alloc()
+                    t.write(slot, e, ti, mi)
+                    self._tenant_live[ti] += 1
+                    admitted = True
+                    for s in self.policy.insert(slot, e.nbytes):
+                        if s == slot:
+                            admitted = False
+                            m.rejections.labels(reason="admission").inc()
+                            self._remove(slot, None)
+                        else:
+                            self._remove(s, "capacity")
+                            added.pop(s, None)
+                            placed.pop(placed_key.pop(s, None), None)
+                    pending = None
+                    if admitted:
+                        placed[key] = slot
+                        placed_key[slot] = key
+                        added[slot] = None
+                        exp_at.append(e.expires)
+                        exp_slots.append(slot)
+                        if self.bloom is not None:
+                            self.bloom.add(ti, e.code)
+                        m.puts.inc()
+                        out[i] = True
+            finally:   # after a raise: the slot it left half-stored is freed, what was admitted before it
+                       # stays findable, and the hold is let go
+                if pending is not None:
+                    self._remove(pending, None)
+                if exp_at:   # pushed together: the same records, popped in the same order, as one by one
+                    self._expiry.push_many(exp_at, exp_slots)
+                live = np.array([s for s in added if t.alive[s]], np.int64)
+                if len(live):
+                    backend.add_many(live, t.code[live])
+                self._tenant_live[ti] -= 1
+                self._drop_tenant_if_empty(ti)
             self._maybe_rebuild_bloom()
             self.update_gauges()
             return out
