@@ -164,6 +164,37 @@ def test_every_epochs_val_score_is_recorded_and_the_kept_one_is_their_maximum(da
     assert resumed["val_scores"][:3] == cut["val_scores"] and resumed["val_score"] == max(resumed["val_scores"])
 
 
+def test_a_run_resumed_with_more_epochs_follows_the_cosine_schedule_of_its_new_max_epochs(data, tmp_path):
+    """A run of 2 epochs extended to 6 goes on, from epoch 2, with the learning rates of a 6-epoch cosine
+    schedule (the saved scheduler's T_max of 2 used to make them climb back up from zero); through
+    run_train, the extended run's scheduler has the new T_max."""
+    from ushash.hashing.module import USHashModule
+
+    def schedule(max_epochs, state=None, epochs=6):
+        mod = USHashModule({"image": 6, "text": 4}, bits=16, dim=8, init="random", max_epochs=max_epochs)
+        conf = mod.configure_optimizers()
+        opt, sched = conf["optimizer"], conf["lr_scheduler"]
+        if state is not None:
+            mod.on_load_checkpoint(state)
+            opt.load_state_dict(state["optimizer_states"][0])
+            sched.load_state_dict(state["lr_schedulers"][0])
+        lrs = []
+        while sched.last_epoch < epochs:
+            lrs.append([g["lr"] for g in opt.param_groups])
+            opt.step()
+            sched.step()
+        return lrs, {"optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()]}
+
+    fresh, _ = schedule(6)
+    _, cut = schedule(2, epochs=2)
+    extended, _ = schedule(6, cut)
+    assert len(extended) == 4 and np.allclose(extended, fresh[2:], rtol=1e-9, atol=0)
+    assert max(map(max, extended)) > 0.5 * max(map(max, fresh))     # not stuck at the cut run's final zero
+    run_train(_cfg(tmp_path / "x", "trainer.max_epochs=1", "early_stop.patience=null"), splits=data)
+    out = run_train(_cfg(tmp_path / "x", "trainer.max_epochs=3", "early_stop.patience=null"), splits=data)
+    assert torch.load(out["last"], weights_only=True)["lr_schedulers"][0]["T_max"] == 3
+
+
 def test_weight_averaging_is_what_is_validated_kept_and_resumed(data, tmp_path):
     """model.ema_epochs: every validation scores the exponential moving average of the weights, and best.ckpt
     and last.ckpt hold that average as their weights (they score on val what the run recorded for them), with

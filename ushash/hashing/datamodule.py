@@ -74,13 +74,15 @@ class GroupBatches(Dataset):
 
 
 class FeatureDataModule(pl.LightningDataModule):
-    """Reads train/val splits from finished feature-store folders."""
+    """Reads train/val splits from finished feature-store folders. Batches are made in this process (no
+    DataLoader workers): they index rows already in memory, and the row draws stay those of one generator,
+    which a worker would copy and replay each epoch."""
 
     def __init__(self, train_path: str, val_path: str, modalities: list[str], batch_size: int = 256,
-                 num_workers: int = 0, seed: int = 0):
+                 seed: int = 0):
         super().__init__()
         self.train_path, self.val_path = Path(train_path), Path(val_path)
-        self.modalities, self.batch_size, self.num_workers, self.seed = tuple(modalities), batch_size, num_workers, seed
+        self.modalities, self.batch_size, self.seed = tuple(modalities), batch_size, seed
         self.train_split = self.val_split = None
 
     def setup(self, stage: str | None = None):
@@ -92,7 +94,7 @@ class FeatureDataModule(pl.LightningDataModule):
     def train_dataloader(self):
         # Keep the last partial batch: on small sets (766 Tux Paint stamps) dropping it loses a third of the data.
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=False,
-                          collate_fn=self.train_set.collate, num_workers=self.num_workers)
+                          collate_fn=self.train_set.collate)
 
     def val_dataloader(self):
         # Validation is computed on whole tables in the module's on_validation_epoch_end; one dummy batch.

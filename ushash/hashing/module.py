@@ -297,6 +297,22 @@ class USHashModule(pl.LightningModule):
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, hp.max_epochs))
         return {"optimizer": opt, "lr_scheduler": sched}
 
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A run resumed with another max_epochs (cut short, or extended after it finished) goes on along the
+        cosine schedule of its new max_epochs, from the epoch it resumes at: the saved scheduler's T_max and
+        the saved learning rates (which Lightning restores after this hook) are set to that schedule's. Left
+        as saved, the old T_max made the learning rate of a finished run that was extended climb back up from
+        zero, a warm restart no setting asked for."""
+        T = max(1, int(self.hparams.max_epochs))
+        for sd, opt in zip(checkpoint.get("lr_schedulers") or [], checkpoint.get("optimizer_states") or []):
+            if "T_max" not in sd or sd["T_max"] == T:
+                continue
+            e, low = min(int(sd["last_epoch"]), T), float(sd["eta_min"])
+            lrs = [low + (float(b) - low) * (1 + math.cos(math.pi * e / T)) / 2 for b in sd["base_lrs"]]
+            sd["T_max"], sd["_last_lr"] = T, lrs
+            for group, lr in zip(opt["param_groups"], lrs):
+                group["lr"] = lr
+
 
 class _KeepRawWeights(WeightAveraging):
     """Lightning's WeightAveraging, less its copy of the average into the module when training ends: the
