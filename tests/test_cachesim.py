@@ -51,6 +51,25 @@ def test_pool_and_zipf_stream(store):
     assert flat.max() < 3 * flat.mean()
 
 
+def test_the_pool_is_made_of_features_of_the_precision_the_export_was_trained_on(store, tmp_path):
+    """An export whose source features were computed under fp16 autocast looks for an fp16 store: with only
+    the fp32 store here it is refused, naming the fp32 one, instead of replaying fp32 features."""
+    from ushash.data.store import FeatureStoreError
+    from ushash.sim.pool import build_pool
+
+    root, splits = store
+    enc = {"name": "synthetic", "fingerprint": synthetic.ENCODER["fingerprint"]}
+    cfg = compose("cachesim", [f"paths.root={tmp_path}", f"features_dir={root / 'features'}", "progress=false"])
+    fp32 = load_export(write_export(USHash(DIMS, bits=64, dim=32, hidden=32).eval(), tmp_path / "a", enc,
+                                    source={"dataset": "synthetic", "encoder": enc}))
+    pool, _ = build_pool(cfg, fp32)
+    assert len(pool) == len(pool_from_split(splits["test"], perturb=int(cfg.variants.perturb)))
+    fp16 = load_export(write_export(USHash(DIMS, bits=64, dim=32, hidden=32).eval(), tmp_path / "b", enc,
+                                    source={"dataset": "synthetic", "encoder": {**enc, "precision": "fp16-autocast"}}))
+    with pytest.raises(FeatureStoreError, match="only fp32 store"):
+        build_pool(cfg, fp16)
+
+
 class _ServesTheLastAnswer:
     """A cache under test that serves the last stored answer to any request (once something is stored)."""
     name, nbytes = "last", 0

@@ -35,9 +35,9 @@ from ushash.config import to_dict
 from ushash.data import media
 from ushash.data.datasets import load_rows
 from ushash.data.rows import Row, check_unique
-from ushash.data.store import (FeatureSplit, FeatureStoreError, encoder_meta, finish, identity_path, open_split,
-                               partial_path, rows_fingerprint, store_identity, store_lock, write_json, write_meta,
-                               write_rows)
+from ushash.data.store import (FP32, PRECISION_SUFFIX, FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision,
+                               finish, identity_path, open_split, other_precisions, partial_path, rows_fingerprint,
+                               store_identity, store_lock, write_json, write_meta, write_rows)
 from ushash.encoders import build_encoder
 
 log = logging.getLogger(__name__)
@@ -129,21 +129,28 @@ def stored_split(provenance: dict, split: str, features_dir: str | Path) -> Feat
     Where the recipe cannot run here, the rows fingerprint the provenance recorded for the split (`stores`:
     a checkpoint's train and val, an export's every split it could list) names the store. Without either,
     the one store of that dataset, split and encoder is used for synthetic data, and a data set whose rows
-    cannot be listed is refused (a store of another manifest of the same name was once used)."""
+    cannot be listed is refused (a store of another manifest of the same name was once used).
+
+    Only a store of the precision the provenance's encoder record says (`encoder_precision`: fp32 unless it
+    says fp16 autocast) is used; where only stores of another precision exist, the error names them."""
     enc = provenance["encoder"]
     dataset = provenance["dataset"]
     recipe, data = _recipe(provenance)
-    base = store_identity(dataset, split, {"name": enc["name"], "fingerprint": enc["fingerprint"]})
+    precision = encoder_precision(enc)
+    base = store_identity(dataset, split, {"name": enc["name"], "fingerprint": enc["fingerprint"],
+                                           "precision": precision})
     from ushash.data.datasets import DATASETS
     fingerprint = listed_fingerprint(provenance, split) or (provenance.get("stores") or {}).get(split)
     if fingerprint:
-        path = identity_path(features_dir, {**base, "rows_fingerprint": fingerprint})
+        identity = {**base, "rows_fingerprint": fingerprint}
+        path = identity_path(features_dir, identity)
         if not (path / "meta.json").exists():
             sets = " ".join(f"data.{k}={v}" for k, v in data.items() if v is not None and not isinstance(v, (dict, list)))
             raise FeatureStoreError(
-                f"no feature store of {dataset}/{split} for the rows this checkpoint's data settings give, at {path}; "
+                f"no feature store of {dataset}/{split} for the rows this checkpoint's data settings give, at "
+                f"{path} ({precision} features{_other_precisions_note(features_dir, identity)}); "
                 f"extract it: python -m ushash.extract data={recipe} data.name={dataset} {sets} "
-                f"encoder={enc['name']} extract.splits=[{split}]")
+                f"encoder={enc['name']} extract.splits=[{split}]{_precision_setting(precision)}")
         return open_split(path)
     if recipe in DATASETS:
         raise FeatureStoreError(
@@ -151,14 +158,37 @@ def stored_split(provenance: dict, split: str, features_dir: str | Path) -> Feat
             f"checkpoint's data settings say) and nothing records which store they are; pass the data settings "
             f"that list them (data.path=... for a manifest), so that only the store of exactly those rows is used")
     folder = identity_path(features_dir, base)
-    found = sorted(p for p in folder.parent.glob(folder.name + "*")
-                   if (p / "meta.json").exists() and (p.name == folder.name or p.name.startswith(folder.name + "-r")))
+    found = _stores_named(folder)
     if len(found) != 1:
+        at = {p: {**base, "encoder": {**base["encoder"], "precision": p}} for p in PRECISION_SUFFIX if p != precision}
+        others = {} if found else {p: _stores_named(identity_path(features_dir, i)) for p, i in at.items()}
+        note = "".join(f"; only {p} store(s) {[f.name for f in fs]}, not used for {precision} features"
+                       for p, fs in others.items() if fs)
         raise FeatureStoreError(
-            f"{'no' if not found else len(found)} feature store(s) of {dataset}/{split} with encoder {enc['name']} "
-            f"({enc['fingerprint']}) under {folder.parent}" + (f": {[p.name for p in found]}; pass the folder with "
-                                                               "features_dir= or remove the others" if found else ""))
+            f"{'no' if not found else len(found)} feature store(s) of {dataset}/{split} with encoder "
+            f"{enc['name']} ({enc['fingerprint']}, {precision}) under {folder.parent}"
+            + (f": {[p.name for p in found]}; pass the folder with features_dir= or remove the others" if found
+               else note))
     return open_split(found[0])
+
+
+def _stores_named(folder: Path) -> list[Path]:
+    """The finished stores `folder` names with or without a rows fingerprint (`folder`, `folder-r<rows>`)."""
+    return sorted(p for p in folder.parent.glob(folder.name + "*")
+                  if (p / "meta.json").exists() and (p.name == folder.name or p.name.startswith(folder.name + "-r")))
+
+
+def _other_precisions_note(features_dir, identity: dict) -> str:
+    """For a missing store: the stores of the same rows at another precision, which are not used instead (their
+    features differ in the low bits from the ones the checkpoint was trained on)."""
+    others = other_precisions(features_dir, identity)
+    return "".join(f"; a {p} store of those rows is at {path}, but features of another precision than the "
+                   f"checkpoint's are not used" for p, path in others.items())
+
+
+def _precision_setting(precision: str) -> str:
+    """The extract settings that give features of `precision`."""
+    return " encoder.amp=false" if precision == FP32 else " extract.device=cuda encoder.amp=true"
 
 
 def resolve_features_dir(provenance: dict, cfg) -> Path:

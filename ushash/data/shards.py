@@ -51,8 +51,8 @@ from ushash.data import media
 from ushash.data.extract import (check_bad_rows, collate_list, decode_workers, encode_batch, extract, failure,
                                  failure_of, failure_records, modality_counts, prepare, skipped)
 from ushash.data.rows import Row, check_unique
-from ushash.data.store import (FeatureSplit, FeatureStoreError, encoder_meta, identity_path, open_split,
-                               partial_path, rows_fingerprint, store_identity, store_lock, write_split)
+from ushash.data.store import (FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision, identity_path,
+                               open_split, partial_path, rows_fingerprint, store_identity, store_lock, write_split)
 
 SHARD_ROWS = 10_000  # rows per hash shard when the shard count is automatic
 HF_CHUNK = 10_000    # indices of a Hugging Face dataset per stream unit
@@ -183,6 +183,14 @@ class Plan:
         return rows_tasks + ([stream] if stream else [])
 
     def run_task(self, task: list[int], encoder) -> None:
+        here = encoder_meta(encoder, self.encoder_cfg)
+        if encoder_precision(here) != encoder_precision(self.encoder_meta):
+            # the units' stores are keyed by the precision the plan was made at: features of another would land
+            # in folders the merge never reads (or, were the key left out, among features of the other one)
+            raise FeatureStoreError(
+                f"{self.dataset}/{self.split}: the encoder computes at {encoder_precision(here)} on {encoder.device}, "
+                f"but this extraction's store {self.out.name} is keyed by {encoder_precision(self.encoder_meta)}; "
+                f"put the encoder on the device the extraction runs on (extract.device) before extracting")
         units = [self.units[i] for i in task]
         if units[0].container is None:
             for u in units:

@@ -1,9 +1,11 @@
-"""The feature store: frozen-encoder features on disk, one folder per (dataset, split, encoder, weights).
+"""The feature store: frozen-encoder features on disk, one folder per (dataset, split, encoder, weights,
+precision, rows).
 
-Layout of `<root>/<dataset>/<split>/<encoder>-<fingerprint>/`:
+Layout of `<root>/<dataset>/<split>/<encoder>-<fingerprint>[-fp16][-r<rows>]/`:
 
-    meta.json            what produced it: store version, dataset, split, encoder name/config/fingerprint,
-                         dims and row counts per modality, ushash version, time
+    meta.json            what produced it: store version, dataset, split, encoder name/config/fingerprint
+                         (and precision when not fp32), rows fingerprint, dims and row counts per modality,
+                         ushash version, time
     <modality>.npy       float32 [N, D], read back with np.load(mmap_mode="r")
     <modality>.rows.jsonl  one line per row of the array: {"id", "group", "labels"}
     report.json          rows seen / ok / failed per modality, and each failed row with its reason
@@ -11,8 +13,11 @@ Layout of `<root>/<dataset>/<split>/<encoder>-<fingerprint>/`:
 A store is written into `<name>.partial/` and renamed into place when done (`finish`), so a finished
 folder is always complete. Filling one from a dataset's rows is ushash.data.extract's job (and
 ushash.data.shards'); this module reads and writes the folders. What a store is the features of (its
-identity: dataset, split, encoder) is said once, by `store_identity`; meta.json records it and
-`identity_path` names the folder from it.
+identity: dataset, split, encoder, rows) is said once, by `store_identity`; meta.json records it and
+`identity_path` names the folder from it. The encoder's part is its name, weights fingerprint and the
+precision it computed at (`Encoder.precision`): features under fp16 autocast (`amp` on CUDA) differ from fp32
+ones, yet the fingerprint leaves `amp` and the device out (a head trained on CPU features serves on a GPU),
+so a store of them is `-fp16`; an fp32 store's folder and meta.json have no precision, as before it was kept.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ from ushash.core.io import exclusive, fsync_dir, write_json  # noqa: F401  write
 
 STORE_VERSION = 1
 
+#: The precisions an encoder computes at (`ushash.encoders.base.autocast_precision`), and the folder suffix of
+#: each; fp32 is what every store made before precision was recorded holds.
+FP32, FP16_AUTOCAST = "fp32", "fp16-autocast"
+PRECISION_SUFFIX = {FP32: "", FP16_AUTOCAST: "-fp16"}
+
 
 class FeatureStoreError(RuntimeError):
     pass
@@ -41,8 +51,19 @@ class FeatureStoreError(RuntimeError):
 # ---------------------------------------------------------------------------------------------- identity
 
 def encoder_meta(encoder, config: dict | None = None) -> dict:
-    """meta.json's "encoder" record of a live encoder: its name, weights fingerprint and config."""
-    return {"name": encoder.name, "fingerprint": encoder.fingerprint, "config": config or {}}
+    """meta.json's "encoder" record of a live encoder: its name, weights fingerprint and config, and the
+    precision it computes at where it is now (`Encoder.precision`) when that is not fp32. An fp32 record is
+    the one made before precision was recorded, so fp32 stores keep their folders and checkpoints' records."""
+    meta = {"name": encoder.name, "fingerprint": encoder.fingerprint, "config": config or {}}
+    precision = getattr(encoder, "precision", FP32)
+    if precision != FP32:
+        meta["precision"] = precision
+    return meta
+
+
+def encoder_precision(encoder: dict) -> str:
+    """The precision an `encoder_meta` record (or a checkpoint's provenance of one) says: fp32 when absent."""
+    return encoder.get("precision") or FP32
 
 
 def rows_fingerprint(rows) -> str:
@@ -166,21 +187,43 @@ def store_identity(dataset: str, split: str, encoder: dict, rows: str | None = N
     what made them, as the synthetic ones do).
 
     meta.json records it and `identity_path` names the store's folder from it: whatever must make a
-    different store belongs here, and only here.
+    different store belongs here, and only here (the precision the features were computed at is the
+    encoder record's, `encoder_meta`).
     """
     return {"dataset": dataset, "split": split, "encoder": encoder, "rows_fingerprint": rows}
 
 
 def identity_path(root: str | Path, identity: dict) -> Path:
-    """The folder of the store with this identity under `root`: <dataset>/<split>/<encoder>-<weights>[-r<rows>]."""
+    """The folder of the store with this identity under `root`:
+    <dataset>/<split>/<encoder>-<weights>[-fp16][-r<rows>] (`store_path`)."""
     enc = identity["encoder"]
-    path = store_path(root, identity["dataset"], identity["split"], enc["name"], enc["fingerprint"])
+    path = store_path(root, identity["dataset"], identity["split"], enc["name"], enc["fingerprint"],
+                      encoder_precision(enc))
     rows = identity.get("rows_fingerprint")
     return path.with_name(f"{path.name}-r{rows}") if rows else path
 
 
-def store_path(root: str | Path, dataset: str, split: str, encoder_name: str, fingerprint: str) -> Path:
-    return Path(root) / dataset / split / f"{encoder_name}-{fingerprint}"
+def store_path(root: str | Path, dataset: str, split: str, encoder_name: str, fingerprint: str,
+               precision: str = FP32) -> Path:
+    """<root>/<dataset>/<split>/<encoder>-<weights>, with `PRECISION_SUFFIX[precision]` after it: nothing for
+    fp32 (every store's folder before precision was part of it), `-fp16` for fp16 autocast. An unknown
+    precision is refused rather than given the fp32 folder."""
+    if precision not in PRECISION_SUFFIX:
+        raise ValueError(f"unknown encoder precision {precision!r}; known: {sorted(PRECISION_SUFFIX)}")
+    return Path(root) / dataset / split / f"{encoder_name}-{fingerprint}{PRECISION_SUFFIX[precision]}"
+
+
+def other_precisions(root: str | Path, identity: dict) -> dict[str, Path]:
+    """{precision: folder} of the finished stores of this identity at each other precision under `root`: what
+    a lookup that found none at its own can name (features of another precision are never used instead)."""
+    own = encoder_precision(identity["encoder"])
+    out = {}
+    for precision in PRECISION_SUFFIX:
+        if precision != own:
+            path = identity_path(root, {**identity, "encoder": {**identity["encoder"], "precision": precision}})
+            if (path / "meta.json").exists():
+                out[precision] = path
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -313,7 +356,8 @@ def write_split(out: str | Path, dataset: str, split: str, tables: dict[str, dic
     """Write a finished store from in-memory arrays (synthetic data, merged shards), atomically.
 
     tables: modality -> {"x": float32 [N, D], "ids": [N], "groups": [N], "labels": [N] of tuples (optional)}
-    encoder: {"name", "fingerprint", "config"} (`encoder_meta`); rows: the rows' fingerprint (`store_identity`)
+    encoder: {"name", "fingerprint", "config"[, "precision"]} (`encoder_meta`); rows: the rows' fingerprint
+    (`store_identity`)
     """
     out = Path(out)
     work = partial_path(out)

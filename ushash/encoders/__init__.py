@@ -8,10 +8,12 @@ See base.py for the contract. Importing this package is cheap: the encoder modul
 open_clip / transformers / timm only when an encoder is built.
 """
 
-from ushash.encoders.base import ENCODERS, Encoder, Part, audio_to_length, build_encoder, register
+from ushash.encoders.base import (ENCODERS, FP16_AUTOCAST, FP32, Encoder, Part, audio_to_length, autocast_precision,
+                                  build_encoder, register)
 
 # Every module of this package is imported: the ones that register themselves fill the registry.
 from ushash.core.registry import import_all  # noqa: E402
 import_all(__name__, __path__)  # noqa: E402
 
-__all__ = ["ENCODERS", "Encoder", "Part", "audio_to_length", "build_encoder", "register"]
+__all__ = ["ENCODERS", "FP16_AUTOCAST", "FP32", "Encoder", "Part", "audio_to_length", "autocast_precision",
+           "build_encoder", "register"]

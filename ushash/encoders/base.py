@@ -9,7 +9,8 @@ DataLoader workers and only the network runs on the accelerator:
 
 Encoders are frozen: built in eval mode, every parameter has requires_grad=False, and `.train()`
 keeps them in eval mode. `fingerprint` is a short hex id of the architecture, preprocessing and weight
-values; the feature store keys its tables with it.
+values; the feature store keys its tables with it, and with `precision` (fp32, or fp16 autocast with `amp`
+on CUDA), which the fingerprint leaves out: the same weights serve features of either precision.
 """
 
 from __future__ import annotations
@@ -27,11 +28,22 @@ import torch
 from torch import nn
 
 from ushash.core.registry import Registry
+from ushash.data.store import FP16_AUTOCAST, FP32
 
 ENCODERS = Registry("encoder", "ushash/encoders")
 
-# Constructor arguments that change where or how fast an encoder runs, not what it computes.
+# Constructor arguments that change where or how fast an encoder runs, not what it computes. `amp` on CUDA
+# does change the features' low bits (fp16 autocast): the feature store keys them by `Encoder.precision`, and
+# the fingerprint (what serving compares with an export's) stays the same on CPU and GPU.
 RUNTIME_ARGS = ("device", "amp")
+
+
+
+def autocast_precision(amp: bool, device: str | torch.device) -> str:
+    """The precision an encoder with `amp` computes at on `device`: FP16_AUTOCAST with `amp` on CUDA (what
+    `Encoder._autocast` runs under), else FP32. Its features differ from fp32 ones in the low bits, so a
+    store extracted under autocast is another store than the fp32 one (they once shared a folder)."""
+    return FP16_AUTOCAST if amp and torch.device(device).type == "cuda" else FP32
 
 
 def register(name: str) -> Callable[[type["Encoder"]], type["Encoder"]]:
@@ -189,6 +201,11 @@ class Encoder(nn.Module):
         return super().train(False)
 
     @property
+    def precision(self) -> str:
+        """What `encode` computes at where the encoder is now (`autocast_precision`): part of a store's key."""
+        return autocast_precision(self.amp, self.device)
+
+    @property
     def device(self) -> torch.device:
         for t in self.parameters():
             return t.device
@@ -231,8 +248,8 @@ class Encoder(nn.Module):
             raise ValueError(f"encoder {self.name!r} has no {modality!r} tower; it encodes {self.modalities}")
 
     def _autocast(self):
-        """fp16 autocast on CUDA when `amp` is on; never on CPU."""
-        if self.amp and self.device.type == "cuda":
+        """fp16 autocast on CUDA when `amp` is on; never on CPU (`precision` says which)."""
+        if self.precision == FP16_AUTOCAST:
             return torch.autocast("cuda", dtype=torch.float16)
         return contextlib.nullcontext()
 

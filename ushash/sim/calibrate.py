@@ -451,7 +451,7 @@ def pool_and_stream(head, features_dir, split: str, n_requests: int, zipf_s: flo
     rows the export's data settings give, ushash.data.extract.stored_split; feature-space variants,
     ushash/sim/pool.py) and a Zipf stream of `n_requests` over it; `seed` seeds both."""
     from ushash.data.extract import stored_split
-    from ushash.data.store import FeatureStoreError
+    from ushash.data.store import FeatureStoreError, encoder_precision
     from ushash.sim.pool import pool_from_split
     from ushash.sim.stream import make_stream
 
@@ -459,7 +459,8 @@ def pool_and_stream(head, features_dir, split: str, n_requests: int, zipf_s: flo
     dataset = src.get("dataset")
     if not dataset:
         raise ValueError("the export does not name the dataset it was trained on: no split to calibrate on")
-    enc = {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint}
+    enc = {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint,
+           "precision": encoder_precision(src.get("encoder") or {})}   # the features the head was trained on
     try:
         sp = stored_split({**src, "encoder": enc}, str(split), features_dir)
     except FeatureStoreError as e:

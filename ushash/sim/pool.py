@@ -179,7 +179,10 @@ def build_pool(cfg, head) -> tuple[Pool, str]:
                                crop_frac=float(v.crop_frac), snr_db=float(v.snr_db), seed=int(cfg.stream.seed),
                                captions=tuple(v.get("captions") or ("recased",))), dataset
     from ushash.data.extract import resolve_features_dir, stored_split
-    prov = {**src, "dataset": dataset, "encoder": {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint}}
+    from ushash.data.store import encoder_precision
+    # the features of the precision the head was trained on (the export's source records it)
+    prov = {**src, "dataset": dataset, "encoder": {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint,
+                                                   "precision": encoder_precision(src.get("encoder") or {})}}
     if cfg.get("data") is not None:  # data settings given here (data.path=... of a manifest) list the rows
         prov["data"] = {**(src.get("data") or {}), **to_dict(cfg.data)}
     split = stored_split(prov, str(cfg.split), resolve_features_dir(prov, cfg))
