@@ -168,3 +168,48 @@ def test_evaluate_float_ties_of_repeated_rows_in_a_large_database():
             [[bool(set(a) & set(b)) for b in dt.labels] for a in qt.labels])
         tie = metrics.expected_report(*metrics.tie_blocks(score, rel, 10), rel.sum(axis=1), k=10, ks=(1, 5, 10))
         assert r["tie_map@10"] == pytest.approx(tie["tie_map@10"], abs=1e-9)
+
+
+def _three_splits(tmp_path):
+    """A query split with image, text and audio rows, and databases with and without audio (seeded)."""
+    dims = {"image": 8, "text": 8, "audio": 8}
+    q = write_split(tmp_path / "q", "toy", "query", synthetic.clustered(30, 3, dims, seed=1), synthetic.ENCODER)
+    full = write_split(tmp_path / "d", "toy", "db", synthetic.clustered(40, 3, dims, seed=2), synthetic.ENCODER)
+    from ushash.data.store import FeatureSplit
+    no_audio = FeatureSplit(full.path, {**full.meta, "split": "db-no-audio"},
+                            {m: t for m, t in full.tables.items() if m != "audio"})   # the same rows, less audio
+    return q, full, no_audio
+
+
+def test_a_database_without_a_modality_reports_the_directions_it_cannot_run(tmp_path, caplog):
+    """Queries with audio against a database with no audio rows: I→A, T→A and also A→I, A→T silently vanished
+    from the rows (every audio direction was dropped, even those that need audio only in the queries)."""
+    q, full, no_audio = _three_splits(tmp_path)
+    method = lambda m, x: ("float", np.asarray(x, np.float32))  # noqa: E731
+    skipped = []
+    with caplog.at_level("WARNING", logger="ushash.evaluation.retrieval"):
+        rows = retrieval.evaluate(q, {"m": method}, protocols=("paired",), database=no_audio, skipped=skipped)
+    assert {r["direction"] for r in rows} == {"I→T", "T→I", "A→I", "A→T"}   # audio queries need no audio database
+    assert [(s["method"], s["direction"]) for s in skipped] == [("m", "I→A"), ("m", "T→A")]
+    assert all(s["reason"] == "the database split 'db-no-audio' has no audio rows" for s in skipped)
+    assert "I→A, T→A (the database split 'db-no-audio' has no audio rows)" in caplog.text
+    # the rows that do run are the ones the full database gives for the same pairs of tables
+    want = {r["direction"]: r for r in retrieval.evaluate(q, {"m": method}, protocols=("paired",), database=full)}
+    assert len(want) == 6 and all(r == want[r["direction"]] for r in rows)
+    # the other way round: queries with no audio, a database with audio rows
+    skipped = []
+    rows = retrieval.evaluate(no_audio, {"m": method}, protocols=("paired",), database=full, skipped=skipped)
+    assert {r["direction"] for r in rows} == {"I→T", "T→I", "I→A", "T→A"}
+    assert {s["direction"]: s["reason"] for s in skipped} == {
+        "A→I": "the query split 'db-no-audio' has no audio rows", "A→T": "the query split 'db-no-audio' has no audio rows"}
+
+
+def test_nothing_is_skipped_when_both_sides_have_every_modality(tmp_path, caplog):
+    q, full, _ = _three_splits(tmp_path)
+    method = lambda m, x: ("float", np.asarray(x, np.float32))  # noqa: E731
+    for database in (full, None):
+        skipped = []
+        with caplog.at_level("WARNING", logger="ushash.evaluation.retrieval"):
+            rows = retrieval.evaluate(q, {"m": method}, protocols=("paired",), database=database, skipped=skipped)
+        assert len({r["direction"] for r in rows}) == 6 and skipped == []
+    assert "not evaluated" not in caplog.text

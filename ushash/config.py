@@ -117,7 +117,8 @@ class EvalRunConfig(EvalConfig):
     """python -m ushash.eval (configs/eval.yaml): the evaluation settings plus which checkpoint and where."""
     ckpt: str = "???"                 # required: a checkpoint (it describes itself; no other config is needed)
     features_dir: Optional[str] = None  # default: the feature store the checkpoint was trained from
-    out: Optional[str] = None         # default: experiments/eval/<run>/<ckpt>-<split>-<digest of what made it>
+    out: Optional[str] = None         # default: experiments/eval/<run>/<ckpt>-<split>-<digest of what made it>;
+                                      # a folder holding the tables of other settings is refused, not overwritten
     paths: Any = None
 
 

@@ -8,15 +8,19 @@ and its mAP denominator.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import numpy as np
 
+import ushash
 from ushash.core import codes as codes_lib
 from ushash.core import metrics
 from ushash.core.groups import vocabulary
 from ushash.data.store import FeatureSplit
 from ushash.core.index import HammingIndex, _l2_normalise, cosine_scores, cosine_search, distinct_rows
+
+log = logging.getLogger(__name__)
 
 LETTER = {"image": "I", "text": "T", "audio": "A"}
 KINDS = ("codes", "float")
@@ -106,12 +110,16 @@ P_AT_K = (1, 5, 10, 20, 50, 100)
 
 def evaluate(split: FeatureSplit, methods: dict[str, Method] | None = None, k: int = 10, ks=(1, 5, 10),
              protocols=("paired", "label"), denominator: str = "min", database: FeatureSplit | None = None,
-             reps: dict[str, dict] | None = None, curves: bool = False) -> list[dict]:
+             reps: dict[str, dict] | None = None, curves: bool = False,
+             skipped: list | None = None) -> list[dict]:
     """One row per (method, direction, protocol). The label protocol runs only if the split has labels.
 
     Queries come from `split`; the database is `database` when given (the hashing protocol's query set
     against its retrieval set), else `split` itself. A direction runs when its query table and its database
-    table both have rows (no queries: no mean to take). A database smaller than k pads the ranking with
+    table both have rows (no queries: no mean to take). With a separate database, a direction between the
+    modalities the two splits have that one side lacks (e.g. I→A against a database with no audio rows) is
+    not in the rows: it is logged as a warning and, when `skipped` is a list, appended to it as
+    {"method", "direction", "reason"} (`plan_directions`). A database smaller than k pads the ranking with
     "no result" (-1), which is never relevant. Methods are functions (`methods`) or representations already
     computed by `represent` (`reps`: name -> modality -> (kind, array)), for queries and database alike
     when there is no separate database.
@@ -130,19 +138,20 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method] | None = None, k: i
         if database is not None:
             raise ValueError("precomputed reps hold one split; pass methods to rank against another database")
         sources[name] = (r, None)
-    rows = []
+    rows, missed = [], []
     for name, (q_reps, d_reps) in sources.items():
         d_reps = d_reps if d_reps is not None else q_reps
-        mods = [m for m in split.modalities if m in q_reps and m in d_reps]
-        q_reps = {m: check_rep(q_reps[m], name, m, len(split.tables[m]), "query") for m in mods}
-        d_reps = {m: check_rep(d_reps[m], name, m, len(db_split.tables[m]), "database") for m in mods}
-        for q, d in directions(mods):
+        q_reps = {m: check_rep(q_reps[m], name, m, len(split.tables[m]), "query")
+                  for m in split.modalities if m in q_reps}
+        d_reps = {m: check_rep(d_reps[m], name, m, len(db_split.tables[m]), "database")
+                  for m in db_split.modalities if m in d_reps}
+        runs, lacking = plan_directions(split, db_split, q_reps, d_reps, name)
+        missed += lacking
+        for q, d in runs:
             kind, qx = q_reps[q]
             dkind, dx = d_reps[d]
             if dkind != kind:
                 raise ValueError(f"method {name!r} returned {kind} for {q} but {dkind} for {d}; one kind per method")
-            if not len(qx) or not len(dx):
-                continue
             I, bits = rank(kind, qx, dx, max(k, *ks))  # R@K for every K of ks, whatever k is
             here = [p for p in protocols if p != "label" or labels is not None]
             rel_args = {p: (q_groups[q], d_groups[d], p, labels[0][q] if p == "label" else None,
@@ -166,7 +175,51 @@ def evaluate(split: FeatureSplit, methods: dict[str, Method] | None = None, k: i
                         row.update({"pr": {key: c[key] for key in ("precision", "recall", "retrieved")},
                                     "p_h2": c["p_h2"], "p_h2_retrieved": c["p_h2_retrieved"]})
                 rows.append(row)
+    if missed:
+        log.warning("%s", skipped_summary(missed))
+        if skipped is not None:
+            skipped.extend(missed)
     return rows
+
+
+def _split_name(split: FeatureSplit, role: str) -> str:
+    name = (split.meta or {}).get("split") or (split.path.name if split.path is not None else None)
+    return f"the {role} split {name!r}" if name else f"the {role} split"
+
+
+def plan_directions(split: FeatureSplit, db_split: FeatureSplit, q_reps: dict, d_reps: dict,
+                    method: str) -> tuple[list[tuple[str, str]], list[dict]]:
+    """The directions one method runs, and those it cannot: every direction between the modalities with rows
+    on either side (the query split's, the database's) runs when its query modality has rows in the query
+    split and its database modality has rows in the database. With no separate database the two sides are
+    one split, so nothing is ever lacking; with one, a direction a side lacks is returned as
+    {"method", "direction", "reason"}. A modality the method cannot encode on either side (it raised
+    KeyError(modality)) is no direction of the method's at all."""
+    q_has = {m for m, (_, x) in q_reps.items() if len(x)}
+    d_has = {m for m, (_, x) in d_reps.items() if len(x)}
+
+    def lack(m, s, reps, role):
+        if m in s.tables and len(s.tables[m]) and m not in reps:
+            return f"method {method!r} cannot encode the {m} rows of {_split_name(s, role)}"
+        return f"{_split_name(s, role)} has no {m} rows"
+
+    runs, lacking = [], []
+    for q, d in directions(m for m in ushash.MODALITIES if m in q_has or m in d_has):
+        if q in q_has and d in d_has:
+            runs.append((q, d))
+        else:
+            reason = lack(q, split, q_reps, "query") if q not in q_has else lack(d, db_split, d_reps, "database")
+            lacking.append({"method": method, "direction": direction_name(q, d), "reason": reason})
+    return runs, lacking
+
+
+def skipped_summary(skipped: list[dict]) -> str:
+    """One line for the directions `evaluate` could not run: each reason once, with its directions."""
+    by_reason: dict[str, dict] = {}
+    for s in skipped:
+        by_reason.setdefault(s["reason"], {})[s["direction"]] = None
+    parts = [f"{', '.join(dirs)} ({reason})" for reason, dirs in by_reason.items()]
+    return "not evaluated, so not in the tables: " + "; ".join(parts)
 
 
 def full_ranking(kind: str, qx: np.ndarray, dx: np.ndarray, rel_args: dict, k: int = 10, ks=(1, 5, 10),
