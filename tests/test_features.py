@@ -310,6 +310,17 @@ def test_store_identity_names_the_folder_and_fills_meta(tmp_path):
     assert list(written.meta) == keys and {k: written.meta[k] for k in identity} == identity
 
 
+def test_a_rows_labels_given_as_a_bare_string_are_refused_not_stored_as_its_characters(tmp_path):
+    tables = {"text": {"x": np.ones((2, 2), np.float32), "ids": ["a", "b"], "groups": ["g", "h"],
+                       "labels": [("cat",), "dog"]}}
+    enc = {"name": "counting", "fingerprint": "abc123", "config": {}}
+    with pytest.raises(ValueError, match=r"labels of row 'b' are the string 'dog'; pass a list of labels \(\['dog'\]\)"):
+        features.write_split(tmp_path / "w", "toy", "train", tables, enc)
+    assert not (tmp_path / "w").exists()
+    tables["text"]["labels"] = [("cat",), ["dog"]]
+    assert features.write_split(tmp_path / "w", "toy", "train", tables, enc).tables["text"].labels == [("cat",), ("dog",)]
+
+
 def test_store_uses_the_one_atomic_write_and_lock(tmp_path):
     from filelock import FileLock, Timeout
 

@@ -313,9 +313,13 @@ def store_lock(out: Path):
 
 
 def write_rows(path: Path, ids, groups, labels) -> None:
-    """`<modality>.rows.jsonl`: one {"id", "group", "labels"} line per feature row."""
+    """`<modality>.rows.jsonl`: one {"id", "group", "labels"} line per feature row. A row's labels are a list
+    (or tuple) of names: a bare string is refused, as it would be stored as its characters."""
     with open(path, "w") as f:
         for rid, g, labs in zip(ids, groups, labels):
+            if isinstance(labs, (str, bytes)):
+                raise ValueError(f"{path.name}: the labels of row {rid!r} are the string {labs!r}; pass a list of "
+                                 f"labels ({[labs]!r})")
             f.write(json.dumps({"id": str(rid), "group": str(g), "labels": list(labs)}) + "\n")
 
 
