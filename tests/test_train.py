@@ -305,3 +305,32 @@ def test_an_unreadable_last_ckpt_is_refused_in_one_line_naming_it(tmp_path):
     assert "\n" not in str(e.value)
     out = run_train(_cfg(tmp_path, "run_name=r", "trainer.max_epochs=1", "bits=16", "resume=false"), splits=splits)
     assert torch.load(out["last"], weights_only=True)["epoch"] == 1
+
+
+def test_checkpoints_reach_the_disk_before_they_are_renamed_into_place(tmp_path, monkeypatch):
+    """best.ckpt and last.ckpt were renamed into place unsynced: after a power cut the name could hold a short
+    or empty file. Each temporary checkpoint is fsynced before its rename."""
+    import os
+
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("needs /proc to name the fsynced files")
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        renamed.append((os.path.realpath(a), Path(b).name, list(synced)))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 60, "val": 30, "test": 30}, n_classes=6,
+                                       dims={"image": 8, "text": 8})
+    run_train(_cfg(tmp_path, "trainer.max_epochs=1"), splits=splits)
+    ckpts = [(a, b, s) for a, b, s in renamed if b in ("best.ckpt", "last.ckpt")]
+    assert {b for _, b, _ in ckpts} == {"best.ckpt", "last.ckpt"}
+    for tmp, name, before in ckpts:
+        assert tmp in before, f"{name} renamed from {tmp} unsynced"

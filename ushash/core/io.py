@@ -42,6 +42,21 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     return path
 
 
+def replace_synced(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Rename a finished temporary file (one another library wrote, a checkpoint) over `path` durably: its
+    bytes reach the disk before the rename and the rename after it, so a power cut leaves the old file or
+    the new one whole, never a short or empty one under the final name."""
+    path = Path(path)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
 def fsync_dir(folder: Path) -> None:
     """The rename itself reaches the disk (a crash after it cannot bring the old file back, or none)."""
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import logging
-import os
 
 import pytorch_lightning as pl
 from omegaconf import DictConfig, open_dict
@@ -22,7 +21,7 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from ushash.config import to_dict
 from ushash.core.codes import check_bits
-from ushash.core.io import set_aside
+from ushash.core.io import replace_synced, set_aside
 from ushash.hashing.datamodule import FeatureDataModule
 from ushash.data.extract import relative_to_root, run_extract
 from ushash.hashing.module import USHashModule
@@ -147,14 +146,15 @@ class BestOnVal(Callback):
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         trainer.save_checkpoint(tmp, weights_only=False)
         if trainer.is_global_zero:
-            os.replace(tmp, self.path)
+            replace_synced(tmp, self.path)
 
 
 class LastCheckpoint(ModelCheckpoint):
     """last.ckpt after every validation, not only when fit ends (Lightning's ModelCheckpoint with no top-k saves
     `last` at the end of training only, so a run cut mid-training had nothing to resume from and started
-    over), and when training ends, as Lightning's does. Every write is atomic (a
-    temporary file beside it, then a rename): a run killed while saving leaves the previous last.ckpt whole."""
+    over), and when training ends, as Lightning's does. Every write is atomic and durable (a temporary file
+    beside it, fsynced, then a rename, `replace_synced`): a run killed while saving, or a power cut, leaves the
+    previous last.ckpt whole."""
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not self._should_skip_saving_checkpoint(trainer):
@@ -168,7 +168,7 @@ class LastCheckpoint(ModelCheckpoint):
         tmp = path.with_name(f".{path.name}.tmp")
         super()._save_checkpoint(trainer, str(tmp))
         if trainer.is_global_zero:
-            os.replace(tmp, path)
+            replace_synced(tmp, path)
         self._last_checkpoint_saved = str(path)
 
 
