@@ -196,6 +196,37 @@ def test_lookup_matches_a_brute_force_reference(redis_server):
             assert list(zip(dists, [e.id for e in entries])) == ref
 
 
+def test_entries_gone_from_redis_do_not_take_the_places_of_live_ones(redis_server):
+    """The nearest max_candidates members were fetched and those whose hash Redis had dropped (expired,
+    evicted) were skipped, so live entries further out were never served until the gone ones had been
+    forgotten. The next candidates are fetched in their place (the reference: the live entries within the
+    radius by (distance, id), at most max_candidates), and the gone members are dropped from their buckets."""
+    from ushash.serving.cache.entries import Entry
+    from ushash.serving.cache.redis_store import RedisStore
+
+    store = RedisStore(redis_server.url, bits=64, prefix="gone", max_candidates=5)
+    q = np.random.default_rng(3).integers(0, 256, 8, dtype=np.uint8)
+    codes = []
+    for i in range(20):   # distances 0, 1, 1, 2, 2, ... from q, all within radius 9
+        c = q.copy()
+        for b in range((i + 1) // 2):
+            c[b // 8] ^= 1 << (b % 8)
+        codes.append(c.tobytes())
+        store.put("t", Entry(code=codes[-1], payload=b"", modality="text", value=b"%d" % i, kind="b",
+                             revision="r1", created=0.0, expires=math.inf, compute_s=0.0, id=f"e{i:02d}"))
+    x = int.from_bytes(q.tobytes(), "little")
+    dist = {f"e{i:02d}": (int.from_bytes(c, "little") ^ x).bit_count() for i, c in enumerate(codes)}
+    vanished = [e for _, e in sorted((d, e) for e, d in dist.items())[:8]]   # the 8 nearest
+    for e in vanished:
+        redis_server.client.delete(store.entry_key("t", e))
+    ref = sorted((d, e) for e, d in dist.items() if e not in vanished)[:5]
+    entries, dists = store.lookup("t", "r1", q.tobytes(), 9)
+    assert list(zip(dists, [e.id for e in entries])) == ref
+    members = set().union(*(redis_server.client.smembers(k) for k in redis_server.client.keys("gone:*:b:*")))
+    assert not {m for m in members if m.decode().rsplit(":", 1)[1] in vanished}
+    assert store.lookup("t", "r1", q.tobytes(), 9)[0] == entries
+
+
 def test_request_stored_again_without_ttl_loses_its_old_redis_expiry(redis_server):
     """The same request stored again (same L2 id) without a TTL: its hash must not keep the Redis expiry
     of the earlier put (it said expires = inf, yet Redis dropped it at the old time for every replica)."""

@@ -18,7 +18,7 @@ Lookup within Hamming radius r, codes split into m chunks: an entry within r has
 floor(r / m) bits of the request's (pigeonhole), so one SUNION over the probe buckets (m keys while
 r < m) gives a superset of the answer with the candidates' codes; the client keeps those within r
 and fetches them (one pipelined HMGET round trip, only when there are any). Members whose entry has
-expired are removed lazily. Puts are one Lua script (the entry hash and its bucket memberships,
+expired are removed lazily, and the candidates next in line fetched in their place. Puts are one Lua script (the entry hash and its bucket memberships,
 atomically, all keys declared, one slot). Revisions are part of the bucket key, so codes of different
 heads never meet; entries also carry their revision and the cache checks it.
 
@@ -112,6 +112,11 @@ def _read(eid: str, row: list, hexcode: str) -> Entry | None:
     except (TypeError, ValueError, RecursionError):   # a missing field (None), a bad number, not UTF-8 / JSON
         return None
     return e
+
+
+#: Round trips a lookup may spend fetching entries, the first included: later ones fetch the candidates next in
+#: line for the places of those found gone, expired or unreadable.
+FETCH_ROUNDS = 3
 
 
 class L2Unavailable(Exception):
@@ -344,13 +349,17 @@ class RedisStore:
 
     def lookup(self, tenant: str, revision: str, code: bytes, radius: int) -> tuple[list[Entry], list[int]]:
         """Entries of `revision` within `radius` and their distances, by (distance, id), at most
-        max_candidates; raises L2Unavailable on failure. Expired entries are not returned."""
+        max_candidates; raises L2Unavailable on failure. Expired, vanished and unreadable entries are not
+        returned, nor counted against max_candidates."""
         return self.lookup_many(tenant, revision, [code], radius)[0]
 
     def lookup_many(self, tenant: str, revision: str, codes: list[bytes], radius: int) -> list[tuple[list[Entry], list[int]]]:
         """`lookup` of each code in two round trips for all: the probe buckets' SUNION of every code (one
         pipeline), then the entries of all their candidates within `radius` (one pipelined HMGET each,
-        an entry that is a candidate of several codes fetched once)."""
+        an entry that is a candidate of several codes fetched once). Where some of a code's nearest
+        max_candidates turn out gone (expired or evicted by Redis, not yet dropped from their buckets),
+        expired or unreadable, the next ones are fetched in another round trip (at most `FETCH_ROUNDS` in
+        all): they used to take the places of live entries further out, which were then never served."""
         probes = [self.probe_keys(tenant, revision, code, radius) for code in codes]
 
         def union():
@@ -361,8 +370,7 @@ class RedisStore:
                 pipe.sunion(keys)
             return pipe.execute()
 
-        per_code = []
-        need: dict[str, str] = {}   # entry id -> its code (hex), in first-seen order
+        per_code = []   # each code's candidates within the radius, (distance, id, code hex), nearest first
         bad = 0
         for code, members in zip(codes, self._call("lookup", union)):
             q = int.from_bytes(code, "little")
@@ -380,43 +388,52 @@ class RedisStore:
                 if d <= radius:
                     cands.append((d, eid, hexcode))
             cands.sort()
-            cands = cands[: self.max_candidates]
-            for _, eid, hexcode in cands:
-                need.setdefault(eid, hexcode)
             per_code.append(cands)
-        if not need:
-            self._corrupt(bad)
-            return [([], []) for _ in codes]
 
-        def fetch():
-            pipe = self.r.pipeline(transaction=False)
-            for eid in need:
-                pipe.hmget(self.entry_key(tenant, eid), _HASH_FIELDS)
-            return pipe.execute()
+        def fetch(ids):
+            def run():
+                pipe = self.r.pipeline(transaction=False)
+                for eid in ids:
+                    pipe.hmget(self.entry_key(tenant, eid), _HASH_FIELDS)
+                return pipe.execute()
+            return run
 
-        rows = dict(zip(need, self._call("fetch", fetch)))
-        gone = [(eid, hexcode) for eid, hexcode in need.items() if rows[eid][0] is None]
-        now = self.clock()
+        rows: dict[str, list] = {}
+        gone: dict[str, str] = {}   # entry id -> its code (hex): members whose entry hash no longer exists
         made: dict[tuple[str, str], Entry | None] = {}   # (id, its member's code): a member's code must be the entry's
-        out = []
-        for cands in per_code:
-            entries, dists = [], []
-            for d, eid, hexcode in cands:
-                row = rows[eid]
-                if row[0] is None:
-                    continue
-                if (eid, hexcode) not in made:
-                    made[eid, hexcode] = _read(eid, row, hexcode)
-                    bad += made[eid, hexcode] is None
-                e = made[eid, hexcode]
-                if e is None or e.expires <= now:
-                    continue
-                entries.append(e)
-                dists.append(d)
-            out.append((entries, dists))
+        out = [([], []) for _ in codes]
+        pos = [0] * len(codes)
+        for _ in range(FETCH_ROUNDS):
+            takes, need = [], {}   # per code the candidates read this round; the ids to fetch, first-seen order
+            for i, ((entries, _), cands) in enumerate(zip(out, per_code)):
+                take = cands[pos[i]: pos[i] + max(0, self.max_candidates - len(entries))]
+                pos[i] += len(take)
+                takes.append(take)
+                for _, eid, hexcode in take:
+                    if eid not in rows:
+                        need.setdefault(eid, hexcode)
+            if need:
+                rows.update(zip(need, self._call("fetch", fetch(need))))
+            now = self.clock()
+            for (entries, dists), take in zip(out, takes):
+                for d, eid, hexcode in take:
+                    row = rows[eid]
+                    if row[0] is None:
+                        gone.setdefault(eid, hexcode)
+                        continue
+                    if (eid, hexcode) not in made:
+                        made[eid, hexcode] = _read(eid, row, hexcode)
+                        bad += made[eid, hexcode] is None
+                    e = made[eid, hexcode]
+                    if e is None or e.expires <= now:
+                        continue
+                    entries.append(e)
+                    dists.append(d)
+            if all(len(out[i][0]) >= self.max_candidates or pos[i] >= len(per_code[i]) for i in range(len(codes))):
+                break
         self._corrupt(bad)
         if gone:
-            self._forget(tenant, revision, gone)
+            self._forget(tenant, revision, list(gone.items()))
         return out
 
     def _forget(self, tenant: str, revision: str, gone: list[tuple[str, str]]) -> None:
