@@ -227,6 +227,62 @@ def test_entries_gone_from_redis_do_not_take_the_places_of_live_ones(redis_serve
     assert store.lookup("t", "r1", q.tobytes(), 9)[0] == entries
 
 
+def test_a_lookup_reads_at_most_max_bucket_read_members_leaving_out_the_largest_buckets(redis_server):
+    """SUNION read every member of the probe buckets, however many (a hot chunk value, or a hostile writer):
+    one lookup's memory and time had no bound. The lookup script leaves out the largest buckets (largest
+    first, ties by position) until the rest hold at most max_bucket_read members, against a reference on
+    random sizes, ties and empty buckets included."""
+    from ushash.serving.cache.redis_store import RedisStore
+
+    store = RedisStore(redis_server.url, bits=64, prefix="cap")
+    rng = np.random.default_rng(11)
+    for trial in range(40):
+        sizes = [int(v) for v in rng.choice([0, 1, 3, 5, 5, 8, 13, 40], size=int(rng.integers(1, 7)))]
+        keys = [f"cap:{{t}}:b:{trial}:{i}" for i in range(len(sizes))]
+        for k, n in zip(keys, sizes):
+            if n:
+                redis_server.client.sadd(k, *[f"{k}:{m}" for m in range(n)])
+        cap = int(rng.integers(1, 60))
+        order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+        total, skip = sum(sizes), set()
+        for i in order:
+            if total <= cap or sizes[i] == 0:
+                break
+            skip.add(i)
+            total -= sizes[i]
+        over, members = store._union_script(keys=keys, args=[cap])
+        want = {f"{keys[i]}:{m}".encode() for i in range(len(sizes)) if i not in skip for m in range(sizes[i])}
+        assert over == len(skip) and set(members) == want and len(members) <= cap
+
+
+def test_an_entry_in_an_oversized_bucket_is_still_found_through_its_other_chunks(redis_server):
+    """Left out, a crowded bucket costs only the entries found in no other probe bucket: the request's own
+    entry (distance 0) is in all four of its buckets and is served through the others; the buckets left out
+    are counted (cache_l2_errors_total{op="oversized"})."""
+    from ushash.serving.cache.entries import Entry
+    from ushash.serving.cache.redis_store import RedisStore
+    from ushash.serving.cache.telemetry import CacheMetrics
+
+    metrics = CacheMetrics(64)
+    store = RedisStore(redis_server.url, bits=64, prefix="hot", max_bucket_read=30, metrics=metrics)
+    rng = np.random.default_rng(4)
+    q = rng.integers(0, 256, 8, dtype=np.uint8)
+
+    def put(code, i):
+        store.put("t", Entry(code=code.tobytes(), payload=b"", modality="text", value=b"%d" % i, kind="b",
+                             revision="r1", created=0.0, expires=math.inf, compute_s=0.0, id=f"e{i:03d}"))
+
+    put(q, 0)
+    for i in range(1, 60):   # the same first 16 bits as q, the rest far from it
+        c = q.copy()
+        c[2:] = ~q[2:]
+        c[2 + i % 6] ^= np.uint8(i)
+        put(c, i)
+    entries, dists = store.lookup("t", "r1", q.tobytes(), 3)
+    assert [e.id for e in entries] == ["e000"] and dists == [0]
+    assert metrics.value("cache_l2_errors_total", op="oversized") == 1
+
+
 def test_request_stored_again_without_ttl_loses_its_old_redis_expiry(redis_server):
     """The same request stored again (same L2 id) without a TTL: its hash must not keep the Redis expiry
     of the earlier put (it said expires = inf, yet Redis dropped it at the old time for every replica)."""
@@ -274,14 +330,14 @@ def test_one_trial_call_at_a_time_once_the_circuit_half_opens():
 
     class Dead:
         def register_script(self, _):
-            return None
+            return self.script
 
-        def sunion(self, keys):
+        def script(self, keys, args, client=None):   # the lookup's union of its probe buckets
             calls.append(threading.get_ident())
             if failing[0]:
                 raise redis.ConnectionError("down")
             release.wait(5)  # the trial call hangs, as on a connect timeout
-            return set()
+            return [0, []]
 
     store = RedisStore(bits=64, breaker_failures=1, breaker_backoff_s=0.05, client=Dead())
     code = bytes(8)

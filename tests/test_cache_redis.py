@@ -277,8 +277,8 @@ def test_slow_redis_times_out_and_is_counted(redis_server):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli not installed")
 def test_redis_cluster_layout(tmp_path):
-    """Three masters on loopback: multi-key lookups (SUNION of a tenant's buckets) and the put script
-    work because every key of a tenant carries the tenant's hash tag."""
+    """Three masters on loopback: the lookup script (the union of a tenant's buckets), alone and in a pipeline,
+    and the put script work because every key of a tenant carries the tenant's hash tag."""
     import redis
 
     nodes = []
@@ -323,6 +323,11 @@ def test_redis_cluster_layout(tmp_path):
             assert caches[1].get("text", features=x + 1e-3, tenant=tenants[(i + 1) % 10]) is None
         assert caches[0].metrics.value("cache_l2_errors_total", op="put") == 0
         assert sum(caches[1].metrics.value("cache_l2_errors_total", op=op) for op in ("lookup", "fetch")) == 0
+        # a batch: the lookup script of every query in one cluster pipeline
+        fresh = SemanticCache(_head(), {"radius": 3, "l2": {"url": url, "cluster": True, "watermark_check_s": 0,
+                                                            "timeout_s": 1.0}})
+        hits = fresh.lookup_many(fresh.queries("text", features=xs[0::10]), tenant="t0")
+        assert [h.value for h in hits] == [0, 10, 20] and {h.tier for h in hits} == {"l2"}
         # the tenants spread over the cluster's masters
         owners = set()
         for port, _ in nodes:

@@ -134,7 +134,8 @@ class SemanticCache(CheckStore):
                           timeout_s=l2.timeout_s, connect_timeout_s=l2.connect_timeout_s,
                           breaker_failures=l2.breaker_failures, breaker_backoff_s=l2.breaker_backoff_s,
                           breaker_max_backoff_s=l2.breaker_max_backoff_s, max_candidates=c.max_candidates,
-                          radius=c.radius, metrics=self.metrics, clock=self.clock, client=self._l2_client)
+                          radius=c.radius, metrics=self.metrics, clock=self.clock, client=self._l2_client,
+                          max_bucket_read=l2.max_bucket_read)
 
     def _install(self, head, encoder=None, calibration: Calibration | None = None) -> None:
         c = self.config

@@ -32,6 +32,8 @@ class L2Config:
     breaker_max_backoff_s: float = 30.0
     watermark_check_s: float = 1.0           # how often the newest announced revision is re-read; 0: every lookup
     write: bool = True                       # store puts in the L2 too
+    max_bucket_read: int = 20000             # bucket members one lookup reads at most: the largest probe buckets
+                                             # beyond it are left out (counted, cache_l2_errors_total{op="oversized"})
 
 
 @dataclass
@@ -128,7 +130,7 @@ class CacheConfig:
             l2 = self.l2
             check_types(l2, "cache.l2")
             _positive(l2, "cache.l2", "timeout_s", "connect_timeout_s", "breaker_failures", "breaker_backoff_s",
-                      "breaker_max_backoff_s")
+                      "breaker_max_backoff_s", "max_bucket_read")
             if l2.chunks is not None:
                 _positive(l2, "cache.l2", "chunks")
             if l2.watermark_check_s < 0:

@@ -15,8 +15,9 @@ one hash slot and multi-key commands and scripts work on a cluster too; a tenant
                                                   value; expires with its longest-lived member
 
 Lookup within Hamming radius r, codes split into m chunks: an entry within r has a chunk within
-floor(r / m) bits of the request's (pigeonhole), so one SUNION over the probe buckets (m keys while
-r < m) gives a superset of the answer with the candidates' codes; the client keeps those within r
+floor(r / m) bits of the request's (pigeonhole), so the union of the probe buckets (m keys while r < m;
+one script, which leaves out the largest buckets beyond `max_bucket_read` members) gives a superset of
+the answer with the candidates' codes; the client keeps those within r
 and fetches them (one pipelined HMGET round trip, only when there are any). Members whose entry has
 expired are removed lazily, and the candidates next in line fetched in their place. Puts are one Lua script (the entry hash and its bucket memberships,
 atomically, all keys declared, one slot). Revisions are part of the bucket key, so codes of different
@@ -67,6 +68,29 @@ for i = 2, #KEYS do
   end
 end
 return 1
+"""
+
+# The members of a lookup's probe buckets, at most ARGV[1] of them: the largest buckets are left out (largest
+# first, ties by position) until the rest hold no more; returns {buckets left out, members of the others}
+_UNION_LUA = """
+local cap = tonumber(ARGV[1])
+local sizes, order, total = {}, {}, 0
+for i = 1, #KEYS do
+  sizes[i] = redis.call('SCARD', KEYS[i])
+  order[i] = i
+  total = total + sizes[i]
+end
+table.sort(order, function(a, b) if sizes[a] ~= sizes[b] then return sizes[a] > sizes[b] end return a < b end)
+local skip, over = {}, 0
+for _, i in ipairs(order) do
+  if total <= cap then break end
+  if sizes[i] == 0 then break end
+  skip[i], total, over = true, total - sizes[i], over + 1
+end
+local keep = {}
+for i = 1, #KEYS do if not skip[i] then keep[#keep + 1] = KEYS[i] end end
+if #keep == 0 then return {over, {}} end
+return {over, redis.call('SUNION', unpack(keep))}
 """
 
 #: Entry field -> (hash field, to bytes, from bytes); the entry's id is its key, not a field.
@@ -152,7 +176,7 @@ class RedisStore:
                  chunks: int | None = None, cluster: bool = False, timeout_s: float = 0.05,
                  connect_timeout_s: float = 0.1, breaker_failures: int = 3, breaker_backoff_s: float = 1.0,
                  breaker_max_backoff_s: float = 30.0, max_candidates: int = 32, radius: int = 3, metrics=None,
-                 clock: Callable[[], float] = time.time, client=None):
+                 clock: Callable[[], float] = time.time, client=None, max_bucket_read: int = 20000):
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -164,6 +188,9 @@ class RedisStore:
         self.chunks = int(chunks) if chunks else max(1, self.bits // 16)
         self.bounds = chunk_bounds(self.bits, self.chunks)
         self.max_candidates, self.radius = int(max_candidates), int(radius)
+        self.max_bucket_read = int(max_bucket_read)
+        if self.max_bucket_read < 1:
+            raise ValueError(f"max_bucket_read must be >= 1; got {max_bucket_read}")
         self.metrics, self.clock = metrics, clock
         # pybreaker counts consecutive failures and opens / half-opens / closes; `_call` makes the Redis call
         # itself outside pybreaker's lock (its `call` holds the lock for the whole call, which would make
@@ -186,6 +213,7 @@ class RedisStore:
                 self.r = redis.Redis.from_url(url, **kw)
         self.cluster = bool(cluster)
         self._put_script = self.r.register_script(_PUT_LUA)
+        self._union_script = self.r.register_script(_UNION_LUA)
 
     # ------------------------------------------------------------------ keys
     def rev_key(self) -> str:
@@ -362,17 +390,20 @@ class RedisStore:
         all): they used to take the places of live entries further out, which were then never served."""
         probes = [self.probe_keys(tenant, revision, code, radius) for code in codes]
 
+        cap = [self.max_bucket_read]
+
         def union():
             if len(probes) == 1:
-                return [self.r.sunion(probes[0])]
+                return [self._union_script(keys=probes[0], args=cap)]
             pipe = self.r.pipeline(transaction=False)
             for keys in probes:
-                pipe.sunion(keys)
+                self._union_script(keys=keys, args=cap, client=pipe)
             return pipe.execute()
 
         per_code = []   # each code's candidates within the radius, (distance, id, code hex), nearest first
-        bad = 0
-        for code, members in zip(codes, self._call("lookup", union)):
+        bad = skipped = 0
+        for code, (over, members) in zip(codes, self._call("lookup", union)):
+            skipped += int(over)
             q = int.from_bytes(code, "little")
             cands = []
             for mem in members:
@@ -432,6 +463,8 @@ class RedisStore:
             if all(len(out[i][0]) >= self.max_candidates or pos[i] >= len(per_code[i]) for i in range(len(codes))):
                 break
         self._corrupt(bad)
+        if skipped and self.metrics is not None:
+            self.metrics.l2_errors.labels(op="oversized").inc(skipped)
         if gone:
             self._forget(tenant, revision, list(gone.items()))
         return out
