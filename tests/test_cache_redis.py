@@ -116,6 +116,35 @@ def test_bloom_filter_never_hides_a_hit_and_its_guard_skips_l2_trips(redis_serve
     assert asked["on"] == asked["off"] > 0 and asked["guard"] == asked["on"] - skips
 
 
+def test_the_bloom_guard_never_forgets_an_entry_that_lives_on_in_the_l2(redis_server):
+    """bloom_guard_l2 skips the L2 when the filter says "no entry", so the filter must know every code whose
+    entry is in the L2. Three ways it forgot some: told only what L1 admitted, it missed what L1's admission
+    refused yet the L2 holds (131 of 200 served before the fix); rebuilt from L1's live entries once full,
+    it dropped those evicted from L1; and keyed by L1's tenant ids, which are reused once a tenant has nothing
+    in L1, it lost a tenant's codes when the tenant came back under another id. Every entry alive in the L2
+    is served, as by a replica without the guard."""
+    rng = np.random.default_rng(5)
+    xs = rng.normal(size=(3000, 16)).astype(np.float32)
+    for policy in ("wtinylfu", "lru"):   # refused by admission; admitted, then evicted (the filter grows)
+        guard = _cache(redis_server, bloom_guard_l2=True, capacity_bytes=4000, policy=policy,
+                       l2={"prefix": f"guard-{policy}"})
+        for i, x in enumerate(xs):
+            guard.put("text", features=x, value=i, tenant="a")
+        served = [guard.get("text", features=x, tenant="a") for x in xs[:200]]
+        assert [h.value for h in served if h is not None] == list(range(200)), policy
+        assert len(guard) < 100 and guard.bloom.expected_items > 1024
+    # "a" leaves L1 (its id is freed and taken by "c"), then comes back under another id
+    for i, x in enumerate(rng.normal(size=(200, 16)).astype(np.float32)):
+        guard.put("text", features=x, value=i, tenant="b")
+    gone = guard.l1._free_tenant_ids[-1:]
+    assert "a" not in guard.l1._tenant_ids and gone
+    guard.put("text", features=rng.normal(size=16).astype(np.float32), value=0, tenant="c")
+    guard.put("text", features=rng.normal(size=16).astype(np.float32), value=0, tenant="a")
+    assert guard.l1._tenant_ids["c"] == gone[0] != guard.l1._tenant_ids["a"]
+    served = [guard.get("text", features=x, tenant="a") for x in xs[200:400]]
+    assert [h.value for h in served if h is not None] == list(range(200, 400))
+
+
 def test_lookup_many_asks_the_l2_once_per_batch_and_answers_as_lookup_does(redis_server):
     """A batch's L1 misses go to the L2 in two round trips (the probe buckets, then the candidates'
     entries); the answers are those of `lookup` of each query on a cache with the same L1 and L2: the

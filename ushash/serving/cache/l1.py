@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import zlib
 
 import numpy as np
 from ushash.core.jit import njit
@@ -32,6 +33,12 @@ from ushash.serving.payload.format import int4_group_cosine
 from ushash.serving.cache.policies import make_policy
 from ushash.serving.cache.protection import BloomGuard
 from ushash.serving.cache.search import MIndexBackend, make_backend
+
+
+def _bloom_key(tenant: str) -> int:
+    """A tenant's key in the Bloom filter: its name's, not its L1 id's (ids are reused once a tenant has nothing
+    in L1, and the codes filed under a name must stay its own while its L2 entries live on)."""
+    return zlib.crc32(tenant.encode()) & 0xFFFF
 
 
 @njit(cache=True, nogil=True)
@@ -290,10 +297,14 @@ class L1Tier:
         b = self.bloom
         if b is None or not b.needs_rebuild:
             return
+        if self.config.bloom_guard_l2:   # an entry evicted here may live on in the L2 it guards: forget no code
+            b.grow()                     # (a rebuild from the live entries made the L2 unreachable for it)
+            return
         t = self.table
         live = t.live_slots()
         b.expected_items = max(b.expected_items, 2 * len(live))
-        b.rebuild((int(t.tenant[s]), t.code[s].tobytes()) for s in live)
+        names = self._tenant_names
+        b.rebuild((_bloom_key(names[int(t.tenant[s])]), t.code[s].tobytes()) for s in live)
 
     # ------------------------------------------------------------------ the tier
     def find(self, q, tenant: str, revision: str, check, now: float, k: int = 1) -> Found:
@@ -388,8 +399,8 @@ class L1Tier:
         """The queries whose search found nothing that the Bloom filter says have no entry. The filter
         holds every live code's chunks, so it can only say "no" for those: asked for them only, it gives
         the same answers as asking first, without costing the lookups that have candidates."""
-        may = self.bloom.may_contain
-        skipped = [i for i, c in enumerate(counts) if c == 0 and not may(ti, queries[i].code)]
+        may, key = self.bloom.may_contain, _bloom_key(self._tenant_names[ti])
+        skipped = [i for i, c in enumerate(counts) if c == 0 and not may(key, queries[i].code)]
         if skipped:
             self.metrics.bloom_skips.inc(len(skipped))
         return skipped
@@ -532,6 +543,11 @@ class L1Tier:
         m = self.metrics
         cap = self.config.capacity_bytes
         out = [False] * len(entries)
+        if self.bloom is not None:   # every entry, admitted or not: one L1 refuses (too large, admission) is
+            key = _bloom_key(tenant)   # still in the L2 the filter guards
+            with self.lock:
+                for e in entries:
+                    self.bloom.add(key, e.code)
         fits = [i for i, e in enumerate(entries) if e.nbytes <= cap]
         if len(fits) < len(entries):
             m.rejections.labels(reason="too_large").inc(len(entries) - len(fits))
@@ -588,8 +604,6 @@ class L1Tier:
                         added[slot] = None
                         exp_at.append(e.expires)
                         exp_slots.append(slot)
-                        if self.bloom is not None:
-                            self.bloom.add(ti, e.code)
                         m.puts.inc()
                         out[i] = True
             finally:   # after a raise: the slot it left half-stored is freed, what was admitted before it

@@ -14,7 +14,8 @@ entry's chunk (pigeonhole). The filter holds (tenant, chunk index, chunk value) 
 request none of whose probes is in the filter has no entry, and the cache answers "miss" without
 searching (or asking the L2, when `guard_l2`). No false negatives for codes it was told about; false
 positives at `fp_rate` and from removed entries (a Bloom filter cannot delete), so the filter is rebuilt
-from the live entries once as many codes were added as it was sized for.
+from the live entries once as many codes were added as it was sized for; where a removed entry may live on
+in the L2 it guards, it grows instead (`grow`), forgetting nothing.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class BloomGuard:
 
     def clear(self) -> None:
         self._bloom = self._Bloom(self.expected_items * self.chunks, self.fp_rate)
+        self._older: list = []   # the filters `grow` filled, still asked
         self.added = 0
 
     def set_radius(self, radius: int) -> None:
@@ -147,7 +149,11 @@ class BloomGuard:
 
     def may_contain(self, tenant: int, code: bytes) -> bool:
         """False only if no stored code of `tenant` can be within `radius` of `code`."""
-        bloom = self._bloom
+        if self._older:
+            return any(self._contains(b, tenant, code) for b in (self._bloom, *self._older))
+        return self._contains(self._bloom, tenant, code)
+
+    def _contains(self, bloom, tenant: int, code: bytes) -> bool:
         x = int.from_bytes(code, "little")
         small = tenant < 0x10000
         for j, ((s, w), masks) in enumerate(zip(self.bounds, self._masks)):   # `_key`, inlined: every miss asks
@@ -166,6 +172,16 @@ class BloomGuard:
         self.clear()
         for tenant, code in items:
             self.add(tenant, code)
+
+    def grow(self) -> None:
+        """Room for twice as many codes again, forgetting none added so far (a scalable Bloom filter, Almeida et
+        al. 2007): a new filter beside the full ones, at half the false-positive rate of the one before, so the
+        rate over them all stays under twice `fp_rate`. For codes whose entries may live on where the filter
+        cannot see (the L2 behind a guarding L1), which a rebuild from the live codes would forget."""
+        self._older.insert(0, self._bloom)
+        self.expected_items *= 2
+        self._bloom = self._Bloom(self.expected_items * self.chunks, self.fp_rate / 2 ** len(self._older))
+        self.added = 0
 
 
 # ---------------------------------------------------------------------------------------------- the compute path
