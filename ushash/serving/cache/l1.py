@@ -544,10 +544,10 @@ class L1Tier:
         cap = self.config.capacity_bytes
         out = [False] * len(entries)
         if self.bloom is not None:   # every entry, admitted or not: one L1 refuses (too large, admission) is
-            key = _bloom_key(tenant)   # still in the L2 the filter guards
+            bkey = _bloom_key(tenant)  # still in the L2 the filter guards
             with self.lock:
                 for e in entries:
-                    self.bloom.add(key, e.code)
+                    self.bloom.add(bkey, e.code)
         fits = [i for i, e in enumerate(entries) if e.nbytes <= cap]
         if len(fits) < len(entries):
             m.rejections.labels(reason="too_large").inc(len(entries) - len(fits))
