@@ -303,7 +303,8 @@ def test_store_identity_names_the_folder_and_fills_meta(tmp_path):
     split = extract(rows, enc, tmp_path, "toy", "train",
                     encoder_cfg={"name": "counting", "k": 1}, num_workers=0, progress=False)
     assert split.path == out
-    keys = ["store_version", "ushash_version", "dataset", "split", "encoder", "rows_fingerprint", "modalities", "created"]
+    keys = ["store_version", "ushash_version", "dataset", "split", "encoder", "rows_fingerprint", "modalities",
+            "libraries", "created"]
     assert list(split.meta) == keys and {k: split.meta[k] for k in identity} == identity
     written = features.write_split(tmp_path / "w", "toy", "train", {"text": {"x": np.ones((1, 2)), "ids": ["a"],
                                                                             "groups": ["g"]}}, identity["encoder"], rows=fp)
@@ -319,6 +320,44 @@ def test_a_rows_labels_given_as_a_bare_string_are_refused_not_stored_as_its_char
     assert not (tmp_path / "w").exists()
     tables["text"]["labels"] = [("cat",), ["dog"]]
     assert features.write_split(tmp_path / "w", "toy", "train", tables, enc).tables["text"].labels == [("cat",), ("dog",)]
+
+
+def test_a_store_made_under_other_library_versions_is_reused_only_if_a_sample_encodes_to_its_features(
+        tmp_path, monkeypatch):
+    """A store's key covers the encoder's weights, config and precision, not the code of the libraries that
+    decode, tokenise and run it: a store made under other versions (a transformers upgrade that tokenises
+    otherwise) was reused as it was. Under the versions it records it is reused unchecked; under others a
+    sample of its rows is encoded again: the same features mark it verified for them (checked once), other
+    features refuse it, naming the versions that changed."""
+    import json
+
+    from ushash.data import extract as extract_mod
+
+    rows = _rows(tmp_path, corrupt=(), empty_caption=())
+    enc = CountingEncoder()
+    made = extract(rows, enc, tmp_path / "feat", "toy", "train", num_workers=0, progress=False)
+    assert made.meta["libraries"] == features.libraries() and made.meta["libraries"]["numpy"] == np.__version__
+    seen = enc.seen
+    assert extract(rows, enc, tmp_path / "feat", "toy", "train", num_workers=0, progress=False).path == made.path
+    assert enc.seen == seen                                    # the versions it records: nothing encoded again
+    upgraded = {**features.libraries(), "transformers": "99.0"}
+    monkeypatch.setattr(extract_mod, "libraries", lambda: upgraded)
+    again = extract(rows, enc, tmp_path / "feat", "toy", "train", num_workers=0, progress=False)
+    assert again.path == made.path and enc.seen == seen + 2 * extract_mod.REUSE_SAMPLE
+    assert json.loads((made.path / extract_mod.VERIFIED).read_text()) == [upgraded]
+    extract(rows, enc, tmp_path / "feat", "toy", "train", num_workers=0, progress=False)
+    assert enc.seen == seen + 2 * extract_mod.REUSE_SAMPLE    # verified for these versions once
+    monkeypatch.setattr(extract_mod, "libraries", lambda: {**upgraded, "transformers": "100.0"})
+
+    class Tokenises(CountingEncoder):   # the same weights and config; the text now encodes otherwise
+        def encode(self, modality, batch):
+            out = super().encode(modality, batch)
+            return out + torch.tensor([0.0, 1.0]) if modality == "text" else out
+
+    with pytest.raises(features.FeatureStoreError, match=r"made with transformers \S+ -> 100\.0,.*"
+                                                         r"lowest cosine to its features is 0\.9.*extract again"):
+        extract(rows, Tokenises(), tmp_path / "feat", "toy", "train", num_workers=0, progress=False)
+    assert not any("100.0" in str(v) for v in json.loads((made.path / extract_mod.VERIFIED).read_text()))
 
 
 def test_store_uses_the_one_atomic_write_and_lock(tmp_path):

@@ -37,7 +37,8 @@ from ushash.data.datasets import load_rows
 from ushash.data.rows import Row, check_unique
 from ushash.data.store import (FP32, PRECISION_SUFFIX, FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision,
                                finish, identity_path, open_split, other_precisions, partial_path, rows_fingerprint,
-                               store_identity, store_lock, write_json, write_meta, write_rows)
+                               libraries, store_identity, store_lock, write_json, write_meta, write_rows)
+from ushash.core.io import atomic_write
 from ushash.encoders import build_encoder
 
 log = logging.getLogger(__name__)
@@ -308,13 +309,79 @@ def extract(rows: list[Row], encoder, root: str | Path, dataset: str, split: str
     identity = store_identity(dataset, split, encoder_meta(encoder, encoder_cfg), rows_fingerprint(rows))
     out = identity_path(root, identity)
     if out.exists() and not overwrite:
-        return open_split(out)
+        return reuse(out, rows, encoder)
     check_unique(rows, f"{dataset}/{split}")
     with store_lock(out):
         if out.exists() and not overwrite:  # another process finished it while we waited
-            return open_split(out)
+            return reuse(out, rows, encoder)
         return _extract_locked(rows, encoder, out, identity, batch_size, num_workers, progress, max_bad_frac,
                                flush_every)
+
+
+#: Rows per modality of a reused store encoded again where the libraries here are not those it was made with.
+REUSE_SAMPLE = 4
+#: In a store: the library versions under which a sample of its rows was encoded again and gave its features.
+VERIFIED = "verified.json"
+
+
+def reuse(out: Path, rows: list[Row], encoder) -> FeatureSplit:
+    """The finished store at `out`, once it is known to hold what `encoder` computes here. Its key covers the
+    encoder's weights, config and precision and the rows, not the code of the libraries that decode,
+    tokenise and run the networks: where their versions here (`store.libraries`) are not those the store
+    records (or it records none, made before it did), REUSE_SAMPLE of its rows per modality, spread over it,
+    are encoded again and must give its features (cosine >= 0.9999, norms within 0.1 %). A store that does
+    is marked verified for these versions (`VERIFIED`, beside meta.json); one that does not is refused,
+    naming the versions that changed, rather than reused as features the code here no longer computes."""
+    split = open_split(out)
+    here = libraries()
+    recorded = split.meta.get("libraries")
+    if recorded == here or here in _verified(out / VERIFIED):
+        return split
+    by_id = {(r.modality, r.id): r for r in rows}
+    low_cos, far_norm, checked = 1.0, 0.0, 0
+    for m, t in split.tables.items():
+        if m not in encoder.modalities or not len(t.ids):
+            continue
+        xs, at = [], []
+        for i in sorted(set(np.linspace(0, len(t.ids) - 1, min(REUSE_SAMPLE, len(t.ids))).astype(int).tolist())):
+            r = by_id.get((m, t.ids[i]))
+            x, failed = prepare(encoder, m, r.source) if r is not None else (None, True)
+            if not failed:
+                xs.append(x)
+                at.append(i)
+        if not xs:
+            continue
+        new = encode_batch(encoder, m, xs, [t.ids[i] for i in at])[0].astype(np.float64)
+        old = np.asarray(t.x[at], np.float64)
+        nn, no = np.linalg.norm(new, axis=1), np.linalg.norm(old, axis=1)
+        cos = np.where(nn * no > 0, (new * old).sum(axis=1) / np.maximum(nn * no, 1e-300), (nn == no).astype(float))
+        ratio = np.where(no > 0, nn / np.maximum(no, 1e-300), np.where(nn == 0, 1.0, np.inf))
+        low_cos, far_norm = min(low_cos, float(cos.min())), max(far_norm, float(np.abs(ratio - 1.0).max()))
+        checked += len(at)
+    changed = ", ".join(f"{k} {(recorded or {}).get(k, '?')} -> {v}" for k, v in here.items()
+                        if (recorded or {}).get(k) != v) if recorded else "library versions it does not record"
+    if not checked:
+        log.warning("%s: made with %s; none of its rows could be encoded again here to check it, reused as it is",
+                    out, changed)
+        return split
+    if low_cos < 0.9999 or far_norm > 1e-3:
+        raise FeatureStoreError(
+            f"{out}: made with {changed}, and of {checked} of its rows encoded again here the lowest cosine to "
+            f"its features is {low_cos:.5f} and the largest change of norm {far_norm:.2%}: its features are not "
+            f"what this code computes; delete the folder and extract again")
+    log.info("%s: made with %s; %d of its rows encode to its features here (lowest cosine %.6f), reused", out,
+             changed, checked, low_cos)
+    atomic_write(out / VERIFIED, json.dumps(_verified(out / VERIFIED) + [here], indent=1) + "\n")
+    return split
+
+
+def _verified(path: Path) -> list[dict]:
+    """The library versions a store was verified under (`reuse`); none when the file is absent or unreadable."""
+    try:
+        got = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [v for v in got if isinstance(v, dict)] if isinstance(got, list) else []
 
 
 class _Decode(Dataset):

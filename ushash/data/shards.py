@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 import ushash
 from ushash.data import media
 from ushash.data.extract import (check_bad_rows, collate_list, decode_workers, encode_batch, extract, failure,
-                                 failure_of, failure_records, modality_counts, prepare, skipped)
+                                 failure_of, failure_records, modality_counts, prepare, reuse, skipped)
 from ushash.data.rows import Row, check_unique
 from ushash.data.store import (FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision, identity_path,
                                open_split, partial_path, rows_fingerprint, store_identity, store_lock, write_split)
@@ -475,7 +475,7 @@ def extract_sharded(rows: list[Row], encoder, root: str | Path, dataset: str, sp
     if (plan.out / "meta.json").exists():
         if plan.work.exists() and int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0:
             shutil.rmtree(plan.work, ignore_errors=True)  # killed after the merge's rename
-        return open_split(plan.out)
+        return reuse(plan.out, rows, encoder)
     check_unique(rows, f"{dataset}/{split}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(predict_dataloader|does not have many workers|"

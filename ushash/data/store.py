@@ -5,10 +5,13 @@ Layout of `<root>/<dataset>/<split>/<encoder>-<fingerprint>[-fp16][-r<rows>]/`:
 
     meta.json            what produced it: store version, dataset, split, encoder name/config/fingerprint
                          (and precision when not fp32), rows fingerprint, dims and row counts per modality,
-                         ushash version, time
+                         the versions of the libraries that computed the features (`libraries`), ushash
+                         version, time
     <modality>.npy       float32 [N, D], read back with np.load(mmap_mode="r")
     <modality>.rows.jsonl  one line per row of the array: {"id", "group", "labels"}
     report.json          rows seen / ok / failed per modality, and each failed row with its reason
+    verified.json        (once reused under other library versions) the versions under which a sample of
+                         its rows encoded to its features again (ushash.data.extract.reuse)
 
 A store is written into `<name>.partial/` and renamed into place when done (`finish`), so a finished
 folder is always complete. Filling one from a dataset's rows is ushash.data.extract's job (and
@@ -323,11 +326,31 @@ def write_rows(path: Path, ids, groups, labels) -> None:
             f.write(json.dumps({"id": str(rid), "group": str(g), "labels": list(labs)}) + "\n")
 
 
+#: The distributions whose code turns media into features (decoding, tokenising, the networks), beside the
+#: encoder's weights and config that its fingerprint covers. A store records their versions (`libraries`).
+FEATURE_LIBRARIES = ("torch", "torchvision", "transformers", "tokenizers", "timm", "open_clip_torch", "pillow",
+                     "librosa", "soundfile", "cairosvg", "numpy")
+
+
+def libraries() -> dict[str, str | None]:
+    """{distribution: version here (None: not installed)} of `FEATURE_LIBRARIES`."""
+    from importlib import metadata
+
+    out = {}
+    for name in FEATURE_LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def write_meta(work: Path, identity: dict, modalities: dict[str, dict]) -> None:
-    """meta.json: the store's identity (`store_identity`) and {modality: {"dim", "count"}}; written last."""
+    """meta.json: the store's identity (`store_identity`), {modality: {"dim", "count"}} and the versions of
+    the libraries that computed the features (`libraries`); written last."""
     write_json(work / "meta.json", {
         "store_version": STORE_VERSION, "ushash_version": ushash.__version__, **identity,
-        "modalities": modalities, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        "modalities": modalities, "libraries": libraries(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
 def finish(work: Path, out: Path) -> FeatureSplit:
