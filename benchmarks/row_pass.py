@@ -52,11 +52,19 @@ def _random_head(root: Path, kind: str):
 
 def _store_rows(head, dataset: str, modality: str, n: int):
     """Up to n rows of the data set's stored features by the export's encoder: its test split, then val and
-    train (None when there are none)."""
+    train, each the store of the rows the export records (`source.stores`; every store of the encoder where it
+    records none), so stores of older decodes of the same items are not read as more rows (None when there
+    are none)."""
+    from ushash.data.store import identity_path, store_identity
+
+    recorded = (head.manifest.get("source") or {}).get("stores") or {}
+    enc = {"name": head.encoder.name, "fingerprint": head.encoder.fingerprint}
     parts, have = [], 0
     for split in ("test", "val", "train"):
         base = ROOT / "data" / "features" / str(dataset) / split
-        for path in sorted(base.glob(f"{head.encoder.name}-{head.encoder.fingerprint}-*")):
+        paths = ([identity_path(ROOT / "data" / "features", store_identity(dataset, split, enc, recorded[split]))]
+                 if split in recorded else sorted(base.glob(f"{head.encoder.name}-{head.encoder.fingerprint}-*")))
+        for path in paths:
             f = path / f"{modality}.npy"
             if f.is_file() and have < n:
                 parts.append(np.asarray(np.load(f, mmap_mode="r")[:n - have], np.float32))
