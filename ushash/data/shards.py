@@ -51,7 +51,7 @@ from ushash.data import media
 from ushash.data.extract import (check_bad_rows, collate_list, decode_workers, encode_batch, extract, failure,
                                  failure_of, failure_records, modality_counts, prepare, reuse, skipped)
 from ushash.data.rows import Row, check_unique
-from ushash.data.store import (FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision, identity_path,
+from ushash.data.store import (FP32, FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision, identity_path,
                                open_split, partial_path, rows_fingerprint, store_identity, store_lock, write_split)
 
 SHARD_ROWS = 10_000  # rows per hash shard when the shard count is automatic
@@ -183,12 +183,12 @@ class Plan:
         return rows_tasks + ([stream] if stream else [])
 
     def run_task(self, task: list[int], encoder) -> None:
-        here = encoder_meta(encoder, self.encoder_cfg)
-        if encoder_precision(here) != encoder_precision(self.encoder_meta):
+        here = getattr(encoder, "precision", FP32)
+        if here != encoder_precision(self.encoder_meta):
             # the units' stores are keyed by the precision the plan was made at: features of another would land
             # in folders the merge never reads (or, were the key left out, among features of the other one)
             raise FeatureStoreError(
-                f"{self.dataset}/{self.split}: the encoder computes at {encoder_precision(here)} on {encoder.device}, "
+                f"{self.dataset}/{self.split}: the encoder computes at {here} on {encoder.device}, "
                 f"but this extraction's store {self.out.name} is keyed by {encoder_precision(self.encoder_meta)}; "
                 f"put the encoder on the device the extraction runs on (extract.device) before extracting")
         units = [self.units[i] for i in task]

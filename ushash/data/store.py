@@ -332,8 +332,10 @@ FEATURE_LIBRARIES = ("torch", "torchvision", "transformers", "tokenizers", "timm
                      "librosa", "soundfile", "cairosvg", "numpy")
 
 
+@functools.cache
 def libraries() -> dict[str, str | None]:
-    """{distribution: version here (None: not installed)} of `FEATURE_LIBRARIES`."""
+    """{distribution: version here (None: not installed)} of `FEATURE_LIBRARIES`, read once per process (the
+    installed code does not change under a running one; reading them costs milliseconds per store opened)."""
     from importlib import metadata
 
     out = {}
