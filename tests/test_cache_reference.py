@@ -421,6 +421,41 @@ def test_a_query_z_of_another_width_or_not_finite_is_refused_not_broadcast():
     assert h.value == "val" and h.cosine <= 1.0 + 1e-6
 
 
+def test_a_query_z_not_of_unit_norm_is_refused_not_served():
+    """The hit check takes z . payload as the cosine: a hand-built Query whose z was 3 times too long was
+    served an entry at a true cosine of 0.4, past a threshold of 0.98. Such a z is refused in lookups and
+    stores; z within float32 rounding of unit norm is served; query_from_code normalises (a zero z it
+    refuses: it has no direction)."""
+    from ushash.serving.cache import RequestError
+    from ushash.serving.cache.request import Query
+
+    cache = SemanticCache(_head(), {"radius": 3, "ttl_s": 0, "payload_threshold": 0.98})
+    code = np.arange(8, dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=32)
+    a /= np.linalg.norm(a)
+    b = rng.normal(size=32)
+    b -= (b @ a) * a
+    b /= np.linalg.norm(b)
+    cache.store(cache.query_from_code("text", code, a), "A")
+    q = (0.4 * a + np.sqrt(1 - 0.16) * b).astype(np.float32)   # unit, cosine 0.4 with the entry
+    for z in (3 * q, 0.5 * q, q * (1 + 1e-3), np.full(32, np.nan, np.float32), np.zeros(32, np.float32)):
+        with pytest.raises(RequestError, match="unit L2 norm"):
+            cache.lookup(Query("text", code.tobytes(), z))
+        with pytest.raises(RequestError, match="unit L2 norm"):
+            cache.lookup_many([cache.query_from_code("text", code, a), Query("text", code.tobytes(), z)])
+        with pytest.raises(RequestError, match="unit L2 norm"):
+            cache.store(Query("text", code.tobytes(), z), "B")
+    assert cache.lookup(Query("text", code.tobytes(), q)) is None
+    assert cache.lookup(cache.query_from_code("text", code, 3 * q)) is None
+    near = (a * (1 + 2e-5)).astype(np.float32)   # rounding, not scale
+    assert cache.lookup(Query("text", code.tobytes(), near)).value == "A"
+    assert cache.lookup(Query("text", code.tobytes(), a.astype(np.float32))).value == "A"
+    with pytest.raises(RequestError, match="all zeros"):
+        cache.query_from_code("text", code, np.zeros(32))
+    assert len(cache) == 1   # nothing stored by the refused stores
+
+
 def test_l1_refuses_a_batch_whose_z_rows_differ_in_width():
     """Rows of 32, 16 and 48 floats concatenate to 96 = 3 x 32: reshaped, they would be misaligned rows."""
     from ushash.serving.cache.request import Query

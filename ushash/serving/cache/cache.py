@@ -92,6 +92,10 @@ def _flight_key(hit: Hit | None, tenant: str, q: Query):
     return (tenant, q.code) if hit is None else ("refresh", tenant, q.code)
 
 
+UNIT_TOLERANCE = 1e-4   # |z . z - 1| a hand-built Query's z may have (float32 rounding is ~1e-7; 1e-4 moves a
+                        # cosine by at most 5e-5, under any threshold step)
+
+
 class SemanticCache(CheckStore):
     def __init__(self, head, config: CacheConfig | dict | None = None, encoder=None,
                  clock: Callable[[], float] = time.time, registry=None, rng: random.Random | None = None,
@@ -265,7 +269,10 @@ class SemanticCache(CheckStore):
             n = float(z @ z)   # NaN or inf in z (or a norm past float32's range) makes it so too
             if not math.isfinite(n):
                 raise RequestError("z must be finite float32 numbers (and its norm too)")
-            z = z / max(math.sqrt(n), 1e-30)
+            if n == 0.0:   # no direction: every payload check would read cosine 0, and the entry it stored too
+                raise RequestError("z must not be all zeros (or too small for float32): the payload check needs "
+                                   "its direction")
+            z = z / math.sqrt(n)
         return Query(modality, code.tobytes(), z)
 
     # ------------------------------------------------------------------ lookup
@@ -379,16 +386,24 @@ class SemanticCache(CheckStore):
         """Refuse a Query made by hand whose code is not `code_bytes` bytes (a batch's codes are joined and
         cut into rows: a short one would shift the others onto codes of other requests) or whose z is not
         a vector of the shared space's width (the payload check would broadcast it: a 1-d z gives cosines
-        far above 1, a false hit)."""
+        far above 1, a false hit), or not of unit L2 norm (the hit check takes z . payload as the cosine: a z
+        three times too long serves an entry at a true cosine of 0.33 past a threshold of 0.98)."""
         cb, shape = self.code_bytes, self._zshape
         for q in queries:
             if not isinstance(q.code, bytes) or len(q.code) != cb:
                 raise RequestError(f"a query's code must be {cb} bytes ({self.bits} bits); got "
                                    f"{type(q.code).__name__} of {len(q.code) if hasattr(q.code, '__len__') else '?'}")
             z = q.z
-            if z is not None and shape is not None and np.shape(z) != shape:
+            if z is None or shape is None:
+                continue
+            if np.shape(z) != shape:
                 raise RequestError(f"a query's z must be {shape[0]} floats (the shared space); got shape "
                                    f"{np.shape(z)}")
+            n = float(z @ z) if type(z) is np.ndarray else float(np.dot(z, z))
+            if not abs(n - 1.0) <= UNIT_TOLERANCE:   # NaN fails too
+                raise RequestError(f"a query's z must have unit L2 norm; got norm {math.sqrt(n) if n >= 0 else n:.6g}: "
+                                   f"make the query with cache.query_from_code(modality, code, z) (it normalises z) "
+                                   f"or QueryEncoder")
 
     def _hit(self, f, tier: str, now: float, q: Query | None = None) -> Hit:
         e = f.entry
