@@ -102,7 +102,7 @@ def test_autocast_features_never_reuse_the_fp32_store(tmp_path):
     assert fp16.meta["encoder"]["precision"] == FP16_AUTOCAST and "precision" not in fp32.meta["encoder"]
     assert json.loads((fp16.path / "meta.json").read_text())["encoder"]["precision"] == FP16_AUTOCAST
     assert _extract(rows, tmp_path / "feat", build_encoder(TINY)).path == fp32.path
-    assert other_precisions(tmp_path / "feat", fp32.meta) == {FP16_AUTOCAST: fp16.path}
+    assert other_precisions(tmp_path / "feat", fp32.meta) == {FP16_AUTOCAST: [fp16.path]}
 
 
 def test_a_lookup_uses_only_its_own_precision_and_names_the_other(tmp_path):
@@ -111,14 +111,14 @@ def test_a_lookup_uses_only_its_own_precision_and_names_the_other(tmp_path):
     enc = {k: fp16.meta["encoder"][k] for k in ("name", "fingerprint")}  # an fp32 checkpoint's record
     recorded = {"dataset": "toy", "stores": {"train": fp16.meta["rows_fingerprint"]}}
     assert stored_split({**recorded, "encoder": fp16.meta["encoder"]}, "train", tmp_path / "feat").path == fp16.path
-    with pytest.raises(FeatureStoreError, match=r"no feature store of toy/train .*\(fp32 features; a fp16-autocast "
-                                                r"store of those rows is at .*-fp16-r.*not used\).*encoder.amp=false"):
+    with pytest.raises(FeatureStoreError, match=r"no feature store of toy/train .*\(fp32 features; fp16-autocast "
+                                                r"store\(s\) of those rows at .*-fp16-r.*not used\).*encoder.amp=false"):
         stored_split({**recorded, "encoder": enc}, "train", tmp_path / "feat")
     # no rows record (synthetic data): the one store of that encoder, of its own precision only
     synthetic = {"dataset": "toy", "encoder": fp16.meta["encoder"]}
     assert stored_split(synthetic, "train", tmp_path / "feat").path == fp16.path
     with pytest.raises(FeatureStoreError, match=r"no feature store\(s\) of toy/train with encoder tiny \(.*, fp32\)"
-                                                r".*only fp16-autocast store\(s\) \['tiny-.*-fp16-r"):
+                                                r".*; fp16-autocast store\(s\) of that encoder at .*tiny-.*-fp16-r.*not used"):
         stored_split({"dataset": "toy", "encoder": enc}, "train", tmp_path / "feat")
     fp32 = _extract(rows, tmp_path / "feat", build_encoder(TINY))
     assert stored_split({"dataset": "toy", "encoder": enc}, "train", tmp_path / "feat").path == fp32.path

@@ -35,9 +35,9 @@ from ushash.config import to_dict
 from ushash.data import media
 from ushash.data.datasets import load_rows
 from ushash.data.rows import Row, check_unique
-from ushash.data.store import (FP32, PRECISION_SUFFIX, FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision,
-                               finish, identity_path, open_split, other_precisions, partial_path, rows_fingerprint,
-                               libraries, store_identity, store_lock, write_json, write_meta, write_rows)
+from ushash.data.store import (FP32, FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision, finish,
+                               identity_path, libraries, open_split, other_precisions, partial_path, rows_fingerprint,
+                               store_identity, store_lock, stores_named, write_json, write_meta, write_rows)
 from ushash.core.io import atomic_write
 from ushash.encoders import build_encoder
 
@@ -159,32 +159,24 @@ def stored_split(provenance: dict, split: str, features_dir: str | Path) -> Feat
             f"checkpoint's data settings say) and nothing records which store they are; pass the data settings "
             f"that list them (data.path=... for a manifest), so that only the store of exactly those rows is used")
     folder = identity_path(features_dir, base)
-    found = _stores_named(folder)
+    found = stores_named(folder)
     if len(found) != 1:
-        at = {p: {**base, "encoder": {**base["encoder"], "precision": p}} for p in PRECISION_SUFFIX if p != precision}
-        others = {} if found else {p: _stores_named(identity_path(features_dir, i)) for p, i in at.items()}
-        note = "".join(f"; only {p} store(s) {[f.name for f in fs]}, not used for {precision} features"
-                       for p, fs in others.items() if fs)
         raise FeatureStoreError(
             f"{'no' if not found else len(found)} feature store(s) of {dataset}/{split} with encoder "
             f"{enc['name']} ({enc['fingerprint']}, {precision}) under {folder.parent}"
             + (f": {[p.name for p in found]}; pass the folder with features_dir= or remove the others" if found
-               else note))
+               else _other_precisions_note(features_dir, base)))
     return open_split(found[0])
 
 
-def _stores_named(folder: Path) -> list[Path]:
-    """The finished stores `folder` names with or without a rows fingerprint (`folder`, `folder-r<rows>`)."""
-    return sorted(p for p in folder.parent.glob(folder.name + "*")
-                  if (p / "meta.json").exists() and (p.name == folder.name or p.name.startswith(folder.name + "-r")))
-
-
 def _other_precisions_note(features_dir, identity: dict) -> str:
-    """For a missing store: the stores of the same rows at another precision, which are not used instead (their
-    features differ in the low bits from the ones the checkpoint was trained on)."""
-    others = other_precisions(features_dir, identity)
-    return "".join(f"; a {p} store of those rows is at {path}, but features of another precision than the "
-                   f"checkpoint's are not used" for p, path in others.items())
+    """For a missing store: the stores of the same rows (or, without a rows fingerprint, of the same dataset,
+    split and encoder) at another precision, which are not used instead: their features differ in the low bits
+    from the ones the checkpoint was trained on."""
+    rows = "those rows" if identity.get("rows_fingerprint") else "that encoder"
+    return "".join(f"; {p} store(s) of {rows} at {', '.join(str(f) for f in found)}, but features of another "
+                   f"precision than the checkpoint's are not used"
+                   for p, found in other_precisions(features_dir, identity).items())
 
 
 def _precision_setting(precision: str) -> str:

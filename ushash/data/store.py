@@ -216,17 +216,29 @@ def store_path(root: str | Path, dataset: str, split: str, encoder_name: str, fi
     return Path(root) / dataset / split / f"{encoder_name}-{fingerprint}{PRECISION_SUFFIX[precision]}"
 
 
-def other_precisions(root: str | Path, identity: dict) -> dict[str, Path]:
-    """{precision: folder} of the finished stores of this identity at each other precision under `root`: what
-    a lookup that found none at its own can name (features of another precision are never used instead)."""
+def other_precisions(root: str | Path, identity: dict) -> dict[str, list[Path]]:
+    """{precision: folders} of the finished stores of this identity at each other precision under `root`: what
+    a lookup that found none at its own can name (features of another precision are never used instead).
+    An identity without a rows fingerprint names every store of its dataset, split and encoder at that
+    precision (`stores_named`)."""
     own = encoder_precision(identity["encoder"])
     out = {}
     for precision in PRECISION_SUFFIX:
         if precision != own:
             path = identity_path(root, {**identity, "encoder": {**identity["encoder"], "precision": precision}})
-            if (path / "meta.json").exists():
-                out[precision] = path
+            found = stores_named(path) if not identity.get("rows_fingerprint") else \
+                [path] if (path / "meta.json").exists() else []
+            if found:
+                out[precision] = found
     return out
+
+
+def stores_named(folder: Path) -> list[Path]:
+    """The finished stores `folder` (an `identity_path` without rows) names, with or without a rows
+    fingerprint (`folder`, `folder-r<rows>`)."""
+    folder = Path(folder)
+    return sorted(p for p in folder.parent.glob(folder.name + "*")
+                  if (p / "meta.json").exists() and (p.name == folder.name or p.name.startswith(folder.name + "-r")))
 
 
 # ---------------------------------------------------------------------------------------------- reading
