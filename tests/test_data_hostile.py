@@ -105,7 +105,7 @@ def test_a_tar_member_declaring_more_than_the_cap_is_refused_unread(tmp_path, mo
     tar = tmp_path / "00000.tar"
     tar.write_bytes(_sparse_tar("k.png", 8 << 20, png.getvalue()))  # 2.5 KB on disk, 8 MiB extracted
     monkeypatch.setattr(shards, "MAX_MEMBER_BYTES", 1 << 20, raising=False)
-    [(name, data)] = list(shards._read_container(f"tar:{tar}", {"k.png": 0}))
+    [(name, data)] = list(shards.read_container(f"tar:{tar}", {"k.png": 0}))
     assert name == "k.png" and isinstance(data, media.MediaError) and data.code == media.OVER_LIMIT
     # through extraction: the row is counted and named, the others extracted
     tar2 = tmp_path / "00001.tar"

@@ -195,6 +195,48 @@ def test_tar_stream_matches_files_and_names_bad_members(tmp_path, encoder):
     np.testing.assert_allclose(np.asarray(img.x), np.asarray(ref.tables["image"].x), rtol=1e-5, atol=1e-6)
 
 
+def test_a_reused_store_of_tar_members_is_checked_by_reading_them_out_of_their_tars(tmp_path, encoder, monkeypatch,
+                                                                                  caplog):
+    """Under other library versions a reused store is checked by encoding a sample of its rows again; rows inside
+    a tar could not be read by path, so such a store was reused unchecked ("none of its rows could be encoded
+    again"). They are read out of their tars now: the same features verify it, other features refuse it."""
+    import json
+    import logging
+
+    import torch
+
+    from ushash.data import extract as extract_mod
+
+    files = []
+    for i in range(8):
+        _png(tmp_path / f"{i}.png", i)
+        files.append((f"k{i}.png", (tmp_path / f"{i}.png").read_bytes()))
+    _tar(tmp_path / "a.tar", files[:5])
+    _tar(tmp_path / "b.tar", files[5:])
+    rows = [Row("image", f"k{i}", f"k{i}", f"tar:{tmp_path / ('a.tar' if i < 5 else 'b.tar')}#k{i}.png")
+            for i in range(8)] + [Row("text", f"t{i}", f"k{i}", f"caption {i}") for i in range(8)]
+    kw = dict(accelerator="cpu", batch_size=4, num_workers=0, progress=False)
+    made = shards.extract_sharded(rows, encoder, tmp_path / "feat", "toy", "train", **kw)
+    upgraded = {**made.meta["libraries"], "pillow": "99.0"}
+    monkeypatch.setattr(extract_mod, "libraries", lambda: upgraded)
+    with caplog.at_level(logging.INFO, logger="ushash.data.extract"):
+        again = shards.extract_sharded(rows, encoder, tmp_path / "feat", "toy", "train", **kw)
+    assert again.path == made.path and "none of its rows" not in caplog.text
+    assert f"{2 * extract_mod.REUSE_SAMPLE} of its rows encode to its features here" in caplog.text
+    assert json.loads((made.path / extract_mod.VERIFIED).read_text()) == [upgraded]
+
+    class Decodes(type(encoder)):   # the same weights; images now decode to other features
+        def encode(self, modality, batch):
+            out = super().encode(modality, batch)
+            return out + 1.0 if modality == "image" else out
+
+    other = Decodes.__new__(Decodes)
+    other.__dict__.update(encoder.__dict__)
+    monkeypatch.setattr(extract_mod, "libraries", lambda: {**upgraded, "pillow": "100.0"})
+    with pytest.raises(FeatureStoreError, match=r"made with pillow \S+ -> 100\.0.*lowest cosine"):
+        shards.extract_sharded(rows, other, tmp_path / "feat", "toy", "train", **kw)
+
+
 def test_stream_failures_carry_codes_and_match_file_failures(tmp_path, encoder):
     _png(tmp_path / "0.png", 0)
     good = (tmp_path / "0.png").read_bytes()

@@ -334,13 +334,10 @@ def reuse(out: Path, rows: list[Row], encoder) -> FeatureSplit:
     for m, t in split.tables.items():
         if m not in encoder.modalities or not len(t.ids):
             continue
-        xs, at = [], []
-        for i in sorted(set(np.linspace(0, len(t.ids) - 1, min(REUSE_SAMPLE, len(t.ids))).astype(int).tolist())):
-            r = by_id.get((m, t.ids[i]))
-            x, failed = prepare(encoder, m, r.source) if r is not None else (None, True)
-            if not failed:
-                xs.append(x)
-                at.append(i)
+        picks = sorted(set(np.linspace(0, len(t.ids) - 1, min(REUSE_SAMPLE, len(t.ids))).astype(int).tolist()))
+        ready = _prepare_rows(encoder, m, [r for i in picks for r in [by_id.get((m, t.ids[i]))] if r is not None])
+        at = [i for i in picks if t.ids[i] in ready]
+        xs = [ready[t.ids[i]] for i in at]
         if not xs:
             continue
         new = encode_batch(encoder, m, xs, [t.ids[i] for i in at])[0].astype(np.float64)
@@ -365,6 +362,34 @@ def reuse(out: Path, rows: list[Row], encoder) -> FeatureSplit:
              changed, checked, low_cos)
     atomic_write(out / VERIFIED, json.dumps(_verified(out / VERIFIED) + [here], indent=1) + "\n")
     return split
+
+
+def _prepare_rows(encoder, modality: str, rows: list[Row]) -> dict[str, object]:
+    """{row id: preprocessed input} of the rows that decode: a row inside a container (a tar member, a Hugging
+    Face dataset cell: ushash.data.shards.packed_source) read out of it, one pass per container, as sharded
+    extraction reads it; a container that cannot be read leaves its rows out."""
+    from ushash.data.shards import packed_source, read_container
+
+    out, packed = {}, {}
+    for r in rows:
+        where = packed_source(r)
+        if where is None:
+            x, failed = prepare(encoder, modality, r.source)
+            if not failed:
+                out[r.id] = x
+        else:
+            packed.setdefault(where[0], {})[where[1]] = r
+    for container, members in packed.items():
+        try:
+            for member, data in read_container(container, {mb: 0 for mb in members}):
+                r = members[member]
+                if r.id not in out and data and not isinstance(data, media.MediaError):
+                    x, failed = prepare(encoder, modality, r.source, data)
+                    if not failed:
+                        out[r.id] = x
+        except Exception as e:   # truncated or unreadable since: its rows are not checked
+            log.info("%s: unreadable while checking a reused store (%s: %s)", container, type(e).__name__, e)
+    return out
 
 
 def _verified(path: Path) -> list[dict]:

@@ -369,7 +369,7 @@ class _Stream(IterableDataset):
         seen: set[int] = set()
         broken = None
         try:
-            for member, data in _read_container(u.container, want):
+            for member, data in read_container(u.container, want):
                 p = want[member]
                 if p in seen:
                     continue  # a member repeated inside a tar: the first one counts
@@ -399,7 +399,7 @@ class _Stream(IterableDataset):
 MAX_MEMBER_BYTES = 1 << 30
 
 
-def _read_container(container: str, want: dict[str, int]):
+def read_container(container: str, want: dict[str, int]):
     """(member, bytes) for the wanted members of a container, in the container's own order; for a member
     over MAX_MEMBER_BYTES a MediaError (over_limit) instead of its bytes."""
     scheme, _, rest = container.partition(":")
