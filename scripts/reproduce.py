@@ -8,6 +8,7 @@ machine. Steps resume: sweeps skip finished runs, so an interrupted reproduce co
     ./run reproduce sweep_emoji     # one step, then publish
     ./run reproduce readme          # the README's verbs in the order written (after the demo)
     ./run reproduce publish         # only rewrite the blocks from the results already on disk
+    ./run reproduce reaggregate     # the sweep tables again from their recorded runs (no training), then publish
 
 A step's stamp (experiments/reproduce/<step>.json: command, date, machine, versions) records the digests of
 the results its blocks are published from, and of the results of the steps it needs as it read them. publish
@@ -395,11 +396,19 @@ def made_on(steps: list[str]) -> str:
     a publish on another machine must not restate the runs' provenance), e.g. "2 x86_64 cores, no GPU,
     torch 2.14.1, ..."; distinct ones joined by "; "."""
     seen = []
-    for rec in filter(None, map(stamp_record, steps)):
+    recs = list(filter(None, map(stamp_record, steps)))
+    for rec in recs:
         made = ", ".join(x for x in (rec["machine"], rec.get("versions")) if x)
         if made not in seen:
             seen.append(made)
-    return "; ".join(seen)
+    again = reaggregated(recs)
+    return "; ".join(seen + [again] if again else seen)
+
+
+def reaggregated(recs: list[dict]) -> str:
+    """"tables re-aggregated from those runs on <dates> (./run reproduce reaggregate)" where a stamp says so."""
+    dates = sorted({r["aggregated"]["date"] for r in recs if r.get("aggregated")})
+    return f"tables re-aggregated from those runs on {', '.join(dates)} (`./run reproduce reaggregate`)" if dates else ""
 
 
 def stamp_of(step: str) -> str:
@@ -408,7 +417,8 @@ def stamp_of(step: str) -> str:
         return ""
     wall = f"{s['wall_s']:.0f} s" if s["wall_s"] < 120 else f"{s['wall_s'] / 60:.0f} min"
     made_with = f", {s['versions']}" if s.get("versions") else ""
-    return f"`{s['command']}` ({s['date']}, {s['machine']}{made_with}, {wall} wall)"
+    again = f"; {reaggregated([s])}" if s.get("aggregated") else ""
+    return f"`{s['command']}` ({s['date']}, {s['machine']}{made_with}, {wall} wall{again})"
 
 
 def replace_block(path: Path, name: str, body: str) -> bool:
@@ -515,7 +525,7 @@ def start_val_body() -> str | None:
         made = json.loads(step.read_text())["date"] if step.exists() else \
             datetime.date.fromtimestamp((folder / "results.json").stat().st_mtime)
         on = made_on([f"start_val_{dataset}"])
-        stamps.append(f"{dataset}: {made}, {on + ', ' if on else ''}{agg['runs_wall_s'] / 60:.0f} min of training summed over its runs")
+        stamps.append(f"{dataset}: {made}, {agg['runs_wall_s'] / 60:.0f} min of training summed over its runs{', ' + on if on else ''}")
         kept = []
         for seed in sorted(runs):
             run = next(r for r in agg["runs"] if r["seed"] == seed)
@@ -849,11 +859,48 @@ def publish() -> None:
             replace_block(ROOT / doc, name, body)
 
 
+def reaggregate() -> list[str]:
+    """`./run reproduce reaggregate`: every sweep table made again from the runs its step recorded, by this
+    code's aggregation (`ushash.evaluation.sweep.aggregate` over the grid each results.json lists), without
+    training or evaluating anything: for a change of how runs are summarised or printed. Only a step whose
+    results are the ones its stamp describes is re-aggregated, and only when every run of each of its grids
+    is on disk; its stamp keeps the run's command, date and machine, and records the re-aggregation (date,
+    code digest) and the new results' digests. Returns the steps re-aggregated; the others are named."""
+    from ushash.core.provenance import code_digest
+    from ushash.evaluation.sweep import aggregate
+
+    problems, stale = unstamped()
+    done = []
+    for step in STEPS:
+        tables = [ROOT / p for p in outputs_of(step) if p.endswith("results.json") and (ROOT / p).is_file()
+                  and "tie_rule" in json.loads((ROOT / p).read_text(encoding="utf-8"))]   # a sweep's aggregate
+        if not tables:
+            continue
+        if step in stale:
+            print(f"[reproduce] reaggregate: {step} left as it is: {next(p for p in problems if p.startswith(step + ':'))}")
+            continue
+        folders = [t.parent for t in tables]
+        try:
+            for folder in folders:   # a variant's table is aggregated from its experiment's runs
+                aggregate(folder.parent.parent if folder.parent.name == "variants" else folder, out_dir=folder)
+        except FileNotFoundError as e:   # a grid's run missing: aggregate wrote nothing for that table
+            print(f"[reproduce] reaggregate: {step} not re-aggregated: {e}")
+            continue
+        rec = stamp_record(step)
+        rec["outputs"] = digests(step)
+        rec["aggregated"] = {"date": datetime.date.today().isoformat(), "code": code_digest()}
+        stamp = ROOT / "experiments" / "reproduce" / f"{step}.json"
+        stamp.write_text(json.dumps(rec, indent=1) + "\n")
+        print(f"[reproduce] reaggregate: {step}: {', '.join(str(f.relative_to(ROOT)) for f in folders)}", flush=True)
+        done.append(step)
+    return done
+
+
 def main(argv: list[str]) -> None:
     steps = argv or ["demo", "readme", *[s for s in STEPS if s != "demo"], "publish"]
-    unknown = [s for s in steps if s not in STEPS and s not in ("readme", "publish")]
+    unknown = [s for s in steps if s not in STEPS and s not in ("readme", "publish", "reaggregate")]
     if unknown:
-        raise SystemExit(f"unknown step(s) {unknown}; steps: {list(STEPS)}, readme and publish")
+        raise SystemExit(f"unknown step(s) {unknown}; steps: {list(STEPS)}, readme, reaggregate and publish")
     done: set[str] = set()
 
     def run_with_needs(s: str) -> None:
@@ -867,6 +914,8 @@ def main(argv: list[str]) -> None:
     for s in steps:
         if s == "readme":
             run_readme()
+        elif s == "reaggregate":
+            reaggregate()
         elif s != "publish":
             run_with_needs(s)
     publish()

@@ -241,6 +241,52 @@ def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_desc
         assert "bench: its last run" in str(e) and "failed with exit" in str(e)
 
 
+def test_reaggregate_remakes_a_sweeps_tables_from_its_runs_and_says_so(tmp_path, monkeypatch):
+    """`./run reproduce reaggregate`: a step whose results are the ones its stamp describes gets its tables
+    from the aggregation code here, and its stamp records it (publish then accepts them and says so); a step
+    whose results were changed by hand, or whose runs are not all on disk, is left as it is."""
+    from ushash.evaluation import sweep
+
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "machine", lambda: "2 x86_64 cores (test CPU), no GPU")
+    write = tmp_path / "write.py"
+    write.write_text("import sys, pathlib, json\np = pathlib.Path(sys.argv[1]); p.mkdir(parents=True, exist_ok=True)\n"
+                     "(p / 'results.md').write_text(sys.argv[2]); (p / 'results.json').write_text(json.dumps("
+                     "{'tie_rule': 'x', 'v': sys.argv[2]}))\n")
+    monkeypatch.setattr(r, "STEPS", {"sa": f"python {write} experiments/a a-1", "sb": f"python {write} experiments/b b-1"})
+    monkeypatch.setattr(r, "SWEEP_BLOCKS", {"a": ("doc.md", "a", "sa"), "b": ("doc.md", "b", "sb")})
+    for table in ("RESULT_BLOCKS", "PRINTED_BLOCKS", "VARIANT_STEPS", "SEARCH_STEPS", "CROSS_STEPS", "MADE_BLOCKS",
+                  "NEEDS"):
+        monkeypatch.setattr(r, table, {})
+    calls = []
+
+    def aggregate(exp, out_dir=None):
+        calls.append(out_dir.name)
+        if out_dir.name == "b" and (out_dir / "gone").exists():
+            raise FileNotFoundError("1 of the grid's 1 runs have no readable result")
+        (out_dir / "results.md").write_text((out_dir / "results.md").read_text() + " again")
+
+    monkeypatch.setattr(sweep, "aggregate", aggregate)
+    r.run_step("sa")
+    r.run_step("sb")
+    before = r.stamp_record("sa")
+    assert r.reaggregate() == ["sa", "sb"] and calls == ["a", "b"]
+    after = r.stamp_record("sa")
+    assert (tmp_path / "experiments/a/results.md").read_text() == "a-1 again"
+    assert after["aggregated"]["code"] and after["command"] == before["command"] and after["date"] == before["date"]
+    assert r.unstamped() == ([], [])
+    assert "tables re-aggregated from those runs on " in r.stamp_of("sa") and "`./run reproduce reaggregate`" in r.made_on(["sa"])
+
+    (tmp_path / "experiments/a/results.md").write_text("edited by hand")
+    (tmp_path / "experiments/b/gone").write_text("")
+    calls.clear()
+    stamp_b = r.stamp_record("sb")
+    assert r.reaggregate() == [] and calls == ["b"]
+    assert (tmp_path / "experiments/a/results.md").read_text() == "edited by hand"
+    assert r.stamp_record("sb") == stamp_b and r.unstamped()[1] == ["sa"]
+
+
 def test_the_committed_stamps_describe_the_committed_results():
     """Every published result on disk is the one its stamp recorded (so ./run reproduce publish can run)."""
     problems, steps = _reproduce().unstamped()

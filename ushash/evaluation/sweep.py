@@ -245,6 +245,13 @@ def load_results(exp: Path, unreadable: list | None = None) -> list[dict]:
     return out
 
 
+def seed_cell(vals) -> list:
+    """[mean, sample std (ddof=1; 0 with one seed), n_seeds] of one table cell over seeds, unrounded: the tables
+    round once, where they print (rounded to 5 decimals first, a mean of 0.4484994 printed as 0.449)."""
+    vals = [float(v) for v in vals]
+    return [float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0, len(vals)]
+
+
 def _per_seed(results: list[dict]) -> dict:
     """(entry, bits) -> seed -> {(protocol, direction, metric): value}; direction "mean" = mean over directions."""
     table: dict = {}
@@ -343,8 +350,7 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
         keys = sorted(set().union(*(set(v) for v in seeds.values())))
         for (protocol, direction, metric) in keys:
             vals = [seeds[s][(protocol, direction, metric)] for s in sorted(seeds) if (protocol, direction, metric) in seeds[s]]
-            cell = [round(float(np.mean(vals)), 5), round(float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0, 5), len(vals)]
-            summary.setdefault(name, {}).setdefault(str(bits), {}).setdefault(protocol, {}).setdefault(metric, {})[direction] = cell
+            summary.setdefault(name, {}).setdefault(str(bits), {}).setdefault(protocol, {}).setdefault(metric, {})[direction] = seed_cell(vals)
     curves = {}
     protocols = sorted({r["protocol"] for res in results for r in res["rows"]}, key=lambda p: p != "paired")
     for (name, bits) in per_seed:
@@ -370,7 +376,7 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
         "runs": [{**{k: r.get(k) for k in ("key", "method", "bits", "seed", "wall_s", "digest", "val_map@10", "val_score",
                                              "best_epoch", "val_scores", "space", "shared_axes", "start", "starts")
                      if r.get(k) is not None},
-                  "mean_map@10": {n: {p: round(retrieval.mean_map([x for x in r["rows"] if x["method"] == n], p), 5)
+                  "mean_map@10": {n: {p: retrieval.mean_map([x for x in r["rows"] if x["method"] == n], p)
                                       for p in protocols} for n in r["entries"]}} for r in results],
         "not_applicable": not_applicable, "summary": summary, "curves": curves,
     }
