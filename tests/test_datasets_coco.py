@@ -284,3 +284,24 @@ def test_coco_hf_streams_embedded_images(root, tmp_path):
     pos = {i: k for k, i in enumerate(ref.tables["image"].ids)}
     np.testing.assert_allclose(np.asarray(splits["test"].tables["image"].x),
                                np.asarray(ref.tables["image"].x)[[pos[i] for i in good]], atol=1e-6)
+
+
+def test_coco_hf_captions_as_a_sequence_of_structs(tmp_path):
+    """A Karpathy "sentences" column declared as Sequence({raw, sentid}) arrives as a dict of lists: its keys
+    ("raw", "sentid") were taken as the captions."""
+    import datasets
+
+    from ushash.data.datasets import hf
+
+    feats = datasets.Features({"cocoid": datasets.Value("int64"), "file_name": datasets.Value("string"),
+                               "sentences": datasets.Sequence({"raw": datasets.Value("string"),
+                                                               "sentid": datasets.Value("int64")})})
+    ds = datasets.Dataset.from_dict({"cocoid": [9, 42], "file_name": ["img/9.jpg", "img/42.jpg"],
+                                     "sentences": [{"raw": ["a dog runs", "a brown dog"], "sentid": [90, 91]},
+                                                   {"raw": ["a red bus"], "sentid": [420]}]}, features=feats)
+    datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "ds"))
+    got = [(r.id, r.source) for r in hf.rows(tmp_path / "ds", "test", "test") if r.modality == "text"]
+    assert got == [("9#0", "a dog runs"), ("9#1", "a brown dog"), ("42#0", "a red bus")]
+    assert hf._captions({"raw": "one caption", "sentid": 1}) == ["one caption"]
+    with pytest.raises(ValueError, match="needs a 'raw' field"):
+        hf._captions({"tokens": [["a"]]})

@@ -10,7 +10,8 @@ Columns, found by name unless given (`image_col`, `caption_col`, `id_col`):
               or a path string (relative paths: from `image_root`, else the dataset folder); without an
               image column, `filepath` + `filename` (the Karpathy JSON's fields) under `image_root`
     captions  "sentences" / "captions" / "caption" / "text": a string, a list of strings, or a list of
-              {"raw": ...} (Karpathy style); caption ids from "sentids" when present
+              {"raw": ...} (Karpathy style; also as a Sequence of such structs, which arrives as a dict of
+              lists); caption ids from "sentids" when present
     id        "cocoid" / "image_id" / "imgid" / "id"; else the row number
 Datasets with one row per caption (the same image id on several rows) give one image row per id and
 all of its captions (the first `captions_per_image`). ushash split -> dataset split: `train_split`,
@@ -78,6 +79,11 @@ def _captions(value) -> list[str]:
         return []
     if isinstance(value, str):
         return [value]
+    if isinstance(value, dict):   # a Sequence of {raw, sentid, ...} structs arrives as a dict of lists
+        if "raw" not in value:
+            raise ValueError(f"coco_hf: a caption column of structs needs a 'raw' field; got fields {sorted(value)}")
+        value = value["raw"]
+        value = [value] if isinstance(value, str) else value
     out = []
     for v in value:
         out.append(v.get("raw", "") if isinstance(v, dict) else ("" if v is None else str(v)))
