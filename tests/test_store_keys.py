@@ -118,3 +118,20 @@ def test_a_dataset_folder_saved_again_over_the_same_files_gives_other_rows(tmp_p
     os.utime(arrow, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert os.stat(ds).st_mtime_ns == folder_time
     assert rows_fingerprint(rows) != before
+
+
+def test_a_tar_in_a_folder_whose_name_holds_a_hash_is_tracked(tmp_path):
+    """The tar's path was cut at the first '#', so /data/cc3m#v1/00000.tar was looked up as /data/cc3m
+    ("missing"): the tar rewritten with other images kept the fingerprint and its old features."""
+    from ushash.data.store import container_path, rows_fingerprint
+
+    tar = tmp_path / "cc3m#v1" / "00000.tar"
+    tar.parent.mkdir()
+    tar.write_bytes(b"tar, version 1")
+    rows = [Row("image", "0", "g0", f"tar:{tar}#000000000.jpg")]
+    assert container_path(rows[0].source) == str(tar)
+    assert container_path(f"hf:{tmp_path / 'd#1'}#test/7/image") == str(tmp_path / "d#1")
+    assert container_path(str(tar)) is None
+    before = rows_fingerprint(rows)
+    tar.write_bytes(b"tar, version 2 with other images")
+    assert rows_fingerprint(rows) != before

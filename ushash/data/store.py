@@ -152,7 +152,7 @@ def _source_key(row, sizes: dict) -> str:
     if row.modality == "text":
         return "text:" + str(row.source)
     src = str(row.source)
-    path = src.split("#", 1)[0].split(":", 1)[1] if src.startswith(("tar:", "hf:")) and "#" in src else src
+    path = container_path(src) or src
     if path not in sizes:
         try:
             st = os.stat(path)
@@ -160,6 +160,17 @@ def _source_key(row, sizes: dict) -> str:
         except OSError:
             sizes[path] = "missing"
     return f"{src}\0{sizes[path]}"
+
+
+def container_path(source: str) -> str | None:
+    """The file or folder a packed source lives in (`tar:<file>#<member>`, `hf:<dataset dir>#<split>/<index>/
+    <column>`), or None for a plain path. Split at the last '#' (and, for hf:, before the split): a '#' in the
+    path itself (`/data/cc3m#v1/00000.tar`) belongs to the path."""
+    if source.startswith("tar:") and "#" in source:
+        return source[4:].rpartition("#")[0]
+    if source.startswith("hf:") and "#" in source:
+        return source[3:].rpartition("/")[0].rpartition("/")[0].rpartition("#")[0]
+    return None
 
 
 def _folder_key(path: str) -> str:
