@@ -199,3 +199,51 @@ def test_one_file_in_two_splits_is_refused(tmp_path):
                                            {"image": "a.png", "text": "u", "group": "g2", "split": "test"}])
     with pytest.raises(ValueError, match=r"m\.jsonl:2: file '.*a\.png' is in split 'test' here but 'train' on line 1"):
         rows(m, "val")
+
+
+def test_one_file_linked_under_two_names_is_one_file(tmp_path):
+    """Paths were compared as written: an image and a symbolic link to it were two files, two items hashed
+    into different splits: a test image in training."""
+    import os
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(b"png")
+    os.symlink("a.png", tmp_path / "img" / "link.png")
+    recs = [{"id": "r0", "image": "img/a.png", "text": "a red square"}] + \
+           [{"id": f"x{i}", "image": f"img/other{i}.png", "text": f"other {i}"} for i in range(30)] + \
+           [{"id": "r1", "image": "img/link.png", "text": "a red square, again"}]
+    got = all_splits(write_jsonl(tmp_path / "m.jsonl", recs))
+    mine = [(s, r.modality, r.id, r.group) for s, rs in got.items() for r in rs if r.group == "r0"]
+    assert sorted(x[1:] for x in mine) == [("image", "r0", "r0"), ("text", "r0", "r0"), ("text", "r1", "r0")]
+    assert len({x[0] for x in mine}) == 1   # one item, one split, one image row
+    both = [dict(recs[0], split="train"), dict(recs[-1], group="other", split="test")]
+    with pytest.raises(ValueError, match=r"file '.*a\.png' is in split 'test' here but 'train'"):
+        rows(write_jsonl(tmp_path / "two.jsonl", both), "train")
+
+
+def test_a_group_that_is_also_an_ungrouped_records_id_is_refused(tmp_path):
+    """An ungrouped record's group is its id (its line number by default): a cat with group "3" and a dog on
+    line 3 with none were one item, each other's pairs."""
+    m = tmp_path / "m.csv"
+    m.write_text("image,text,group,split\ncat.jpg,a cat on a mat,3,test\ndog.jpg,a dog in the park,,test\n")
+    with pytest.raises(ValueError, match=r"m\.csv:2: group '3' is also the id of the record on line 3"):
+        rows(m, "test")
+    m.write_text("image,text,group,split\ncat.jpg,a cat on a mat,cats,test\ndog.jpg,a dog in the park,,test\n")
+    assert sorted(r.group for r in rows(m, "test")) == ["3", "3", "cats", "cats"]
+
+
+def test_a_row_of_several_records_has_the_labels_of_all(tmp_path):
+    """An image listed once per caption became one row with the first record's labels only."""
+    m = write_jsonl(tmp_path / "m.jsonl", [{"image": "a.png", "text": "a cat", "labels": ["cat"], "split": "train"},
+                                           {"image": "a.png", "text": "a dog", "labels": ["dog", "cat"], "split": "train"}])
+    got = {(r.modality, r.id): r.labels for r in rows(m, "train")}
+    assert got == {("image", "1"): ("cat", "dog"), ("text", "1"): ("cat",), ("text", "2"): ("dog", "cat")}
+
+
+@pytest.mark.parametrize("column", ["Split", "Image", "LABELS", " Group"])
+def test_a_column_named_in_another_case_is_refused_not_ignored(tmp_path, column):
+    """A "Split" column was not the split column: the records declared test were hash-split instead."""
+    m = tmp_path / "m.csv"
+    m.write_text(f"text,{column}\na caption,test\n")
+    with pytest.raises(ValueError, match=r"column\(s\) \[.*\] are read only in lower case; rename them"):
+        rows(m, "test")

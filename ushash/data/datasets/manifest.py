@@ -9,12 +9,15 @@ Columns (JSONL keys or a CSV/TSV header row; other columns are ignored):
     id      optional stable record id, unique in the file (default: the record's line number)
     split   optional "train" / "val" / "test" ("validation", "valid" and "dev" mean "val")
 
+Column names are lower case (a "Split" or "Image" column is refused, not read as another or left out).
 Each record yields one row per modality it has, all with the record's id, group and labels. Relative
 paths are taken from the manifest file's folder. When the same (group, source) occurs in several
 records of a split (an image listed once per caption, COCO style), it becomes one row, with the first
-record's id. Records without a group that share an image or audio file are one group, named by the first
-such record's id: an image listed once per caption is one item, its captions each other's pairs, without a
-group column. Records with an empty split value, and all records when the manifest has no split column,
+record's id and the labels of all of them. Records without a group that share an image or audio file are
+one group, named by the first such record's id: an image listed once per caption is one item, its captions
+each other's pairs, without a group column; a group column value that is also the id of such a record is
+refused (the two items would be one). A file is the file its path names with symbolic links resolved (one
+file under two names is one file). Records with an empty split value, and all records when the manifest has no split column,
 are split by a hash of their group (`val_frac`, `test_frac`, `seed`), so a group never straddles
 splits; a group given explicit splits that disagree is an error, and so is one image or audio file in two
 splits (it would put test items into training). Paths are not checked here: a file
@@ -29,6 +32,7 @@ ids key resumable feature extraction.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -130,6 +134,11 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
     check_fracs(val_frac, test_frac)
     path = Path(path)
     records, columns = read_records(path)
+    known = {*MODALITIES, "labels", "group", "id", split_col or "split"}
+    cased = [c for c in columns if c not in known and c.strip().lower() in known]
+    if cased:   # read as another column's name, or not at all (a "Split" column would leave the hash split)
+        raise ValueError(f"manifest {path}: column(s) {cased} are read only in lower case; rename them to "
+                         f"{[c.strip().lower() for c in cased]}")
     if not any(m in columns for m in MODALITIES):
         raise ValueError(
             f"manifest {path}: no modality column; need at least one of {list(MODALITIES)}, found {columns}"
@@ -143,7 +152,7 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
     dups: list[str] = []
     group_split: dict[str, tuple[str, int]] = {}
     file_split: dict[str, tuple[str, int]] = {}
-    seen: set[tuple[str, str, str]] = set()
+    seen: dict[tuple[str, str, str], int] = {}   # a row's key -> its position in out
     out: list[Row] = []
     keyed = []
     for ln, rec in records:
@@ -156,9 +165,17 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
         values = {m: _text(rec.get(m), path, ln, m) for m in MODALITIES}  # validated in every split
         paths = {m: os.path.normpath(base / Path(values[m]).expanduser()) for m in FILE_MODALITIES if values[m]}
         keyed.append((ln, rec, rid, group, values, paths))
-    file_group = _groups_by_file([(rid, list(paths.values())) for _, _, rid, group, _, paths in keyed if group is None])
+    named = {rid: ln for ln, _, rid, group, _, _ in keyed if group is None}
+    clash = next(((ln, g) for ln, _, _, g, _, _ in keyed if g is not None and g in named), None)
+    if clash:   # an ungrouped record's group is named by its id (or its file's first record's): one namespace
+        raise ValueError(f"manifest {path}:{clash[0]}: group {clash[1]!r} is also the id of the record on line "
+                         f"{named[clash[1]]}, which has no group and so names its own: the two would be one "
+                         f"item; give that record a group, or use group names that are not record ids")
+    real = _real_paths()
+    file_group = _groups_by_file([(rid, [real(p) for p in paths.values()]) for _, _, rid, group, _, paths in keyed
+                                  if group is None])
     for ln, rec, rid, group, values, paths in keyed:
-        files = list(paths.values())
+        files = [real(p) for p in paths.values()]   # a file linked under two names is one file
         group = group or (file_group[files[0]] if files else rid)
         labels = parse_labels(rec.get("labels"), path, ln)
 
@@ -193,10 +210,13 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
             if v is None:
                 continue
             source = paths[m] if m in FILE_MODALITIES else v
-            key = (m, group, source)
-            if key in seen:
+            key = (m, group, real(source) if m in FILE_MODALITIES else source)
+            if key in seen:   # the same file or caption of the item on another record: one row, every label
+                i = seen[key]
+                if not set(labels) <= set(out[i].labels):
+                    out[i] = dataclasses.replace(out[i], labels=tuple(dict.fromkeys(out[i].labels + labels)))
                 continue
-            seen.add(key)
+            seen[key] = len(out)
             try:
                 out.append(Row(m, rid, group, source, labels))
             except ValueError as e:  # a NUL character in an id, group or value
@@ -204,6 +224,24 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
     if dups:
         raise ValueError(f"manifest {path}: {len(dups)} duplicate ids, e.g. {', '.join(dups[:5])}")
     return out
+
+
+def _real_paths():
+    """path -> the file it names with symbolic links resolved (so one file listed under two names, through a link,
+    is one file), its folder's resolution cached: one lstat per file, not one per path component."""
+    folders: dict[str, str] = {}
+    files: dict[str, str] = {}
+
+    def real(p: str) -> str:
+        if p not in files:
+            d, name = os.path.split(p)
+            if d not in folders:
+                folders[d] = os.path.realpath(d)
+            full = os.path.join(folders[d], name)
+            files[p] = os.path.realpath(full) if os.path.islink(full) else full
+        return files[p]
+
+    return real
 
 
 def _groups_by_file(records: list[tuple[str, list[str]]]) -> dict[str, str]:
