@@ -98,3 +98,16 @@ def test_a_bad_search_is_refused_with_its_reason(tmp_path, extra, space, match):
             OmegaConf.update(cfg, "search.space.pairwise", space, merge=False)
     with pytest.raises(ValueError, match=match):
         search.run_search(cfg)
+
+
+def test_a_split_without_labels_reports_no_label_score_not_zero():
+    """A data set without labels (COCO's default) has no label rows: its label mAP was reported as 0.000."""
+    from ushash.evaluation import search
+
+    rows = [{"method": "ushash", "protocol": "paired", "direction": d, "tie_map@10": v}
+            for d, v in (("I→T", 0.6), ("T→I", 0.4))]
+    scores = search._test_scores({"method": "ushash", "rows": rows})
+    assert scores == {"paired": 0.5, "label": None}
+    assert search.mean_std([scores["label"]] * 3) == "–" and search._num(scores["label"]) == "–"
+    both = rows + [{"method": "ushash", "protocol": "label", "direction": "I→T", "tie_map@10": 0.0}]
+    assert search._test_scores({"method": "ushash", "rows": both}) == {"paired": 0.5, "label": 0.0}

@@ -96,8 +96,11 @@ def _trial_stores(out: Path, trial) -> dict | None:
 
 
 def _test_scores(result: dict) -> dict:
+    """{protocol: mean tie-aware test mAP@10 over directions}, None for a protocol the split has no rows of
+    (label, for a data set without labels: not measured, not 0)."""
     rows = [r for r in result.get("rows", []) if r["method"] == result["method"]]
-    return {p: retrieval.mean_map(rows, p, key="tie_map@10") for p in ("paired", "label")}
+    return {p: retrieval.mean_map(rows, p, key="tie_map@10") if any(r["protocol"] == p for r in rows) else None
+            for p in ("paired", "label")}
 
 
 def run_search(cfg: DictConfig) -> dict:
