@@ -282,3 +282,32 @@ def test_ushash_beats_itq_on_synthetic(bits, protocol, margin, unaligned, tmp_pa
     us, itq = score(module.code_method()), score(methods.build("itq", bits, seed=0).fit(unaligned["train"], unaligned["val"]))
     print(f"US-HASH {us:.3f}, ITQ {itq:.3f} ({bits} bits, {protocol})")
     assert us > itq + margin, (us, itq)
+
+
+def test_csq_clusters_its_pseudo_classes_in_the_space_args_align_names(tmp_path, monkeypatch):
+    """With model.init=gcca (the default) the pseudo-classes were clustered in the closed-form start's space
+    whatever method.args.align said: align=none and align=gcca trained the same model. auto keeps the
+    start's space; a value naming another space is fitted on the training split."""
+    from ushash.config import compose
+    from ushash.hashing.methods import csq
+    from ushash.hashing.training import run_train
+
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 300, "val": 100, "test": 50},
+                                       n_classes=5, dims={"image": 16, "text": 16}, aligned=True)
+    seen, spaces = {}, {}
+    real = csq._pseudo_classes
+
+    def spy(module, args, n):
+        seen[args.get("align")] = real(module, args, n)
+        spaces[args.get("align")] = module.shared_space.resolved
+        return seen[args.get("align")]
+
+    monkeypatch.setattr(csq, "_pseudo_classes", spy)
+    for align in ("auto", "none", "gcca"):
+        cfg = compose("config", [f"paths.root={tmp_path}", "trainer.accelerator=cpu", "trainer.max_epochs=1",
+                                 "bits=16", "model.batch_size=64", "trainer.enable_progress_bar=false", "method=csq",
+                                 f"method.args.align={align}", f"run_name=csq-{align}"])
+        run_train(cfg, splits=splits)
+    assert spaces == {"auto": "gcca", "none": "gcca", "gcca": "gcca"}   # the start's space: gcca every time
+    assert np.array_equal(seen["auto"], seen["gcca"])                   # the start's space is the one named
+    assert not np.array_equal(seen["auto"], seen["none"])               # another space: other pseudo-classes

@@ -26,15 +26,16 @@ from ushash.hashing.methods.ushash import rows, stacked
 
 
 def _pseudo_classes(module, args, n_classes: int) -> np.ndarray:
-    from ushash.hashing.methods.space import SharedSpace
+    from ushash.hashing.methods.space import SharedSpace, resolve_align
     dm = getattr(module.trainer, "datamodule", None)
     if dm is None or getattr(dm, "train_set", None) is None:
         raise ValueError(f"method {module.hparams.method} with classes=kmeans needs the FeatureDataModule "
                          "(its training split) to make pseudo-classes; or use classes=groups")
     split, ts = dm.train_split, dm.train_set
+    align = str(args.get("align", "auto"))
     space = module.shared_space  # the closed-form start's space (init=gcca), chosen on val
-    if space is None:
-        space = SharedSpace(align=str(args.get("align", "auto"))).fit(split)
+    if space is None or (align != "auto" and resolve_align(align, split.meta["encoder"]["name"]) != space.resolved):
+        space = SharedSpace(align=align).fit(split)   # another space than the start's, when args.align names one
     emb = np.zeros((len(ts.groups), space.dim))
     for m in ts.modalities:  # the batcher's rows per group: ts.members indexes its one vocabulary
         y = space.transform(m, split.tables[m].x)
