@@ -338,6 +338,42 @@ def walk(head, pool, stream: np.ndarray, paths: dict, points: dict, target: floa
     for k in paths:
         if not points[k].on and points[k].reason == "not yet tested":
             points[k] = PairPoint(False, reason=f"fewer than {need} {s.count} at every point of its path")
+    return settle(head, pool, stream, points, target, s, need, enc, cache_cfg, rounds)
+
+
+def settle(head, pool, stream: np.ndarray, points: dict, target: float, s: CalibrationSettings, need: int,
+           enc: Encoded, cache_cfg: dict | None = None, rounds: list | None = None) -> tuple[dict, list]:
+    """The walk's points replayed together: a pair's evidence was counted in the round where it last passed,
+    while the pairs still walking were at other points, and what one pair serves changes what another does
+    (a hit is not stored; cross-modal pairs share entries). Every pair on is given the counts of `stream`
+    replayed with all pairs at their final points; one whose bound then exceeds the target, or that serves
+    fewer than `need`, is turned off, and the replay is repeated until none is (turning a pair off only
+    declares fewer points safe). The replays are appended to `rounds` (marked "settle"). Returns (points,
+    rounds)."""
+    points = {k: dataclasses.replace(p) for k, p in points.items()}
+    rounds = list(rounds or [])
+    while any(p.on for p in points.values()):
+        cal = Calibration(str(head.revision), target, float(s.confidence), points)
+        res = measure(head, pool, stream, calibration=cal, cache_cfg=cache_cfg, enc=enc, confidence=float(s.confidence))
+        rounds.append({"settle": True, **{k: (p.radius, p.threshold, res["pairs"].get(k, {}).get("hits", 0),
+                                              res["pairs"].get(k, {}).get("false_hits", 0))
+                                          for k, p in points.items() if p.on}})
+        failed = False
+        for k, p in points.items():
+            if not p.on:
+                continue
+            pr = unit_counts(dict(res["pairs"].get(k, _EMPTY)), s.count)
+            if pr["hits"] >= need and pr["upper"] <= target:
+                points[k] = dataclasses.replace(p, hits=int(pr["hits"]), false_hits=int(pr["false_hits"]),
+                                                upper=float(pr["upper"]), units=_units(pr))
+                continue
+            why = (f"bound {pr['upper']:.4f} > {target}" if pr["hits"] >= need else f"{pr['hits']} {s.count}, "
+                   f"fewer than {need}")
+            points[k] = PairPoint(False, reason=f"{why} at radius {p.radius}, threshold {p.threshold:.4f} with "
+                                                f"every pair at its final point")
+            failed = True
+        if not failed:
+            break
     return points, rounds
 
 
@@ -535,13 +571,14 @@ def measure(head, pool, stream: np.ndarray, calibration: Optional[Calibration] =
         lookup, store = _timed(lookup, timings.setdefault("lookup", [])), _timed(store, timings.setdefault("store", []))
     hits = false = exact = oracle = 0
     pairs: dict[str, list[int]] = {}
-    keys, classes = set(), set()
+    keys, seen = set(), set()
     for q in stream.tolist():
         c = int(enc.cls[q])
         exact += enc.key[q] in keys
-        oracle += c in classes
+        mine = {("cls", c), ("src", int(enc.src[q]))}   # equivalent: same class or same source (Encoded.wrong)
+        oracle += not seen.isdisjoint(mine)
         keys.add(enc.key[q])
-        classes.add(c)
+        seen |= mine
         h = lookup(queries[q], TENANT)
         if served is not None:
             served.append(-1 if h is None else int(h.value))
@@ -603,4 +640,4 @@ def headroom(hit_rate: float, exact_hit_rate: float, oracle_hit_rate: float) -> 
 
 __all__ = ["CalibrateConfig", "Encoded", "calibrate", "choose_path", "encode_pool", "headroom", "measure",
            "offline_counts", "offline_paths", "payload_cosines", "pool_and_stream", "radius_sweeps", "replay_cache",
-           "run_calibrate", "split_stream", "unit_counts", "walk"]
+           "run_calibrate", "settle", "split_stream", "unit_counts", "walk"]
