@@ -52,7 +52,8 @@ from ushash.data.extract import (check_bad_rows, collate_list, decode_workers, e
                                  failure_of, failure_records, modality_counts, prepare, reuse, skipped)
 from ushash.data.rows import Row, check_unique
 from ushash.data.store import (FP32, FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision, identity_path,
-                               open_split, partial_path, rows_fingerprint, store_identity, store_lock, write_split)
+                               open_split, packed_parts, partial_path, rows_fingerprint, store_identity, store_lock,
+                               write_split)
 
 SHARD_ROWS = 10_000  # rows per hash shard when the shard count is automatic
 HF_CHUNK = 10_000    # indices of a Hugging Face dataset per stream unit
@@ -61,23 +62,9 @@ END = -1             # position of the end-of-unit marker in a stream
 
 # ------------------------------------------------------------------------------------ packed sources
 def packed_source(row: Row) -> tuple[str, str] | None:
-    """(container, member) for a row whose media lives inside a container, else None.
-
-    `tar:/data/cc3m/train/00012.tar#000120034.jpg` -> ("tar:/data/cc3m/train/00012.tar", "000120034.jpg")
-    `hf:/data/coco_hf#test/17/image`               -> ("hf:/data/coco_hf#test", "17/image")
-    Captions are never packed (a caption may start with "tar:").
-    """
-    if row.modality == "text":
-        return None
-    s = row.source
-    if s.startswith("tar:") and "#" in s:
-        c, _, m = s.rpartition("#")
-        return c, m
-    if s.startswith("hf:") and s.count("#") >= 1:
-        c, _, m = s.rpartition("/")  # hf:<dir>#<split>/<index>/<column>: container keeps <split>
-        c2, _, idx = c.rpartition("/")
-        return c2, f"{idx}/{m}"
-    return None
+    """(container, member) for a row whose media lives inside a container (`store.packed_parts`), else None.
+    Captions are never packed (a caption may start with "tar:")."""
+    return None if row.modality == "text" else packed_parts(row.source)
 
 
 def needs_shards(rows: list[Row]) -> bool:

@@ -162,15 +162,32 @@ def _source_key(row, sizes: dict) -> str:
     return f"{src}\0{sizes[path]}"
 
 
-def container_path(source: str) -> str | None:
-    """The file or folder a packed source lives in (`tar:<file>#<member>`, `hf:<dataset dir>#<split>/<index>/
-    <column>`), or None for a plain path. Split at the last '#' (and, for hf:, before the split): a '#' in the
-    path itself (`/data/cc3m#v1/00000.tar`) belongs to the path."""
+def packed_parts(source: str) -> tuple[str, str] | None:
+    """(container, member) of a source inside a container, or None for a plain path:
+
+    `tar:/data/cc3m/train/00012.tar#000120034.jpg` -> ("tar:/data/cc3m/train/00012.tar", "000120034.jpg")
+    `hf:/data/coco_hf#test/17/image`               -> ("hf:/data/coco_hf#test", "17/image")
+
+    Split at the last '#' (for hf:, at the last two '/'): a '#' in the path itself (`/data/cc3m#v1/...`)
+    belongs to the path."""
     if source.startswith("tar:") and "#" in source:
-        return source[4:].rpartition("#")[0]
+        c, _, m = source.rpartition("#")
+        return c, m
     if source.startswith("hf:") and "#" in source:
-        return source[3:].rpartition("/")[0].rpartition("/")[0].rpartition("#")[0]
+        c, _, col = source.rpartition("/")   # hf:<dir>#<split>/<index>/<column>: the container keeps <split>
+        c, _, idx = c.rpartition("/")
+        return c, f"{idx}/{col}"
     return None
+
+
+def container_path(source: str) -> str | None:
+    """The file or folder a packed source lives in (`packed_parts`' container less its scheme, and for hf:
+    less its split), or None for a plain path."""
+    parts = packed_parts(source)
+    if parts is None:
+        return None
+    container = parts[0]
+    return container[4:] if container.startswith("tar:") else container[3:].rpartition("#")[0]
 
 
 def _folder_key(path: str) -> str:

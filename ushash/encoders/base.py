@@ -38,7 +38,6 @@ ENCODERS = Registry("encoder", "ushash/encoders")
 RUNTIME_ARGS = ("device", "amp")
 
 
-
 def autocast_precision(amp: bool, device: str | torch.device) -> str:
     """The precision an encoder with `amp` computes at on `device`: FP16_AUTOCAST with `amp` on CUDA (what
     `Encoder._autocast` runs under), else FP32. Its features differ from fp32 ones in the low bits, so a
