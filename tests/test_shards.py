@@ -261,3 +261,19 @@ def test_stream_failures_carry_codes_and_match_file_failures(tmp_path, encoder):
                                                 r"'unreadable container'\]"):
         shards.extract_sharded(rows, encoder, tmp_path / "feat2", "toy", "train", accelerator="cpu", batch_size=2,
                                num_workers=0, progress=False)
+
+
+def test_a_dataset_cell_is_read_by_its_container_with_or_without_a_chunk(tmp_path):
+    """A reused store's check reads a packed row by its own container (`packed_source`: hf:<dir>#<split>);
+    only stream units carried the @<chunk> suffix read_container expected, so the check read nothing there."""
+    import datasets
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(png, "PNG")
+    feats = datasets.Features({"image": datasets.Image(), "cocoid": datasets.Value("int64")})
+    ds = datasets.Dataset.from_list([{"image": {"bytes": png.getvalue(), "path": None}, "cocoid": 7}], features=feats)
+    datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "d@1"))
+    row = Row("image", "7", "7", f"hf:{tmp_path / 'd@1'}#test/0/image")
+    container, member = shards.packed_source(row)
+    for c in (container, container + "@0"):
+        assert [(m, data) for m, data in shards.read_container(c, {member: 0})] == [(member, png.getvalue())]

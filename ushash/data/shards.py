@@ -404,7 +404,9 @@ def read_container(container: str, want: dict[str, int]):
     elif scheme == "hf":
         from ushash.data.datasets.hf import open_dataset  # decoding a dataset's own format
 
-        path, _, split = rest.rpartition("@")[0].rpartition("#")
+        # hf:<dir>#<split>, with @<chunk> after the split in a stream unit's name
+        split_part = rest.rpartition("#")[2]
+        path, _, split = (rest.rpartition("@")[0] if "@" in split_part else rest).rpartition("#")
         ds = open_dataset(path, split)
         cols: dict[str, object] = {}
         for member in sorted(want, key=lambda s: int(s.split("/", 1)[0])):
