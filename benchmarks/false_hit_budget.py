@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ushash.serving.artifact import load_export  # noqa: E402
-from ushash.serving.calibration import CalibrationSettings  # noqa: E402
+from ushash.serving.calibration import UNIT_NAMES, CalibrationSettings  # noqa: E402
 from ushash.sim.calibrate import calibrate, measure, pool_and_stream  # noqa: E402
 
 
@@ -96,10 +96,11 @@ def markdown(results: list[dict], meta: dict, detail=None) -> str:
                       f"distinct (request, entry) pairs and request items (certifying {b} with no false one takes "
                       f"{info.get('min_trials', '?')} of them):", "", x["table"]]
             choice = info.get("path_choice")
+            unit = UNIT_NAMES.get(info.get("settings", {}).get("count", "hits"))
             if choice:
                 lines += ["", "Path chosen on the path half: " + "; ".join(
                     f"{k}: {c['path']} (ends at radius {c['point'][0]}, threshold {c['point'][1]:.2f}, "
-                    f"{c['learn_hits']} hits)" for k, c in sorted(choice.items())) + "."]
+                    f"{c['learn_hits']} {unit})" for k, c in sorted(choice.items())) + "."]
             t = x["test"]["pairs"]
             lines += ["", f"{r['dataset']}, budget {b}, measured on test ({r['test_requests']} requests):", "",
                       "| pair | hits | false hits (95 % upper) | distinct pairs: false / n (upper) | items: false / n (upper) |",

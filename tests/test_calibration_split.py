@@ -135,6 +135,22 @@ def test_split_calibration_reports_the_test_halfs_evidence_alone():
     assert "items: false / n (upper)" in cal.table()
 
 
+def test_a_calibration_in_distinct_pairs_says_so():
+    """Under count: distinct a point's hits are distinct (request, entry) pairs: its table, its file and the
+    unit it reports name them so, and a calibration in hits reads as before."""
+    head = LSHHead({"text": 24}, bits=64, dim=32, aligned=True, seed=0)
+    point = PairPoint(True, 3, 0.9, hits=40, false_hits=0, upper=0.072)
+    cal = Calibration(head.revision, 0.1, 0.95, {"text>text": point},
+                      {"settings": {"count": "distinct"}})
+    assert cal.unit == "distinct"
+    assert "| distinct (request, entry) pairs | false distinct (request, entry) pairs |" in cal.table()
+    assert cal.to_dict()["rate"].startswith("false distinct (request, entry) pairs / distinct")
+    plain = Calibration(head.revision, 0.1, 0.95, {"text>text": point})
+    assert plain.unit == "hits" and "| hits | false hits | rate |" in plain.table()
+    assert plain.to_dict()["rate"] == "false hits / hits of the pair, on the calibration stream"
+    assert Calibration.from_dict(cal.to_dict()).unit == "distinct"
+
+
 def test_settings_refuse_unknown_paths_and_units():
     with pytest.raises(ValueError, match="path"):
         CalibrationSettings(path="best")

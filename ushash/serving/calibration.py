@@ -189,7 +189,8 @@ class PairPoint:
     on: bool
     radius: int = 0
     threshold: float = 1.0
-    hits: int = 0                     # hits this pair served on the calibration stream at this point
+    hits: int = 0                     # hits this pair served on the calibration stream at this point, counted
+                                      # in the calibration's unit (Calibration.unit; false_hits, upper too)
     false_hits: int = 0
     upper: float = 1.0                # one-sided upper confidence bound of false_hits / hits
     reason: str = ""                  # why a pair is off
@@ -200,6 +201,9 @@ class PairPoint:
     @property
     def rate(self) -> float:
         return self.false_hits / self.hits if self.hits else 0.0
+
+
+UNIT_NAMES = {"hits": "hits", "distinct": "distinct (request, entry) pairs", "items": "request items"}
 
 
 @dataclass
@@ -219,6 +223,16 @@ class Calibration:
         """The radius the tiers search: the largest of the pairs that are on (0 when none is)."""
         return max([p.radius for p in self.pairs.values() if p.on] or [0])
 
+    @property
+    def unit(self) -> str:
+        """What each point's hits, false_hits and upper count (`CalibrationSettings.count`): "hits" (every
+        hit), "distinct" ((request, served entry) pairs) or "items" (request items)."""
+        return str((self.info.get("settings") or {}).get("count", "hits"))
+
+    @property
+    def unit_name(self) -> str:
+        return UNIT_NAMES.get(self.unit, self.unit)
+
     def check_head(self, head) -> None:
         """Refuse a calibration made for another head (its points say nothing about other codes)."""
         revs = {str(getattr(head, "revision", "")), str(getattr(head, "base_revision", ""))}
@@ -229,7 +243,7 @@ class Calibration:
     def to_dict(self) -> dict:
         return {"format": FORMAT, "format_version": FORMAT_VERSION, "revision": self.revision,
                 "target_false_hit_rate": self.target_false_hit_rate, "confidence": self.confidence,
-                "rate": "false hits / hits of the pair, on the calibration stream",
+                "rate": f"false {self.unit_name} / {self.unit_name} of the pair, on the calibration stream",
                 "bound": "one-sided Clopper-Pearson upper bound; points by fixed-sequence testing",
                 "pairs": {k: dataclasses.asdict(v) for k, v in sorted(self.pairs.items())}, "info": self.info}
 
@@ -264,7 +278,8 @@ class Calibration:
 
     def table(self) -> str:
         units = [u for u in ("distinct", "items") if any(u in p.units for p in self.pairs.values())]
-        lines = ["| pair | status | radius | payload threshold | hits | false hits | rate | upper bound |"
+        n = self.unit_name
+        lines = [f"| pair | status | radius | payload threshold | {n} | false {n} | rate | upper bound |"
                  + "".join(f" {u}: false / n (upper) |" for u in units),
                  "|---|---|---|---|---|---|---|---|" + "---|" * len(units)]
         for k, p in sorted(self.pairs.items()):
