@@ -123,7 +123,7 @@ def test_a_dataset_folder_saved_again_over_the_same_files_gives_other_rows(tmp_p
 def test_a_tar_in_a_folder_whose_name_holds_a_hash_is_tracked(tmp_path):
     """The tar's path was cut at the first '#', so /data/cc3m#v1/00000.tar was looked up as /data/cc3m
     ("missing"): the tar rewritten with other images kept the fingerprint and its old features."""
-    from ushash.data.store import container_path, rows_fingerprint
+    from ushash.data.store import container_file, container_path, rows_fingerprint
 
     tar = tmp_path / "cc3m#v1" / "00000.tar"
     tar.parent.mkdir()
@@ -132,6 +132,8 @@ def test_a_tar_in_a_folder_whose_name_holds_a_hash_is_tracked(tmp_path):
     assert container_path(rows[0].source) == str(tar)
     assert container_path(f"hf:{tmp_path / 'd#1'}#test/7/image") == str(tmp_path / "d#1")
     assert container_path(str(tar)) is None
+    assert container_file(f"hf:{tmp_path / 'd#1'}#test@3") == str(tmp_path / "d#1")
+    assert container_file(f"tar:{tar}") == str(tar)
     before = rows_fingerprint(rows)
     tar.write_bytes(b"tar, version 2 with other images")
     assert rows_fingerprint(rows) != before

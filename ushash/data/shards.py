@@ -51,9 +51,9 @@ from ushash.data import media
 from ushash.data.extract import (check_bad_rows, collate_list, decode_workers, encode_batch, extract, failure,
                                  failure_of, failure_records, modality_counts, prepare, reuse, skipped)
 from ushash.data.rows import Row, check_unique
-from ushash.data.store import (FP32, FeatureSplit, FeatureStoreError, encoder_meta, encoder_precision, identity_path,
-                               open_split, packed_parts, partial_path, rows_fingerprint, store_identity, store_lock,
-                               write_split)
+from ushash.data.store import (FP32, FeatureSplit, FeatureStoreError, container_file, encoder_meta, encoder_precision,
+                               identity_path, open_split, packed_parts, partial_path, rows_fingerprint, store_identity,
+                               store_lock, write_split)
 
 SHARD_ROWS = 10_000  # rows per hash shard when the shard count is automatic
 HF_CHUNK = 10_000    # indices of a Hugging Face dataset per stream unit
@@ -150,7 +150,7 @@ class Plan:
                 units += [Unit(f"{m}-{k:05d}-of-{n:05d}", m, b) for k, b in enumerate(buckets) if b]
             for container, items in packed.items():
                 tag = hashlib.blake2b(container.encode(), digest_size=5).hexdigest()
-                stem = Path(container.split("#", 1)[0].split(":", 1)[1]).name.split(".")[0][:40]
+                stem = Path(container_file(container)).name.split(".")[0][:40]
                 units.append(Unit(f"{m}-stream-{stem}-{tag}", m, [r for r, _ in items], container,
                                   [mb for _, mb in items]))
         self.units = sorted(units, key=lambda u: u.name)

@@ -184,9 +184,12 @@ def container_path(source: str) -> str | None:
     """The file or folder a packed source lives in (`packed_parts`' container less its scheme, and for hf:
     less its split), or None for a plain path."""
     parts = packed_parts(source)
-    if parts is None:
-        return None
-    container = parts[0]
+    return None if parts is None else container_file(parts[0])
+
+
+def container_file(container: str) -> str:
+    """The file or folder of a container (`packed_parts`' first part, an hf: one with or without its
+    `@chunk`): less its scheme, and for hf: less its split."""
     return container[4:] if container.startswith("tar:") else container[3:].rpartition("#")[0]
 
 
