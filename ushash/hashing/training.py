@@ -1,4 +1,4 @@
-"""python -m ushash.train data=tuxpaint encoder=offline bits=64 trainer.max_epochs=30 [method=pairwise]
+"""python -m ushash.train data=tuxpaint encoder=offline bits=64 trainer.max_epochs=40 [method=pairwise]
 
 Trains US-HASH heads on cached features (extracting them first if needed). With model.init=gcca (the
 default) the heads start from the closed-form shared space chosen on the validation split and the ITQ
