@@ -399,6 +399,38 @@ def test_the_model_service_bounds_an_image_before_decoding_it():
     assert r.status_code == 400 and "max_aspect" in r.json()["error"], r.text
 
 
+def test_the_model_service_refuses_other_formats_and_deep_bodies_with_a_400():
+    """An image format the cache does not decode (TIFF, EPS: Pillow would run Ghostscript for it) and a body
+    nested past the interpreter's limit are 400s naming the problem, not a decode and a 500."""
+    import io
+    import types
+
+    from PIL import Image
+
+    from ushash.serving.model_service import Classifier, create_model_app
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "TIFF")
+    app = create_model_app(lambda data: Classifier.__call__(types.SimpleNamespace(), data))
+    client = TestClient(app)
+    r = client.post("/v1/chat/completions", json=chat("what is this", buf.getvalue()))
+    assert r.status_code == 400 and "cannot identify image" in r.json()["error"], r.text
+    for body in (b"[" * 200_000, b"[" * 5000 + b"]" * 5000):
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json() == {"error": "the body is not JSON"}, r.text
+
+
+def test_integers_beyond_64_bits_key_the_request_as_they_are(setup):
+    """orjson reads 2**64 and 2**64 + 1 as the same float: two requests differing only in such a seed were
+    one entry. The body is read as json.loads reads it, so each is its own."""
+    client, up, _ = setup
+    for seed, cached in ((2**64, "miss"), (2**64 + 1, "miss"), (2**64 + 1, "hit"), (2**64, "hit")):
+        raw = b'{"model":"m1","seed":%d,"messages":[{"role":"user","content":"a poem about frogs"}]}' % seed
+        r = client.post("/v1/chat/completions", content=raw, headers=H(**{"content-type": "application/json"}))
+        assert r.headers["x-cache"] == cached, (seed, cached)
+    assert [c[1]["seed"] for c in up.calls] == [2**64, 2**64 + 1]
+
+
 @pytest.mark.parametrize("kw", [{"max_body_bytes": 0}, {"max_json_values": -1}, {"max_answer_bytes": True},
                                 {"max_json_values": 2.5}])
 def test_proxy_bounds_are_checked_when_the_app_is_made(kw):
