@@ -146,3 +146,18 @@ def test_the_shape_of_a_prompt_keys_it_where_an_image_stands_is_never_ignored():
     digests = {parse_prompt('[{"kwargs": {"content": [%s]}}]' % (img % (png, d)).replace("image/png", t))[2]
                for d in ("low", "high") for t in ("image/png", "image/jpeg")}
     assert len(digests) == 4 and None not in digests
+
+
+def test_a_prompt_the_cache_cannot_key_is_a_miss_and_not_stored(lc_cache):
+    """A text over the encoder's window (or its length limit) is the cache's RequestError: to LangChain a miss
+    whose answer is not stored, not an error in the model call."""
+    from ushash.serving.cache import RequestError
+
+    def refuse(*a, **k):
+        raise RequestError("text of 300 tokens is over the text encoder's window of 256")
+
+    lc_cache.featurize = None
+    lc_cache.cache.query = refuse   # as the export's encoder refuses it
+    llm = FakeListChatModel(responses=["first", "second"], cache=lc_cache)
+    assert [llm.invoke("a very long prompt").content for _ in range(2)] == ["first", "second"]
+    assert len(lc_cache.cache) == 0

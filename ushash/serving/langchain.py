@@ -25,6 +25,7 @@ from langchain_core.load import dumps, loads
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
 
+from ushash.serving.cache import RequestError
 from ushash.serving.messages import content_form, decode_data_url, images_digest, json_digest, read_content
 
 _ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGenerationChunk]
@@ -94,7 +95,10 @@ class USHashLangChainCache(BaseCache):
         if req is None:
             return None
         modality, data, feats, meta = req
-        hits = self.cache.check(data, modality, features=feats, filters=meta, tenant=self.tenant)
+        try:
+            hits = self.cache.check(data, modality, features=feats, filters=meta, tenant=self.tenant)
+        except RequestError:   # what the cache cannot key (a text over its encoder's window, ...): a miss
+            return None
         if not hits:
             return None
         try:
@@ -108,7 +112,10 @@ class USHashLangChainCache(BaseCache):
         if req is None:
             return
         modality, data, feats, meta = req
-        self.cache.store(data, dumps(list(return_val)), modality, features=feats, metadata=meta, tenant=self.tenant)
+        try:
+            self.cache.store(data, dumps(list(return_val)), modality, features=feats, metadata=meta, tenant=self.tenant)
+        except RequestError:   # not stored, as it was not looked up
+            return
 
     def clear(self, **kwargs: Any) -> None:
         """Drop this tenant's L1 entries."""

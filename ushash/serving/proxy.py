@@ -9,7 +9,8 @@ looked up by the image, its text an exact metadata filter; otherwise by its text
 it cannot key by (an image that is not a base64 data URL, a part of another type, a text that is not a
 string, over 256 messages or parts) is passed through (`X-Cache: bypass`): keyed by the rest, it could be
 served another's answer. So is one the cache cannot encode (an image over its pixel limit or undecodable,
-a text over its length limit) or store (a lone surrogate escape in its text or `model`): the upstream
+a text over its length limit or its encoder's token window) or store (a lone surrogate escape in its text or
+`model`): the upstream
 answers or refuses it as it would without the proxy, and nothing is stored.
 The body's `model`, the URL path and query string (as they came, forwarded so too), `stream`, the
 gateway's `X-Model-Revision` header (every line of it) and everything else in the body (`request_params`:
@@ -401,8 +402,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         try:
             q, hits, spent = await workers.run(lookup, modality, data, None if no_cache else meta, tenant)
         except RequestError as e:
-            # what the cache cannot key (media over its limits or undecodable, text over its length) is the
-            # model's to answer or refuse, not the proxy's: passed through, never stored
+            # what the cache cannot key (media over its limits or undecodable, text over its length or token
+            # window) is the model's to answer or refuse, not the proxy's: passed through, never stored
             log.debug("bypass: %s", e)
             return await passthrough()
         except UnknownTenant as e:
