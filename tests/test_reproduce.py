@@ -322,6 +322,20 @@ def test_the_committed_stamps_describe_the_committed_results():
     assert not problems, "\n".join(problems) + f"\nrerun: ./run reproduce {' '.join(steps)}"
 
 
+def test_every_result_a_stamp_names_is_committed():
+    """A stamp's outputs are what publish reads: one left untracked is on the disk that made it and missing
+    from every clone, where publish drops what it would have shown."""
+    import subprocess
+
+    named = sorted({f for stamp in (ROOT / "experiments" / "reproduce").glob("*.json")
+                    for f in (json.loads(stamp.read_text()).get("outputs") or {})})
+    if not (ROOT / ".git").exists():
+        return   # not a checkout: nothing to compare with
+    tracked = set(subprocess.run(["git", "ls-files", "-z", "--", *named], cwd=ROOT, capture_output=True,
+                                 check=True).stdout.decode().split("\0"))
+    assert [f for f in named if f not in tracked] == []
+
+
 def test_a_variant_steps_results_are_its_variant_folders():
     from ushash.evaluation.sweep import variant_dir
 
