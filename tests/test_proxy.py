@@ -261,6 +261,30 @@ def test_cache_control_reads_every_header_line_and_whole_directives(setup):
     assert r.headers["x-cache"] == "bypass"
 
 
+@pytest.mark.parametrize("headers,stored", [({}, True), ({"cache-control": "max-age=60"}, True),
+                                            ({"cache-control": "private, max-age=60"}, False),
+                                            ({"cache-control": "No-Store"}, False), ({"cache-control": "no-cache"}, False),
+                                            ({"vary": "Accept-Encoding"}, True), ({"vary": "Accept-Language"}, False),
+                                            ({"vary": "*"}, False)])
+def test_an_answer_the_upstream_marks_unshareable_is_relayed_not_stored(headers, stored):
+    """A user's private answer (Cache-Control: private) or one that varies on a request header the proxy does
+    not key by (Vary: Accept-Language) was stored and served to the next request that looked the same."""
+    head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=24, aligned=True, seed=0)
+    cache = SemanticCache(head, {"radius": 4, "payload_threshold": 0.9, "cross_modal": False})
+    cache.query = lambda m, data=None, features=None: cache.encoder(m, None, _feats(m, data))
+    calls = []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"answer": len(calls)}, headers=headers)
+
+    client = TestClient(create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(up)))
+    first = client.post("/v1/chat/completions", json=chat("my account balance"))
+    assert first.json() == {"answer": 1} and first.headers["x-cache"] == "miss"
+    again = client.post("/v1/chat/completions", json=chat("my account balance"))
+    assert again.headers["x-cache"] == ("hit" if stored else "miss") and len(calls) == (1 if stored else 2)
+
+
 def test_every_x_model_revision_line_keys_the_request(setup):
     """A request sending two revisions (the upstream may read either) is not served, nor stored, as the first."""
     client, up, _ = setup

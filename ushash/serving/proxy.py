@@ -19,7 +19,9 @@ order, an image's media type and detail, ...) are exact filters too: an answer o
 endpoint, revision or setting is never served. A hit is answered from the cache (a streamed answer
 replayed as it was streamed); a miss is forwarded, streamed through as it arrives, and a 200 answer of at
 most `max_answer_bytes` is stored (a longer one is relayed as it arrives, never held whole; a store that
-fails is logged, and the answer still sent). `Cache-Control: no-cache` skips
+fails is logged, and the answer still sent), unless its own headers forbid a shared cache to keep it
+(`Cache-Control: no-store`, `private` or `no-cache`, or a `Vary` on request headers other than
+Accept-Encoding: `answer_storable`). `Cache-Control: no-cache` skips
 the lookup (the fresh answer is stored), `no-store` skips storing (the directives of every Cache-Control
 line). `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
 encoding the request, the search and the check) and, on a forwarded request, the upstream
@@ -184,6 +186,17 @@ def cache_directives(lines: list[str]) -> set[str]:
     comma-separated list of `name` or `name=value` (RFC 9111), so `no-store` in a second line counts and
     `x-no-store-hint` is not `no-store`."""
     return {d.split("=", 1)[0].strip().lower() for line in lines for d in line.split(",")}
+
+
+def answer_storable(headers) -> bool:
+    """Whether a shared cache may keep an upstream answer (RFC 9111): not one its Cache-Control marks
+    `no-store`, `private` (one user's) or `no-cache` (every reuse revalidated, which the proxy cannot do),
+    nor one whose `Vary` names request headers the proxy does not key by (any but Accept-Encoding: the
+    proxy keeps the decoded body), as `Vary: Accept-Language` or `*`."""
+    if cache_directives(headers.get_list("cache-control")) & {"no-store", "private", "no-cache"}:
+        return False
+    vary = {v.strip().lower() for line in headers.get_list("vary") for v in line.split(",")}
+    return not (vary - {"", "accept-encoding"})
 
 
 def request_params(body: dict, text_path: str | None = None, image_path: str | None = None) -> Optional[str]:
@@ -458,7 +471,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         chunks = up.aiter_bytes()   # decoded: content-encoding is not copied
 
         async def keep(body: bytes):
-            if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
+            if key is None or up.status_code != 200 or len(body) > max_answer_bytes or not answer_storable(up.headers):
                 return
             try:
                 text = body.decode()
@@ -560,4 +573,4 @@ def run_proxy(cfg) -> None:
                 http=connection.PROTOCOL, **connection.SERVER_OPTIONS)
 
 
-__all__ = ["Extracted", "ProxyConfig", "build", "create_proxy_app", "extract_request", "run_proxy"]
+__all__ = ["Extracted", "ProxyConfig", "answer_storable", "build", "create_proxy_app", "extract_request", "run_proxy"]
