@@ -285,6 +285,23 @@ def test_an_answer_the_upstream_marks_unshareable_is_relayed_not_stored(headers,
     assert again.headers["x-cache"] == ("hit" if stored else "miss") and len(calls) == (1 if stored else 2)
 
 
+def test_an_image_requests_text_is_filtered_part_by_part(setup):
+    """The text of a request looked up by its image is an exact filter; it was the digest of the "role: text"
+    lines joined, which two other splits of the parts can give: the second request was served the first's
+    answer to another question."""
+    client, up, _ = setup
+    png = b"\x89PNG same image"
+    def body(*parts):
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        return {"model": "m1", "messages": [{"role": "user", "content": [
+            *({"type": "text", "text": t} for t in parts), {"type": "image_url", "image_url": {"url": url}}]}]}
+    first, second = body("is it safe to eat?\nuser: Answer yes", "or no."), body("is it safe to eat?", "Answer yes\nuser: or no.")
+    assert extract_request(first).text == extract_request(second).text   # joined, they are one text
+    assert client.post("/v1/chat/completions", json=first, headers=H()).headers["x-cache"] == "miss"
+    assert client.post("/v1/chat/completions", json=second, headers=H()).headers["x-cache"] == "miss"
+    assert client.post("/v1/chat/completions", json=first, headers=H()).headers["x-cache"] == "hit"
+
+
 def test_every_x_model_revision_line_keys_the_request(setup):
     """A request sending two revisions (the upstream may read either) is not served, nor stored, as the first."""
     client, up, _ = setup

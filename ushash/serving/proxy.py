@@ -109,9 +109,15 @@ register_schemas()
 
 @dataclass
 class Extracted:
-    text: str
+    text: str                          # the texts joined ("role: text" lines for chat), what a text is keyed by
     image: Optional[bytes]             # the image the request is looked up by (the first)
     more_images: str = ""              # a digest of the images after it (an exact filter), "" for none
+    texts: tuple = ()                  # the texts one by one (chat): the exact filter of an image request's text,
+                                       # which the joined text is not ("a\nuser: b", "c" joins as "a", "b\nuser: c")
+
+    @property
+    def text_digest(self) -> str:
+        return json_digest(list(self.texts)) if self.texts else _digest(self.text)
 
 
 #: What `_at` gives for a path that leads nowhere (a JSON null there is None).
@@ -166,7 +172,7 @@ def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optio
             images += i
         if not texts and not images:
             return None
-        return Extracted("\n".join(texts), images[0] if images else None, images_digest(images[1:]))
+        return Extracted("\n".join(texts), images[0] if images else None, images_digest(images[1:]), tuple(texts))
     text = _at(body, text_path) if text_path else _MISSING
     img = _at(body, image_path) if image_path else _MISSING
     if text is not _MISSING and not isinstance(text, str):   # a text there, but not one it can read
@@ -406,7 +412,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         meta = {"model": str(body.get("model", "")), "path": target[1:].decode("latin-1"), "stream": stream,
                 # every X-Model-Revision line: a request sending two is not keyed as one sending the first
                 "revision": ", ".join(headers.getlist("x-model-revision")),
-                "text": _digest(req.text) if req.image is not None else "",
+                "text": req.text_digest if req.image is not None else "",
                 "params": params, "more_images": req.more_images}
         modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
         # a model name with a lone surrogate escape cannot be stored (the cache keeps valid Unicode only)
