@@ -97,6 +97,28 @@ def test_a_calibration_of_another_head_is_refused(head):
         SemanticCache(other, {}, calibration=_cal(head, {}))
 
 
+def test_a_calibration_without_a_revision_is_refused(head):
+    """No head has an empty revision: a calibration naming none was accepted for every head."""
+    with pytest.raises(ValueError, match="recalibrate"):
+        SemanticCache(head, {}, calibration=Calibration("", 0.01, 0.95, {}))
+    with pytest.raises(ValueError, match="revision must be"):
+        Calibration.from_dict({**_cal(head, {}).to_dict(), "revision": ""})
+
+
+@pytest.mark.parametrize("field,value", [("on", "false"), ("on", 0), ("radius", -1), ("radius", 2.5),
+                                         ("radius", True), ("threshold", "0.9"), ("threshold", float("nan")),
+                                         ("threshold", 1.5), ("hits", -3), ("upper", 2.0), ("reason", 7)])
+def test_a_calibration_files_points_are_read_as_what_they_say(head, field, value):
+    """A hand-edited file whose "on" is the string "false" turned its pair on (a true string): every field of
+    a point is checked for its type and range when the file is read."""
+    d = _cal(head, {"text>image": PairPoint(False, reason="cross-modal off")}).to_dict()
+    d["pairs"]["text>image"][field] = value
+    with pytest.raises(ValueError, match=f"calibration pair text>image: {field} must be"):
+        Calibration.from_dict(d)
+    ok = _cal(head, {"text>image": PairPoint(True, 3, 0.9, 400, 1, 0.012)}).to_dict()
+    assert Calibration.from_dict(ok).pairs["text>image"] == PairPoint(True, 3, 0.9, 400, 1, 0.012)
+
+
 def test_warm_up_loads_the_shadow_checks_bound_only_with_shadow_checks_on(head, monkeypatch):
     """The first bound loads scipy.stats (~0.6 s); warm_up pays it before serving where shadow checks will
     compute bounds (inside the monitor's lock), and not where none will."""

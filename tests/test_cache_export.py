@@ -77,6 +77,41 @@ def test_bad_media_is_refused_with_a_clear_message(export_dir):
         cache.get("text", "   ")
 
 
+def test_a_text_over_the_encoders_window_is_refused_not_cut(export_dir):
+    """The tiny encoder reads 64 tokens: two texts that share their first 64 words would get one code, and a
+    question after a long system prompt would be served the first question's answer. A text over the window
+    is refused (the proxy passes such a request through); one at it is keyed as before."""
+    cache = SemanticCache.from_export(export_dir, {})
+    enc = cache.encoder.encoder()
+    assert enc.text_tokens("a red fox") == (3, 64)
+    prompt = " ".join(f"rule{i}" for i in range(58))
+    assert enc.text_tokens(prompt + " what is the capital of france") == (64, 64)
+    cache.put("text", prompt + " what is the capital of france", value="paris")
+    assert cache.get("text", prompt + " what is the capital of france").value == "paris"
+    with pytest.raises(RequestError, match="text of 65 tokens is over the text encoder's window of 64"):
+        cache.get("text", prompt + " how do i delete all my files")
+
+
+def test_hugging_face_tokenizers_count_what_they_would_cut():
+    """HFTokenizer counts a text's tokens before its cut to max_length (special tokens included), without
+    the tokenizer's warning about a sequence over the model's length."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    from ushash.encoders.tokenizing import HFTokenizer
+
+    model = tokenizers.models.WordLevel({"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "[PAD]": 3, "a": 4, "fox": 5},
+                                        unk_token="[UNK]")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                                  special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", model_max_length=8)
+    t = HFTokenizer(hf, max_length=8)
+    assert t.n_tokens("a fox") == 4 and t.n_tokens("a fox " * 10) == 22
+    assert t(["a fox " * 10])["input_ids"].shape == (1, 8)
+
+
 def test_export_expectations_are_checked(export_dir):
     from ushash.serving.artifact import IncompatibleExport
 

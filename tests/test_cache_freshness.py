@@ -83,6 +83,45 @@ def test_a_query_encoded_before_a_reload_is_neither_stored_nor_served():
     assert cache.lookup(q_new, "t").value == "computed by rev-b" and cache.lookup(q_old, "t") is None
 
 
+@pytest.mark.parametrize("first,then", [(("rev-b", None), ("rev-a", None)),
+                                        (("rev-new", "2026-06-01T00:00:00Z"), ("rev-old", "2026-01-01T00:00:00Z"))])
+def test_a_rollback_without_an_l2_serves_the_head_it_reloads(first, then):
+    """Without an L2 the only newer revision a cache knows of is its own last head: reloading an older or
+    lower-ranked one (a rollback) left it stale for good, every get a miss and every put refused."""
+    cache = SemanticCache(_head(first[0], first[1], seed=0), {"radius": 3})
+    x = np.ones(16, np.float32)
+    cache.put("text", None, "old head's", features=x)
+    cache.reload(_head(then[0], then[1], seed=0))
+    assert cache.get("text", features=x) is None          # nothing of the old head
+    assert cache.put("text", None, "rolled back", features=x) and cache.watermark.current
+    assert cache.get("text", features=x).value == "rolled back"
+
+
+@pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
+def test_a_reload_onto_wider_points_searches_the_l2_as_far():
+    """The L2 store was kept across a reload with the old head's search radius: a replica reloaded onto a
+    calibration of radius 6 searched its L2 at 1 and missed entries a fresh replica serves."""
+    from ushash.serving.calibration import Calibration, PairPoint
+
+    srv = RedisServer()
+    try:
+        cfg = {"radius": 1, "payload_threshold": -1.0, "l2": {"url": srv.url, "watermark_check_s": 0.0}}
+        h1, h2 = _head("rev-a", "2026-01-01T00:00:00Z"), _head("rev-b", "2026-01-02T00:00:00Z")
+        cal = Calibration("rev-b", 0.05, 0.95, {"text>text": PairPoint(True, 6, -1.0)})
+        replica = SemanticCache(h1, cfg)
+        writer = SemanticCache(h2, cfg, calibration=cal)
+        code, z = np.zeros(8, np.uint8), np.ones(32, np.float32) / np.sqrt(32)
+        near = code.copy()
+        near[0] = 0b1111                                   # 4 bits from the query
+        assert writer.store(writer.query_from_code("text", near, z), "answer", "t")
+        replica.reload(h2, calibration=cal)
+        assert (replica.l1.radius, replica.l2.radius) == (6, 6)
+        hit = replica.lookup(replica.query_from_code("text", code, z), "t")
+        assert hit is not None and (hit.value, hit.tier) == ("answer", "l2")
+    finally:
+        srv.stop()
+
+
 @pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
 def test_reload_mid_stream_serves_no_stale_hit_over_redis_with_two_instances():
     srv = RedisServer()

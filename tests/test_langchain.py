@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("langchain_core")
+from langchain_core.load import dumps  # noqa: E402
 from langchain_core.language_models.fake_chat_models import FakeListChatModel, GenericFakeChatModel  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
 
@@ -69,6 +70,21 @@ def test_multimodal_messages_are_keyed_by_the_image_and_their_text(lc_cache):
     assert llm.invoke(msg("what is in this image", other)).content == "three"   # other image
 
 
+def test_an_image_prompts_text_is_filtered_part_by_part(lc_cache):
+    """The text of a prompt looked up by its image is an exact filter; it was the digest of the parts joined by
+    newlines, so parts "is it safe\nto eat", "raw?" and "is it safe", "to eat\nraw?" were one entry."""
+    png = base64.b64encode(b"\x89PNG pretend image bytes").decode()
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+
+    def msg(*texts):
+        return [HumanMessage(content=[*({"type": "text", "text": t} for t in texts), image])]
+    assert parse_prompt(dumps(msg("is it safe\nto eat", "raw?")))[0] == parse_prompt(dumps(msg("is it safe", "to eat\nraw?")))[0]
+    llm = GenericFakeChatModel(messages=iter([AIMessage("first"), AIMessage("second")]), cache=lc_cache)
+    assert llm.invoke(msg("is it safe\nto eat", "raw?")).content == "first"
+    assert llm.invoke(msg("is it safe", "to eat\nraw?")).content == "second"
+    assert llm.invoke(msg("is it safe\nto eat", "raw?")).content == "first"    # the same parts: a hit
+
+
 def test_async_lookup_and_update(lc_cache):
     llm = FakeListChatModel(responses=["async answer", "never"], cache=lc_cache)
 
@@ -84,7 +100,7 @@ def test_async_lookup_and_update(lc_cache):
 
 
 def test_prompt_parsing_is_bounded():
-    assert parse_prompt("plain llm prompt") == ("plain llm prompt", [], "")
+    assert parse_prompt("plain llm prompt")[:3] == ("plain llm prompt", [], "")
     assert decode_data_url("https://example.com/cat.png") is None
     assert decode_data_url("data:image/png;base64,!!!") is None
     assert decode_data_url("data:image/png;base64," + base64.b64encode(b"ok").decode()) == b"ok"
@@ -146,3 +162,18 @@ def test_the_shape_of_a_prompt_keys_it_where_an_image_stands_is_never_ignored():
     digests = {parse_prompt('[{"kwargs": {"content": [%s]}}]' % (img % (png, d)).replace("image/png", t))[2]
                for d in ("low", "high") for t in ("image/png", "image/jpeg")}
     assert len(digests) == 4 and None not in digests
+
+
+def test_a_prompt_the_cache_cannot_key_is_a_miss_and_not_stored(lc_cache):
+    """A text over the encoder's window (or its length limit) is the cache's RequestError: to LangChain a miss
+    whose answer is not stored, not an error in the model call."""
+    from ushash.serving.cache import RequestError
+
+    def refuse(*a, **k):
+        raise RequestError("text of 300 tokens is over the text encoder's window of 256")
+
+    lc_cache.featurize = None
+    lc_cache.cache.query = refuse   # as the export's encoder refuses it
+    llm = FakeListChatModel(responses=["first", "second"], cache=lc_cache)
+    assert [llm.invoke("a very long prompt").content for _ in range(2)] == ["first", "second"]
+    assert len(lc_cache.cache) == 0

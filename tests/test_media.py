@@ -507,6 +507,42 @@ def test_dataset_files_have_no_segment_limit(tmp_path):
         with pytest.raises(MediaError, match="max_image_segments"):
             media.load_image(f, limits=SERVICE)
     assert media.FILE_LIMITS.max_image_segments is None and "max_image_segments" not in decode_identity()
+    assert media.FILE_LIMITS.max_jpeg_scans is None and "max_jpeg_scans" not in decode_identity()
+
+
+def _progressive_with_scans(extra: int, side: int = 512) -> tuple[bytes, int]:
+    """A progressive JPEG of `side` x `side` with its last scan repeated `extra` times (each repeat one more
+    pass of the decoder over every block: a scan bomb), and the scans it then holds, counted by walking its
+    segments (a reference independent of the marker count)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 30, 200)).save(out, "JPEG", progressive=True, quality=90)
+    data, pos, scans, last = out.getvalue(), 2, 0, None
+    while data[pos + 1] != 0xD9:
+        start, marker = pos, data[pos + 1]
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker == 0xDA:   # the scan's entropy-coded data runs to the next marker that is not stuffing or RSTn
+            while not (data[pos] == 0xFF and data[pos + 1] != 0x00 and not 0xD0 <= data[pos + 1] <= 0xD7):
+                pos += 1
+            scans, last = scans + 1, data[start:pos]
+    return data[:pos] + last * extra + data[pos:], scans + extra
+
+
+def test_a_jpeg_of_too_many_scans_is_refused_before_decoding():
+    """A progressive JPEG's scans are counted on its bytes: one at the limit decodes, one over it is refused
+    (a 61 KB file of 2048 x 2048 pixels and 400 scans cost 1.3 s of CPU); data sets' files have no limit."""
+    plain, n = _progressive_with_scans(0)
+    assert 2 <= n <= SERVICE.max_jpeg_scans
+    media.decode_bytes("image", plain, None, limits=SERVICE)
+    bomb, n = _progressive_with_scans(60)
+    media.decode_bytes("image", bomb, None, limits=media.MediaLimits(max_jpeg_scans=n))
+    with pytest.raises(MediaError, match=f"JPEG of {n} scans is over max_jpeg_scans={n - 1}") as e:
+        media.decode_bytes("image", bomb, None, limits=media.MediaLimits(max_jpeg_scans=n - 1))
+    assert e.value.code == media.OVER_LIMIT
+    with pytest.raises(MediaError, match="max_jpeg_scans=32"):
+        media.decode_bytes("image", bomb, None, limits=SERVICE)
+    assert media.decode_bytes("image", bomb, None).size == (448, 448)   # FILE_LIMITS: no scan limit (reduced to decode_side)
 
 
 def test_a_file_is_counted_without_being_read_whole(tmp_path, monkeypatch):

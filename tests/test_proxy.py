@@ -261,6 +261,47 @@ def test_cache_control_reads_every_header_line_and_whole_directives(setup):
     assert r.headers["x-cache"] == "bypass"
 
 
+@pytest.mark.parametrize("headers,stored", [({}, True), ({"cache-control": "max-age=60"}, True),
+                                            ({"cache-control": "private, max-age=60"}, False),
+                                            ({"cache-control": "No-Store"}, False), ({"cache-control": "no-cache"}, False),
+                                            ({"vary": "Accept-Encoding"}, True), ({"vary": "Accept-Language"}, False),
+                                            ({"vary": "*"}, False)])
+def test_an_answer_the_upstream_marks_unshareable_is_relayed_not_stored(headers, stored):
+    """A user's private answer (Cache-Control: private) or one that varies on a request header the proxy does
+    not key by (Vary: Accept-Language) was stored and served to the next request that looked the same."""
+    head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=24, aligned=True, seed=0)
+    cache = SemanticCache(head, {"radius": 4, "payload_threshold": 0.9, "cross_modal": False})
+    cache.query = lambda m, data=None, features=None: cache.encoder(m, None, _feats(m, data))
+    calls = []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"answer": len(calls)}, headers=headers)
+
+    client = TestClient(create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(up)))
+    first = client.post("/v1/chat/completions", json=chat("my account balance"))
+    assert first.json() == {"answer": 1} and first.headers["x-cache"] == "miss"
+    again = client.post("/v1/chat/completions", json=chat("my account balance"))
+    assert again.headers["x-cache"] == ("hit" if stored else "miss") and len(calls) == (1 if stored else 2)
+
+
+def test_an_image_requests_text_is_filtered_part_by_part(setup):
+    """The text of a request looked up by its image is an exact filter; it was the digest of the "role: text"
+    lines joined, which two other splits of the parts can give: the second request was served the first's
+    answer to another question."""
+    client, up, _ = setup
+    png = b"\x89PNG same image"
+    def body(*parts):
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        return {"model": "m1", "messages": [{"role": "user", "content": [
+            *({"type": "text", "text": t} for t in parts), {"type": "image_url", "image_url": {"url": url}}]}]}
+    first, second = body("is it safe to eat?\nuser: Answer yes", "or no."), body("is it safe to eat?", "Answer yes\nuser: or no.")
+    assert extract_request(first).text == extract_request(second).text   # joined, they are one text
+    assert client.post("/v1/chat/completions", json=first, headers=H()).headers["x-cache"] == "miss"
+    assert client.post("/v1/chat/completions", json=second, headers=H()).headers["x-cache"] == "miss"
+    assert client.post("/v1/chat/completions", json=first, headers=H()).headers["x-cache"] == "hit"
+
+
 def test_every_x_model_revision_line_keys_the_request(setup):
     """A request sending two revisions (the upstream may read either) is not served, nor stored, as the first."""
     client, up, _ = setup
@@ -397,6 +438,38 @@ def test_the_model_service_bounds_an_image_before_decoding_it():
     Image.new("RGB", (6000, 1)).save(buf, "PNG")          # 97 bytes that the transform made 2.3 GB of
     r = TestClient(app).post("/v1/chat/completions", json=chat("what is this", buf.getvalue()))
     assert r.status_code == 400 and "max_aspect" in r.json()["error"], r.text
+
+
+def test_the_model_service_refuses_other_formats_and_deep_bodies_with_a_400():
+    """An image format the cache does not decode (TIFF, EPS: Pillow would run Ghostscript for it) and a body
+    nested past the interpreter's limit are 400s naming the problem, not a decode and a 500."""
+    import io
+    import types
+
+    from PIL import Image
+
+    from ushash.serving.model_service import Classifier, create_model_app
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "TIFF")
+    app = create_model_app(lambda data: Classifier.__call__(types.SimpleNamespace(), data))
+    client = TestClient(app)
+    r = client.post("/v1/chat/completions", json=chat("what is this", buf.getvalue()))
+    assert r.status_code == 400 and "cannot identify image" in r.json()["error"], r.text
+    for body in (b"[" * 200_000, b"[" * 5000 + b"]" * 5000):
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json() == {"error": "the body is not JSON"}, r.text
+
+
+def test_integers_beyond_64_bits_key_the_request_as_they_are(setup):
+    """orjson reads 2**64 and 2**64 + 1 as the same float: two requests differing only in such a seed were
+    one entry. The body is read as json.loads reads it, so each is its own."""
+    client, up, _ = setup
+    for seed, cached in ((2**64, "miss"), (2**64 + 1, "miss"), (2**64 + 1, "hit"), (2**64, "hit")):
+        raw = b'{"model":"m1","seed":%d,"messages":[{"role":"user","content":"a poem about frogs"}]}' % seed
+        r = client.post("/v1/chat/completions", content=raw, headers=H(**{"content-type": "application/json"}))
+        assert r.headers["x-cache"] == cached, (seed, cached)
+    assert [c[1]["seed"] for c in up.calls] == [2**64, 2**64 + 1]
 
 
 @pytest.mark.parametrize("kw", [{"max_body_bytes": 0}, {"max_json_values": -1}, {"max_answer_bytes": True},

@@ -49,6 +49,35 @@ def test_bars_table_says_met_or_missed_by_how_much(tmp_path, monkeypatch):
     assert r.bars_body() is None
 
 
+def test_the_64_bit_bars_on_another_machine_beside_the_published_ones(tmp_path, monkeypatch):
+    """rerun64's block: a row per run (the published experiment and its rerun), each with its stamp's machine
+    and its own verdicts, computed from the two results files."""
+    from ushash.evaluation.sweep import variant_dir
+
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "ABLATION_SETS", {"a": ("sweep_a64", "a-64b")})
+    exp = tmp_path / "experiments"
+    again = variant_dir(exp / "a-64b", r.RERUN64)
+    for folder, summ in ((exp / "a-64b", {"ushash": {64: (0.30, 0.50)}, "itq": {64: (0.25, 0.52)}, "float": {64: (0.32, 0.6)}}),
+                         (again, {"ushash": {64: (0.27, 0.53)}, "itq": {64: (0.25, 0.52)}, "float": {64: (0.32, 0.6)}})):
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({"summary": _summary(summ)}))
+    stamps = exp / "reproduce"
+    stamps.mkdir()
+    for step, cpu in (("sweep_a64", "Intel(R) Xeon(R) Processor"), ("rerun64_a", "AMD EPYC")):
+        (stamps / f"{step}.json").write_text(json.dumps({"command": f"python -m {step}", "date": "2026-12-06",
+                                                         "machine": f"2 x86_64 cores ({cpu}), no GPU", "wall_s": 60}))
+    rows = [line for line in r.rerun64_body().splitlines() if line.startswith("| a |")]
+    assert rows == [
+        "| a | published: Intel(R) Xeon(R) Processor, 2026-12-06 | 0.300 | 0.250 | +0.050 (met) | 0.320 | 0.94x (met) "
+        "| 0.500 vs 0.520 (missed) |",
+        "| a | rerun: AMD EPYC, 2026-12-06 | 0.270 | 0.250 | +0.020 (missed) | 0.320 | 0.84x (missed) "
+        "| 0.530 vs 0.520 (met) |"]
+    (stamps / "rerun64_a.json").unlink()   # no rerun: no block
+    assert r.rerun64_body() is None
+
+
 def test_cache_bars_table_is_computed_from_the_runs(tmp_path, monkeypatch):
     r = _reproduce()
     monkeypatch.setattr(r, "ROOT", tmp_path)
@@ -291,6 +320,20 @@ def test_the_committed_stamps_describe_the_committed_results():
     """Every published result on disk is the one its stamp recorded (so ./run reproduce publish can run)."""
     problems, steps = _reproduce().unstamped()
     assert not problems, "\n".join(problems) + f"\nrerun: ./run reproduce {' '.join(steps)}"
+
+
+def test_every_result_a_stamp_names_is_committed():
+    """A stamp's outputs are what publish reads: one left untracked is on the disk that made it and missing
+    from every clone, where publish drops what it would have shown."""
+    import subprocess
+
+    named = sorted({f for stamp in (ROOT / "experiments" / "reproduce").glob("*.json")
+                    for f in (json.loads(stamp.read_text()).get("outputs") or {})})
+    if not (ROOT / ".git").exists():
+        return   # not a checkout: nothing to compare with
+    tracked = set(subprocess.run(["git", "ls-files", "-z", "--", *named], cwd=ROOT, capture_output=True,
+                                 check=True).stdout.decode().split("\0"))
+    assert [f for f in named if f not in tracked] == []
 
 
 def test_a_variant_steps_results_are_its_variant_folders():

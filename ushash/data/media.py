@@ -98,6 +98,8 @@ class MediaLimits:
     max_svg_cpu_s: Optional[float] = 0.5       # CPU seconds to parse and rasterise an SVG
     max_image_segments: Optional[int] = 16_384  # JPEG markers before the scan, PNG chunks, GIF blocks before the
                                                # first frame (Pillow reads each in Python; a photo holds tens)
+    max_jpeg_scans: Optional[int] = 32         # a JPEG's scans: each is a pass over every block of the image (a
+                                               # progressive photo holds about 10)
     max_audio_seconds: Optional[float] = 600.0  # samples decoded when the encoder does not crop
     max_audio_channels: Optional[int] = 16
     max_sample_rate: Optional[int] = 384_000
@@ -112,7 +114,7 @@ class MediaLimits:
 
     def __post_init__(self):
         for name in ("max_pixels", "max_svg_bytes", "max_svg_elements", "max_svg_style_bytes", "max_svg_draws",
-                     "max_image_segments", "max_audio_channels", "max_sample_rate", "max_text_chars", "decode_side"):
+                     "max_image_segments", "max_jpeg_scans", "max_audio_channels", "max_sample_rate", "max_text_chars", "decode_side"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"media limit {name} must be a positive integer or None; got {v!r}")
@@ -133,7 +135,8 @@ class MediaLimits:
 #: extraction); 256 is far beyond any data set image (Tux Paint's longest: 7) and bounds that to ~17M pixels.
 FILE_LIMITS = MediaLimits(max_pixels=Image.MAX_IMAGE_PIXELS, max_aspect=256.0, max_svg_bytes=16 << 20,
                           max_svg_elements=1_000_000, max_svg_style_bytes=4 << 20, max_svg_draws=5_000_000,
-                          max_svg_cpu_s=60.0, max_image_segments=None, max_audio_seconds=None, max_audio_channels=64,
+                          max_svg_cpu_s=60.0, max_image_segments=None, max_jpeg_scans=None, max_audio_seconds=None,
+                          max_audio_channels=64,
                           max_sample_rate=768_000, max_text_chars=None, reduce_large_jpeg=True)
 
 
@@ -171,7 +174,7 @@ def load_image(path: str | os.PathLike, svg_size: int = SVG_SIZE, limits: MediaL
         if cap is not None and p.stat().st_size > cap + cap // 1000 + 1024:  # (gzip adds at most that)
             raise MediaError(p, f"SVG file of {p.stat().st_size} bytes is over max_svg_bytes={cap}", OVER_LIMIT)
         return _flatten(_rasterise_svg(_read(p), p, svg_size, limits), p)
-    if limits.max_image_segments is not None:   # mapped, not read: the count touches the headers' pages only
+    if limits.max_image_segments is not None or limits.max_jpeg_scans is not None:   # mapped, not read into memory
         try:
             with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 check_image_segments(mapped, p, limits)
@@ -213,15 +216,22 @@ def check_image_segments(data: bytes, source, limits: MediaLimits) -> None:
     the first frame. Pillow reads these one at a time in Python before the pixels can be checked: a 5.6 MB
     JPEG of 1.4 million empty APP1 markers around 8 x 8 pixels cost 1.8 s of CPU and ~200 MB, a GIF of a
     million comment blocks 0.7 s and ~270 MB. A real image holds tens. Counted on the bytes, stopping at the
-    limit; what is not one of these formats, or malformed, is left to the decoder to judge."""
-    limit = limits.max_image_segments
-    if limit is None:
-        return
+    limit; what is not one of these formats, or malformed, is left to the decoder to judge.
+
+    And a JPEG of more than `limits.max_jpeg_scans` scans: the decoder makes a pass over every block of the
+    image per scan, so a 61 KB file of 2048 x 2048 pixels and a thousand tiny scans cost seconds of CPU.
+    Counted as the FF DA markers in the whole file (in entropy-coded data a 0xFF byte is followed by 0x00
+    or a restart marker, so each one is a scan)."""
+    limit, scans = limits.max_image_segments, limits.max_jpeg_scans
     with memoryview(data) as view:   # released on return (a mapped file can then be closed)
-        n = _segments(view, limit)
-    if n > limit:
+        n = _segments(view, limit) if limit is not None else 0
+        jpeg = view[:3] == b"\xff\xd8\xff"
+        k = (data if isinstance(data, bytes) else bytes(view)).count(b"\xff\xda") if scans is not None and jpeg else 0
+    if limit is not None and n > limit:
         raise MediaError(source, f"image header of more than {limit} segments (markers, chunks or blocks) is over "
                                  f"max_image_segments={limit}", OVER_LIMIT)
+    if scans is not None and k > scans:
+        raise MediaError(source, f"JPEG of {k} scans is over max_jpeg_scans={scans}", OVER_LIMIT)
 
 
 def _segments(b: memoryview, limit: int) -> int:

@@ -142,8 +142,9 @@ def decode_identity() -> str:
     from ushash.data import media
 
     limits = dataclasses.asdict(media.FILE_LIMITS)
-    if limits["max_image_segments"] is None:   # a limit added later: unset, it refuses nothing, and the stores
-        del limits["max_image_segments"]      # made before it keep their fingerprint
+    for later in ("max_image_segments", "max_jpeg_scans"):   # limits added later: unset, they refuse nothing,
+        if limits[later] is None:                            # and the stores made before them keep their identity
+            del limits[later]
     return json.dumps({"version": media.DECODE_VERSION, "file_limits": limits, "svg_size": media.SVG_SIZE},
                       sort_keys=True)
 

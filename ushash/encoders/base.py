@@ -232,6 +232,15 @@ class Encoder(nn.Module):
         return out.float()
 
     # -- hooks -------------------------------------------------------------------------------
+    def text_tokens(self, text: str) -> tuple[int, int] | None:
+        """(the tokens `text` has, the tokens the text tower reads) where its tokenizer counts them (the hashing
+        and Hugging Face ones), else None. A text over the window is encoded by its first tokens alone."""
+        tower = self.parts["text"] if "text" in self.parts else self
+        tok = getattr(tower, "tokenizer", None)
+        if not hasattr(tok, "n_tokens"):
+            return None
+        return tok.n_tokens(str(text)), int(tok.max_length)
+
     def _preprocess(self, modality: str, raw: Any) -> Any:
         return self.parts[modality].preprocess(raw)
 

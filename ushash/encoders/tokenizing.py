@@ -57,6 +57,10 @@ class HashTokenizer:
                 i += 1
         return i
 
+    def n_tokens(self, text: str) -> int:
+        """The tokens `text` has, before a cut to max_length (bos and eos included)."""
+        return len(words(text)) + (self.bos_id is not None) + (self.eos_id is not None)
+
     def ids(self, text: str) -> list[int]:
         body = [self.word_id(w) for w in words(text)]
         room = self.max_length - (self.bos_id is not None) - (self.eos_id is not None)
@@ -82,6 +86,10 @@ class HFTokenizer:
 
     def __init__(self, tokenizer, max_length: int):
         self.tokenizer, self.max_length = tokenizer, int(max_length)
+
+    def n_tokens(self, text: str) -> int:
+        """The tokens `text` has, before a cut to max_length (special tokens included)."""
+        return len(self.tokenizer(text, truncation=False, verbose=False)["input_ids"])
 
     def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
         enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")

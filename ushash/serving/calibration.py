@@ -203,6 +203,30 @@ class PairPoint:
         return self.false_hits / self.hits if self.hits else 0.0
 
 
+def _check_point(pair: str, v: dict) -> None:
+    """Refuse a calibration file's point whose fields are not what they say ("on": "false" is a true string:
+    the pair would serve)."""
+    def bad(name, want):
+        raise ValueError(f"calibration pair {pair}: {name} must be {want}; got {v[name]!r}")
+
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not isinstance(v.get("on"), bool):
+        raise ValueError(f"calibration pair {pair}: on must be true or false; got {v.get('on')!r}")
+    for name in ("radius", "hits", "false_hits"):
+        if name in v and not (isinstance(v[name], int) and not isinstance(v[name], bool) and v[name] >= 0):
+            bad(name, "a whole number >= 0")
+    if "threshold" in v and not (number(v["threshold"]) and -1.0 <= v["threshold"] <= 1.0):
+        bad("threshold", "a cosine in [-1, 1]")
+    if "upper" in v and not (number(v["upper"]) and 0.0 <= v["upper"] <= 1.0):
+        bad("upper", "a rate in [0, 1]")
+    if "reason" in v and not isinstance(v["reason"], str):
+        bad("reason", "text")
+    if "units" in v and not isinstance(v["units"], dict):
+        bad("units", "an object")
+
+
 UNIT_NAMES = {"hits": "hits", "distinct": "distinct (request, entry) pairs", "items": "request items"}
 
 
@@ -235,8 +259,7 @@ class Calibration:
 
     def check_head(self, head) -> None:
         """Refuse a calibration made for another head (its points say nothing about other codes)."""
-        revs = {str(getattr(head, "revision", "")), str(getattr(head, "base_revision", ""))}
-        if self.revision not in revs:
+        if not self.revision or self.revision != str(getattr(head, "revision", "")):
             raise ValueError(f"this calibration is for head revision {self.revision}; the cache serves "
                              f"{getattr(head, 'revision', '?')}: recalibrate (python -m ushash.calibrate export=<that export>)")
 
@@ -259,8 +282,11 @@ class Calibration:
             split_pair(k)
             if not isinstance(v, dict) or set(v) - names:
                 raise ValueError(f"calibration pair {k}: unknown fields {sorted(set(v) - names) if isinstance(v, dict) else v}")
+            _check_point(k, v)
             pairs[k] = PairPoint(**v)
-        return cls(str(d["revision"]), float(d["target_false_hit_rate"]), float(d["confidence"]), pairs,
+        if not isinstance(d.get("revision"), str) or not d["revision"]:
+            raise ValueError(f"calibration revision must be a head's revision; got {d.get('revision')!r}")
+        return cls(d["revision"], float(d["target_false_hit_rate"]), float(d["confidence"]), pairs,
                    dict(d.get("info") or {}))
 
     def save(self, path) -> Path:

@@ -25,14 +25,16 @@ from langchain_core.load import dumps, loads
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
 
+from ushash.serving.cache import RequestError
 from ushash.serving.messages import content_form, decode_data_url, images_digest, json_digest, read_content
 
 _ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGenerationChunk]
 
 
-def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
-    """(the text of every message joined by newlines, the images, a digest of the rest) of a LangChain cache
-    prompt. The rest is every message with its content less its texts and images (`content_form`: the
+def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str], str]:
+    """(the text of every message joined by newlines, the images, a digest of the rest, a digest of the texts
+    one by one) of a LangChain cache prompt. The last is the exact filter on the text of a prompt looked up by
+    its image: the joined text is ambiguous (parts "a\nb", "c" and "a", "b\nc" join alike). The rest is every message with its content less its texts and images (`content_form`: the
     parts' types and order, an image's media type and detail, any other key of a part), and its class,
     name, tool calls, ...: an answer depends on them too, and on where an image stands in the conversation,
     so it is an exact filter. None for a prompt holding content the cache cannot read
@@ -41,9 +43,9 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
     try:
         msgs = json.loads(prompt)
     except ValueError:
-        return prompt, [], ""
+        return prompt, [], "", json_digest([prompt])
     if not isinstance(msgs, list):
-        return prompt, [], ""
+        return prompt, [], "", json_digest([prompt])
     texts, images, rest = [], [], []
     for m in msgs:
         kw = m.get("kwargs", {}) if isinstance(m, dict) else {}
@@ -51,7 +53,7 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
         role = (m.get("id") or ["", "message"])[-1] if isinstance(m, dict) else "message"
         t, i, complete = read_content(kw.get("content"))
         if not complete:
-            return "", [], None
+            return "", [], None, ""
         texts += [f"{role}: {x}" for x in t] if len(msgs) > 1 else t
         images += i
         if isinstance(m, dict):
@@ -59,7 +61,7 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str]]:
             rest.append({**m, "kwargs": {**kept, "content": content_form(kw.get("content"))}})
         else:
             rest.append(m)
-    return "\n".join(texts), images, json_digest(rest)
+    return "\n".join(texts), images, json_digest(rest), json_digest(texts)
 
 
 class USHashLangChainCache(BaseCache):
@@ -73,13 +75,13 @@ class USHashLangChainCache(BaseCache):
 
     def _request(self, prompt: str, llm_string: str) -> Optional[tuple[str, Any, Any, dict]]:
         """(modality, data, features, metadata filters) of a prompt; None for one it does not cache."""
-        text, images, rest = parse_prompt(prompt)
+        text, images, rest, texts_key = parse_prompt(prompt)
         if rest is None:
             return None
         llm = hashlib.sha256(llm_string.encode()).hexdigest()[:32]
         meta = {"llm": llm, "rest": rest}
         if images and "image" in self.cache.head.modalities:
-            meta.update(text=hashlib.sha256(text.encode()).hexdigest()[:32], more_images=images_digest(images[1:]))
+            meta.update(text=texts_key, more_images=images_digest(images[1:]))
             modality, data = "image", images[0]
         elif images:   # a head without images cannot tell them apart: keyed by the text, they would share answers
             return None
@@ -94,7 +96,10 @@ class USHashLangChainCache(BaseCache):
         if req is None:
             return None
         modality, data, feats, meta = req
-        hits = self.cache.check(data, modality, features=feats, filters=meta, tenant=self.tenant)
+        try:
+            hits = self.cache.check(data, modality, features=feats, filters=meta, tenant=self.tenant)
+        except RequestError:   # what the cache cannot key (a text over its encoder's window, ...): a miss
+            return None
         if not hits:
             return None
         try:
@@ -108,7 +113,10 @@ class USHashLangChainCache(BaseCache):
         if req is None:
             return
         modality, data, feats, meta = req
-        self.cache.store(data, dumps(list(return_val)), modality, features=feats, metadata=meta, tenant=self.tenant)
+        try:
+            self.cache.store(data, dumps(list(return_val)), modality, features=feats, metadata=meta, tenant=self.tenant)
+        except RequestError:   # not stored, as it was not looked up
+            return
 
     def clear(self, **kwargs: Any) -> None:
         """Drop this tenant's L1 entries."""

@@ -28,7 +28,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ushash.data.media import MediaLimits, check_image_segments, check_image_size
+from ushash.data.media import IMAGE_FORMATS, MediaLimits, check_image_segments, check_image_size
 from ushash.serving import connection
 from ushash.serving.workers import Workers
 
@@ -63,7 +63,9 @@ class Classifier:
 
         t0 = time.perf_counter()
         check_image_segments(data, None, MODEL_LIMITS)   # a header Pillow would read a segment at a time
-        img = Image.open(io.BytesIO(data))          # the header only: the pixels are bounded before decoding
+        # the header only (the pixels are bounded before decoding), of the formats the cache decodes: not every
+        # one Pillow knows (EPS would run Ghostscript)
+        img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         check_image_size(img.width, img.height, None, MODEL_LIMITS)
         img = img.convert("RGB")
         x = self.transform(img)[None]
@@ -119,7 +121,7 @@ def create_model_app(classifier: Classifier, max_body_bytes: int = 8 << 20,
     async def chat(request: Request):
         try:
             body = json.loads(await request.body())
-        except ValueError:
+        except (ValueError, RecursionError):   # nested past the interpreter's limit too: a 400, not a 500
             return JSONResponse({"error": "the body is not JSON"}, status_code=400)
         req = extract_request(body) if isinstance(body, dict) else None
         if req is not None and req.image is None and text_classifier is not None and req.text:

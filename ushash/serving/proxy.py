@@ -9,7 +9,8 @@ looked up by the image, its text an exact metadata filter; otherwise by its text
 it cannot key by (an image that is not a base64 data URL, a part of another type, a text that is not a
 string, over 256 messages or parts) is passed through (`X-Cache: bypass`): keyed by the rest, it could be
 served another's answer. So is one the cache cannot encode (an image over its pixel limit or undecodable,
-a text over its length limit) or store (a lone surrogate escape in its text or `model`): the upstream
+a text over its length limit or its encoder's token window) or store (a lone surrogate escape in its text or
+`model`): the upstream
 answers or refuses it as it would without the proxy, and nothing is stored.
 The body's `model`, the URL path and query string (as they came, forwarded so too), `stream`, the
 gateway's `X-Model-Revision` header (every line of it) and everything else in the body (`request_params`:
@@ -18,7 +19,9 @@ order, an image's media type and detail, ...) are exact filters too: an answer o
 endpoint, revision or setting is never served. A hit is answered from the cache (a streamed answer
 replayed as it was streamed); a miss is forwarded, streamed through as it arrives, and a 200 answer of at
 most `max_answer_bytes` is stored (a longer one is relayed as it arrives, never held whole; a store that
-fails is logged, and the answer still sent). `Cache-Control: no-cache` skips
+fails is logged, and the answer still sent), unless its own headers forbid a shared cache to keep it
+(`Cache-Control: no-store`, `private` or `no-cache`, or a `Vary` on request headers other than
+Accept-Encoding: `answer_storable`). `Cache-Control: no-cache` skips
 the lookup (the fresh answer is stored), `no-store` skips storing (the directives of every Cache-Control
 line). `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
 encoding the request, the search and the check) and, on a forwarded request, the upstream
@@ -106,9 +109,15 @@ register_schemas()
 
 @dataclass
 class Extracted:
-    text: str
+    text: str                          # the texts joined ("role: text" lines for chat), what a text is keyed by
     image: Optional[bytes]             # the image the request is looked up by (the first)
     more_images: str = ""              # a digest of the images after it (an exact filter), "" for none
+    texts: tuple = ()                  # the texts one by one (chat): the exact filter of an image request's text,
+                                       # which the joined text is not ("a\nuser: b", "c" joins as "a", "b\nuser: c")
+
+    @property
+    def text_digest(self) -> str:
+        return json_digest(list(self.texts)) if self.texts else _digest(self.text)
 
 
 #: What `_at` gives for a path that leads nowhere (a JSON null there is None).
@@ -163,7 +172,7 @@ def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optio
             images += i
         if not texts and not images:
             return None
-        return Extracted("\n".join(texts), images[0] if images else None, images_digest(images[1:]))
+        return Extracted("\n".join(texts), images[0] if images else None, images_digest(images[1:]), tuple(texts))
     text = _at(body, text_path) if text_path else _MISSING
     img = _at(body, image_path) if image_path else _MISSING
     if text is not _MISSING and not isinstance(text, str):   # a text there, but not one it can read
@@ -183,6 +192,17 @@ def cache_directives(lines: list[str]) -> set[str]:
     comma-separated list of `name` or `name=value` (RFC 9111), so `no-store` in a second line counts and
     `x-no-store-hint` is not `no-store`."""
     return {d.split("=", 1)[0].strip().lower() for line in lines for d in line.split(",")}
+
+
+def answer_storable(headers) -> bool:
+    """Whether a shared cache may keep an upstream answer (RFC 9111): not one its Cache-Control marks
+    `no-store`, `private` (one user's) or `no-cache` (every reuse revalidated, which the proxy cannot do),
+    nor one whose `Vary` names request headers the proxy does not key by (any but Accept-Encoding: the
+    proxy keeps the decoded body), as `Vary: Accept-Language` or `*`."""
+    if cache_directives(headers.get_list("cache-control")) & {"no-store", "private", "no-cache"}:
+        return False
+    vary = {v.strip().lower() for line in headers.get_list("vary") for v in line.split(",")}
+    return not (vary - {"", "accept-encoding"})
 
 
 def request_params(body: dict, text_path: str | None = None, image_path: str | None = None) -> Optional[str]:
@@ -392,7 +412,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         meta = {"model": str(body.get("model", "")), "path": target[1:].decode("latin-1"), "stream": stream,
                 # every X-Model-Revision line: a request sending two is not keyed as one sending the first
                 "revision": ", ".join(headers.getlist("x-model-revision")),
-                "text": _digest(req.text) if req.image is not None else "",
+                "text": req.text_digest if req.image is not None else "",
                 "params": params, "more_images": req.more_images}
         modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
         # a model name with a lone surrogate escape cannot be stored (the cache keeps valid Unicode only)
@@ -401,8 +421,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         try:
             q, hits, spent = await workers.run(lookup, modality, data, None if no_cache else meta, tenant)
         except RequestError as e:
-            # what the cache cannot key (media over its limits or undecodable, text over its length) is the
-            # model's to answer or refuse, not the proxy's: passed through, never stored
+            # what the cache cannot key (media over its limits or undecodable, text over its length or token
+            # window) is the model's to answer or refuse, not the proxy's: passed through, never stored
             log.debug("bypass: %s", e)
             return await passthrough()
         except UnknownTenant as e:
@@ -457,7 +477,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         chunks = up.aiter_bytes()   # decoded: content-encoding is not copied
 
         async def keep(body: bytes):
-            if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
+            if key is None or up.status_code != 200 or len(body) > max_answer_bytes or not answer_storable(up.headers):
                 return
             try:
                 text = body.decode()
@@ -559,4 +579,4 @@ def run_proxy(cfg) -> None:
                 http=connection.PROTOCOL, **connection.SERVER_OPTIONS)
 
 
-__all__ = ["Extracted", "ProxyConfig", "build", "create_proxy_app", "extract_request", "run_proxy"]
+__all__ = ["Extracted", "ProxyConfig", "answer_storable", "build", "create_proxy_app", "extract_request", "run_proxy"]

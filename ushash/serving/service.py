@@ -57,6 +57,7 @@ from ushash.config import to_dict
 from ushash.serving import connection
 from ushash.serving.cache import TENANT_PATTERN, RequestError, UnknownTenant
 from ushash.serving.cache.config import CacheConfig
+from ushash.serving.cache.entries import loads_json
 from ushash.serving.messages import decode_base64
 from ushash.serving.workers import Workers
 
@@ -352,8 +353,8 @@ class _FeaturesLookup:
         out = None
         try:
             if not too_many_values(body, self.max_json_values, scope):
-                out = self.answer(LookupBody.model_validate(orjson.loads(body)), header)
-        except (orjson.JSONDecodeError, ValidationError, AuthError, Forbidden, RequestError, UnknownTenant):
+                out = self.answer(LookupBody.model_validate(loads_json(body)), header)
+        except (ValueError, RecursionError, ValidationError, AuthError, Forbidden, RequestError, UnknownTenant):
             out = None
         if out is None:
             return await self.app(scope, _replaying(body, receive), send)
@@ -404,16 +405,6 @@ def too_many_values(raw: bytes, limit: int, scope: Optional[dict] = None) -> Opt
     if bound <= limit:
         return None
     return f"request body of more than {limit} JSON values (max_json_values; send fewer rows per request)"
-
-
-def loads_json(raw: bytes) -> Any:
-    """A request body's JSON: orjson's parse, or json.loads' where orjson refuses a body (NaN, integers beyond
-    64 bits, lone surrogates), so every body means what it did under json.loads; a body neither parses
-    raises json.loads' error (ValueError, or RecursionError when nested past the interpreter's limit)."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return json.loads(raw)
 
 
 class _FastJSONRoute(APIRoute):

@@ -154,6 +154,8 @@ class SemanticCache(CheckStore):
             c, radius=r, observe_radius=r if c.observe_radius is None else max(r, int(c.observe_radius)))
         if c.l2 is not None and (self.l2 is None or self.l2.bits != int(head.bits)):
             self.l2 = self._make_l2(int(head.bits))
+        elif self.l2 is not None:   # the same store: it searches as far as the new head's points, as L1 does
+            self.l2.radius, self.l2.max_candidates = int(self._tier_config.radius), int(self._tier_config.max_candidates)
         self.head = head
         self.bits = int(head.bits)
         self.code_bytes = self.bits // 8
@@ -173,8 +175,10 @@ class SemanticCache(CheckStore):
         old = getattr(self, "watermark", None)
         self.watermark = RevisionWatermark(str(head.revision), revision_rank(head),
                                            check_s=c.l2.watermark_check_s if c.l2 else 1.0, clock=time.monotonic)
-        if old is not None and (old.newest_rank, old.newest or "") > (self.watermark.newest_rank,
-                                                                       self.watermark.revision):
+        # a newer revision another replica announced stays known (until the L2 says otherwise); without an L2 the
+        # only revision older than a reload's is this cache's own last head: a rollback serves the head installed
+        if self.l2 is not None and old is not None and (old.newest_rank, old.newest or "") > (
+                self.watermark.newest_rank, self.watermark.revision):
             self.watermark.newest, self.watermark.newest_rank = old.newest, old.newest_rank  # still known newer
         if self.l2 is not None:
             self.watermark.attach(self.l2.announce, self.l2.newest_revision)

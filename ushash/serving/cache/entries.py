@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+from orjson import JSONDecodeError
 from orjson import loads as _orjson_loads
 
 from ushash.serving.cache import heap
@@ -88,13 +89,21 @@ def decode_value(kind: str, data: bytes):
     if kind == "s":
         return bytes(data).decode("utf-8")
     if kind == "j":
-        # orjson is several times json's speed on a hit's small value and reads strict JSON (encode_value
-        # writes no NaN) to the same values, except integers beyond 64 bits (it makes them floats): any run
-        # of 19 digits goes to json
-        if _LONG_DIGITS.search(data) is None:
-            return _orjson_loads(data)
-        return json.loads(bytes(data).decode("utf-8"))
+        return loads_json(data)
     raise ValueError(f"unknown stored value kind {kind!r}")
+
+
+def loads_json(raw) -> Any:
+    """JSON bytes (or a buffer of them) as json.loads reads them, at orjson's speed where it reads them the
+    same: a run of 19 digits (an integer orjson may make a float: 2**64 and beyond) and what orjson refuses
+    (NaN, lone surrogates) go to json.loads, whose error (ValueError, or RecursionError when nested past the
+    interpreter's limit) a body neither reads raises."""
+    if _LONG_DIGITS.search(raw) is None:
+        try:
+            return _orjson_loads(raw)
+        except JSONDecodeError:
+            pass
+    return json.loads(raw if isinstance(raw, (str, bytes, bytearray)) else bytes(raw))
 
 
 # ---------------------------------------------------------------------------------------------- records

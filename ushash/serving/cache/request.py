@@ -133,6 +133,11 @@ class QueryEncoder:
                 raw = media.load_text(data, self.limits)
             except media.MediaError as e:
                 raise RequestError(f"bad text: {e.reason}") from None
+            window = enc.text_tokens(raw)
+            if window is not None and window[0] > window[1]:
+                # keyed by its first tokens, it would share an entry with every text that starts the same
+                raise RequestError(f"text of {window[0]} tokens is over the text encoder's window of {window[1]}: "
+                                   f"its code would be that of its first {window[1]} tokens alone; shorten it")
         elif isinstance(data, (bytes, bytearray, memoryview)):
             raw = _decode_bytes(modality, bytes(data), enc.sample_rate, enc.audio_seconds, self.limits)
         elif modality == "image":
