@@ -398,6 +398,11 @@ def tie_cell(summ_bits: dict, protocol: str) -> str:
     return "{:.3f} ± {:.3f}".format(*summ_bits[protocol]["tie_map@10"]["mean"][:2])
 
 
+def tie_mean(summary: dict, method: str, bits: int, protocol: str) -> float:
+    """A sweep summary's tie-aware mAP@10, mean over directions and seeds."""
+    return summary[method][str(bits)][protocol]["tie_map@10"]["mean"][0]
+
+
 def made_on(steps: list[str]) -> str:
     """The machines and package versions the steps ran on, as their stamps recorded them (not this process's:
     a publish on another machine must not restate the runs' provenance), e.g. "2 x86_64 cores, no GPU,
@@ -706,12 +711,9 @@ def rerun64_body() -> str | None:
     sys.path.insert(0, str(ROOT))
     from ushash.evaluation.sweep import variant_dir
 
-    def mean(summary, method, protocol):
-        return summary[method]["64"][protocol]["tie_map@10"]["mean"][0]
-
     def row(dataset, s, rec, what):
-        us, itq, flt = (mean(s, m, "paired") for m in ("ushash", "itq", "float"))
-        ul, il = mean(s, "ushash", "label"), mean(s, "itq", "label")
+        us, itq, flt = (tie_mean(s, m, 64, "paired") for m in ("ushash", "itq", "float"))
+        ul, il = tie_mean(s, "ushash", 64, "label"), tie_mean(s, "itq", 64, "label")
         return (f"| {dataset} | {what}: {rec['machine'].split(' cores (', 1)[-1].rsplit('), ', 1)[0]}, {rec['date']} | {us:.3f} | "
                 f"{itq:.3f} | {us - itq:+.3f} ({'met' if us - itq >= 0.03 else 'missed'}) | {flt:.3f} | "
                 f"{us / flt:.2f}x ({'met' if us / flt >= 0.9 else 'missed'}) | {ul:.3f} vs {il:.3f} "
@@ -741,9 +743,6 @@ def bars_body() -> str | None:
     paired mAP@10 >= ITQ + 0.03 and >= 0.9 x the float shared space, label >= ITQ; at 16, 32 and 128 bits
     >= ITQ on both protocols; as a cache key (codes only, radius 2) false hits per request <= LSH codes of z.
     Each cell: the numbers, the margin, met or missed."""
-    def mean(summary, method, bits, protocol):
-        return summary[method][str(bits)][protocol]["tie_map@10"]["mean"][0]
-
     def se(summary, bits, protocol, *methods):  # standard error of the difference of the methods' seed means
         cells = [summary[m][str(bits)][protocol]["tie_map@10"]["mean"] for m in methods]
         return math.sqrt(sum(sd ** 2 / n for _, sd, n in cells))
@@ -764,20 +763,20 @@ def bars_body() -> str | None:
         if not f64.exists():
             continue
         s = json.loads(f64.read_text())["summary"]
-        us, itq, flt = (mean(s, m, 64, "paired") for m in ("ushash", "itq", "float"))
+        us, itq, flt = (tie_mean(s, m, 64, "paired") for m in ("ushash", "itq", "float"))
         rows.append(f"| {dataset} | 64 bits, paired >= ITQ + 0.03 | {us:.3f} vs ITQ {itq:.3f} ({diff(s, 64, 'paired', us, itq)}) | "
                     f"{verdict(us - itq - 0.03)} |")
         rows.append(f"| {dataset} | 64 bits, paired >= 0.9 x float space | {us:.3f} of {flt:.3f} ({us / flt:.2f}x, "
                     f"s.e. {se(s, 64, 'paired', 'ushash', 'float') / flt:.2f}x) | "
                     f"{verdict(us / flt - 0.9) if us / flt >= 0.9 else f'**missed by {0.9 - us / flt:.2f}x**'} |")
-        ul, il = mean(s, "ushash", 64, "label"), mean(s, "itq", 64, "label")
+        ul, il = tie_mean(s, "ushash", 64, "label"), tie_mean(s, "itq", 64, "label")
         rows.append(f"| {dataset} | 64 bits, label >= ITQ | {ul:.3f} vs {il:.3f} ({diff(s, 64, 'label', ul, il)}) | {verdict(ul - il)} |")
         sources.append(f"`experiments/{exp64}/results.json`")
         if fbits.exists():
             b = json.loads(fbits.read_text())["summary"]
             for bits in (16, 32, 128):
                 for p in ("paired", "label"):
-                    u, i = mean(b, "ushash", bits, p), mean(b, "itq", bits, p)
+                    u, i = tie_mean(b, "ushash", bits, p), tie_mean(b, "itq", bits, p)
                     rows.append(f"| {dataset} | {bits} bits, {p} >= ITQ | {u:.3f} vs {i:.3f} ({diff(b, bits, p, u, i)}) | {verdict(u - i)} |")
             sources.append(f"`experiments/{BITS_SETS[dataset][1]}/results.json`")
         key = ROOT / "experiments" / "cachesim" / f"cachekey-{dataset}64" / "results.json"
