@@ -714,14 +714,16 @@ def rerun64_body() -> str | None:
     def row(dataset, s, rec, what):
         us, itq, flt = (tie_mean(s, m, 64, "paired") for m in ("ushash", "itq", "float"))
         ul, il = tie_mean(s, "ushash", 64, "label"), tie_mean(s, "itq", 64, "label")
-        return (f"| {dataset} | {what}: {rec['machine'].split(' cores (', 1)[-1].rsplit('), ', 1)[0]}, {rec['date']} | {us:.3f} | "
+        cpu = rec["machine"].split(" cores (", 1)[-1].rsplit("), ", 1)[0]
+        return (f"| {dataset} | {what}: {cpu}, {rec['date']} | {us:.3f} | "
                 f"{itq:.3f} | {us - itq:+.3f} ({'met' if us - itq >= 0.03 else 'missed'}) | {flt:.3f} | "
                 f"{us / flt:.2f}x ({'met' if us / flt >= 0.9 else 'missed'}) | {ul:.3f} vs {il:.3f} "
                 f"({'met' if ul >= il else 'missed'}) |")
 
     rows, cmds = [], []
     for dataset, (_, exp) in ABLATION_SETS.items():
-        base, again = ROOT / "experiments" / exp / "results.json", variant_dir(ROOT / "experiments" / exp, RERUN64) / "results.json"
+        base = ROOT / "experiments" / exp / "results.json"
+        again = variant_dir(ROOT / "experiments" / exp, RERUN64) / "results.json"
         step, rec_base = f"rerun64_{dataset}", stamp_record(f"sweep_{dataset}64")
         rec = stamp_record(step)
         if not (base.exists() and again.exists() and rec and rec_base):

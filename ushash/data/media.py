@@ -114,7 +114,8 @@ class MediaLimits:
 
     def __post_init__(self):
         for name in ("max_pixels", "max_svg_bytes", "max_svg_elements", "max_svg_style_bytes", "max_svg_draws",
-                     "max_image_segments", "max_jpeg_scans", "max_audio_channels", "max_sample_rate", "max_text_chars", "decode_side"):
+                     "max_image_segments", "max_jpeg_scans", "max_audio_channels", "max_sample_rate", "max_text_chars",
+                     "decode_side"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"media limit {name} must be a positive integer or None; got {v!r}")
@@ -136,8 +137,7 @@ class MediaLimits:
 FILE_LIMITS = MediaLimits(max_pixels=Image.MAX_IMAGE_PIXELS, max_aspect=256.0, max_svg_bytes=16 << 20,
                           max_svg_elements=1_000_000, max_svg_style_bytes=4 << 20, max_svg_draws=5_000_000,
                           max_svg_cpu_s=60.0, max_image_segments=None, max_jpeg_scans=None, max_audio_seconds=None,
-                          max_audio_channels=64,
-                          max_sample_rate=768_000, max_text_chars=None, reduce_large_jpeg=True)
+                          max_audio_channels=64, max_sample_rate=768_000, max_text_chars=None, reduce_large_jpeg=True)
 
 
 class MediaError(Exception):

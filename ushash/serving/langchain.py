@@ -33,13 +33,13 @@ _ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGeneratio
 
 def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str], str]:
     """(the text of every message joined by newlines, the images, a digest of the rest, a digest of the texts
-    one by one) of a LangChain cache prompt. The last is the exact filter on the text of a prompt looked up by
-    its image: the joined text is ambiguous (parts "a\nb", "c" and "a", "b\nc" join alike). The rest is every message with its content less its texts and images (`content_form`: the
-    parts' types and order, an image's media type and detail, any other key of a part), and its class,
-    name, tool calls, ...: an answer depends on them too, and on where an image stands in the conversation,
-    so it is an exact filter. None for a prompt holding content the cache cannot read
-    (an image that is not a base64 data URL, a part of another type): keyed by the rest of it, two such
-    prompts would share an answer, so it is not cached."""
+    one by one) of a LangChain cache prompt. The last is the exact filter on the text of a prompt looked up
+    by its image: the joined text is ambiguous (parts "a\\nb", "c" and "a", "b\\nc" join alike). The rest is
+    every message with its content less its texts and images (`content_form`: the parts' types and order, an
+    image's media type and detail, any other key of a part), and its class, name, tool calls, ...: an answer
+    depends on them too, and on where an image stands in the conversation, so it is an exact filter. None
+    for a prompt holding content the cache cannot read (an image that is not a base64 data URL, a part of
+    another type): keyed by the rest of it, two such prompts would share an answer, so it is not cached."""
     try:
         msgs = json.loads(prompt)
     except ValueError:

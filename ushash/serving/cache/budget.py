@@ -126,7 +126,8 @@ class _Collector:
         yield pt
         if b.calibration is not None:
             cal = GaugeMetricFamily("cache_pair_calibrated_false_hit_rate",
-                                    "False-hit rate on the calibration stream (per hit, or per the calibration's count unit), and its upper bound",
+                                    "False-hit rate on the calibration stream (per hit, or per the calibration's "
+                                    "count unit), and its upper bound",
                                     labels=["pair", "stat"])
             for k, p in sorted(b.calibration.pairs.items()):
                 cal.add_metric([k, "rate"], p.rate)

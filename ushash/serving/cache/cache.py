@@ -155,7 +155,8 @@ class SemanticCache(CheckStore):
         if c.l2 is not None and (self.l2 is None or self.l2.bits != int(head.bits)):
             self.l2 = self._make_l2(int(head.bits))
         elif self.l2 is not None:   # the same store: it searches as far as the new head's points, as L1 does
-            self.l2.radius, self.l2.max_candidates = int(self._tier_config.radius), int(self._tier_config.max_candidates)
+            t = self._tier_config
+            self.l2.radius, self.l2.max_candidates = int(t.radius), int(t.max_candidates)
         self.head = head
         self.bits = int(head.bits)
         self.code_bytes = self.bits // 8
