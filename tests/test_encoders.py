@@ -226,6 +226,18 @@ def test_openclip_tiny_random_init(tiny_openclip_name):
     assert build_encoder({"name": "openclip", "model": tiny_openclip_name, "device": "cpu"}).fingerprint == enc.fingerprint
 
 
+def test_openclip_counts_a_texts_tokens_as_its_tokenizer_cuts_them(tiny_openclip_name):
+    """The cache refuses a text over the encoder's window (ushash.serving.cache.request): open_clip's BPE
+    tokenizer counts start + tokens + end against its context length (16 in this config), and the count
+    says where its own tokenization starts to cut."""
+    enc = build_encoder({"name": "openclip", "model": tiny_openclip_name, "device": "cpu"})
+    assert enc.text_tokens("a red fox") == (5, 16)
+    fits, over = " ".join(["fox"] * 14), " ".join(["fox"] * 15)
+    assert enc.text_tokens(fits) == (16, 16) and enc.text_tokens(over) == (17, 16)
+    ids = enc.tokenizer([fits, over])
+    assert int((ids[0] != 0).sum()) == 16 and int((ids[1] != 0).sum()) == 16   # the longer one is cut
+
+
 def test_openclip_local_checkpoint_round_trip(tiny_openclip_name, tmp_path):
     src = build_encoder({"name": "openclip", "model": tiny_openclip_name, "seed": 3, "device": "cpu"})
     ckpt = tmp_path / "tiny.pt"

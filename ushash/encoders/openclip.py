@@ -55,6 +55,21 @@ class OpenClipEncoder(MediaTextEncoder):
                 "text": int(self.model.encode_text(self.tokenizer([""])).shape[-1]),
             }
 
+    def text_tokens(self, text: str) -> tuple[int, int] | None:
+        """(the tokens `text` has, the context length) as open_clip's own tokenizer counts them: the BPE one
+        (start + the text's tokens + end), or the Hugging Face one after its cleaning; None for another kind."""
+        from open_clip import tokenizer as oc
+
+        tok = self.tokenizer
+        window = int(getattr(tok, "context_length", 0) or 0)
+        if not window:
+            return None
+        if type(tok) is oc.SimpleTokenizer:
+            return len(tok.encode(str(text))) + 2, window
+        if type(tok) is oc.HFTokenizer and getattr(tok, "tokenizer_mode", None) != "clips":
+            return len(tok.tokenizer(tok.clean_fn(str(text)), truncation=False, verbose=False)["input_ids"]), window
+        return None
+
     def _preprocess_media(self, raw: Any) -> torch.Tensor:
         return self.image_transform(raw.convert("RGB"))
 
