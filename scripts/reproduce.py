@@ -721,10 +721,10 @@ def rerun64_body() -> str | None:
                 f"({'met' if ul >= il else 'missed'}) |")
 
     rows, cmds = [], []
-    for dataset, (_, exp) in ABLATION_SETS.items():
+    for dataset, (published, exp) in ABLATION_SETS.items():
         base = ROOT / "experiments" / exp / "results.json"
         again = variant_dir(ROOT / "experiments" / exp, RERUN64) / "results.json"
-        step, rec_base = f"rerun64_{dataset}", stamp_record(f"sweep_{dataset}64")
+        step, rec_base = f"rerun64_{dataset}", stamp_record(published)
         rec = stamp_record(step)
         if not (base.exists() and again.exists() and rec and rec_base):
             continue

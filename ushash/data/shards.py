@@ -405,9 +405,7 @@ def read_container(container: str, want: dict[str, int]):
         from ushash.data.datasets.hf import open_dataset  # decoding a dataset's own format
 
         # hf:<dir>#<split>, with @<chunk> after the split in a stream unit's name
-        split_part = rest.rpartition("#")[2]
-        path, _, split = (rest.rpartition("@")[0] if "@" in split_part else rest).rpartition("#")
-        ds = open_dataset(path, split)
+        ds = open_dataset(container_file(container), rest.rpartition("#")[2].partition("@")[0])
         cols: dict[str, object] = {}
         for member in sorted(want, key=lambda s: int(s.split("/", 1)[0])):
             idx, col = member.split("/", 1)
