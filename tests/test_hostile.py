@@ -207,15 +207,15 @@ def test_python_api_refuses_bad_input_with_a_clear_error(cache, name, kw):
         from PIL import Image
         kw["data"] = Image.new("1", (1, 30000))
     tenant = kw.pop("tenant", "default")
-    t0 = time.process_time()
-    try:
+    t0 = time.thread_time()   # the caller's thread, where the decoding and refusing run: process_time also
+    try:                      # charged what other threads of the test process did meanwhile (1.3 s once)
         hit = cache.get(kw.pop("modality"), kw.pop("data", None), tenant=tenant, **kw)
     except (RequestError, UnknownTenant) as e:
         msg = str(e)
         assert msg and "\n" not in msg and len(msg) < 400 and "BytesIO" not in msg, msg
     else:  # odd but valid (a caption of emoji, an SVG rendered at the output size): a miss, cheaply
         assert name.startswith(("text:", "image:svg", "features:all_zero", "features:tiny")) and hit is None
-    assert time.process_time() - t0 <= CPU_S
+    assert time.thread_time() - t0 <= CPU_S
 
 
 def test_requests_decode_from_memory_never_a_temporary_file(cache, monkeypatch):

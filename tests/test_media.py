@@ -397,7 +397,7 @@ SERVICE = media.MediaLimits()
 
 @pytest.mark.parametrize("name,data", hc.image_cases(), ids=[n for n, _ in hc.image_cases()])
 def test_hostile_images_are_refused_or_small_and_cheap(name, data):
-    t0 = time.process_time()
+    t0 = time.thread_time()   # this thread's CPU: the decode runs in it, other threads of the process do not count
     try:
         img = media.decode_bytes("image", data, None, limits=SERVICE)
     except MediaError as e:
@@ -405,7 +405,7 @@ def test_hostile_images_are_refused_or_small_and_cheap(name, data):
         assert "BytesIO" not in e.reason and "/tmp" not in e.reason  # no buffer or path in the message
     else:  # rendered at the requested size, never at its own
         assert img.mode == "RGB" and max(img.size) <= media.SVG_SIZE and img.width * img.height <= SERVICE.max_pixels
-    assert time.process_time() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
 
 
 @pytest.mark.parametrize("name", ["png_1x30000", "png_1x2000", "png_10000x10000", "svg_1x5000",
@@ -602,11 +602,11 @@ def test_file_limits_still_read_what_datasets_hold(tmp_path):
 
 @pytest.mark.parametrize("name,data", hc.audio_cases(), ids=[n for n, _ in hc.audio_cases()])
 def test_hostile_audio_is_refused(name, data):
-    t0 = time.process_time()
+    t0 = time.thread_time()
     with pytest.raises(MediaError) as e:
         media.decode_bytes("audio", data, None, 16000, None, limits=SERVICE)
     assert e.value.code in media.CODES and "\n" not in e.value.reason
-    assert time.process_time() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
 
 
 def test_audio_longer_than_the_limit_is_refused_unless_cropped():
