@@ -154,6 +154,28 @@ def test_revision_change_never_serves_older_entries(head):
     assert cache.get("text", features=x).revision == "r2"
 
 
+def test_an_lsh_heads_revision_names_its_payload_codec():
+    """Entries keep the codec's bytes: a head that reads them through another codec is another revision."""
+    from ushash.serving.payload import PayloadCodec
+
+    def lsh(codec=None):
+        return LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0, payload=codec)
+
+    int4 = PayloadCodec.default(32, ("image", "text"), {"all": {"kind": "int4", "scale": "group", "group_size": 8}})
+    int4_g16 = PayloadCodec.default(32, ("image", "text"), {"all": {"kind": "int4", "scale": "group", "group_size": 16}})
+    fp16 = PayloadCodec.default(32, ("image", "text"), {"all": {"kind": "fp16"}})
+    assert lsh().revision == lsh().revision == lsh(PayloadCodec.default(32, ("image", "text"))).revision
+    assert len({lsh(int4).revision, lsh(int4_g16).revision, lsh(fp16).revision, lsh().revision}) == 4
+    assert LSHHead.over(lsh()).revision != LSHHead.over(lsh(fp16)).revision
+    rng = np.random.default_rng(0)
+
+    def channel(scale):   # int4 with per-channel scales fitted on a sample: the scales are the codec too
+        codec = PayloadCodec.default(32, ("image", "text"), {"all": {"kind": "int4", "scale": "channel"}})
+        return codec.fit({m: rng.normal(size=(64, 32)).astype(np.float32) * scale for m in ("image", "text")})
+
+    assert lsh(channel(1.0)).revision != lsh(channel(3.0)).revision
+
+
 def test_ttl_with_jitter_expires_entries():
     clock = FakeClock()
     head = LSHHead({"text": 8}, bits=64, dim=16)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ushash.core import codes as codes_lib
 from ushash.core.checks import unit_rows
-from ushash.serving.artifact import EncoderId
+from ushash.serving.artifact import EncoderId, canonical_json
 from ushash.serving.payload import PayloadCodec
 
 
@@ -44,9 +44,13 @@ class LSHHead:
         self._planes = rng.normal(size=(self.bits, self.dim)).astype(np.float32)
         self.payload = payload or PayloadCodec.default(self.dim, self.modalities)
         self.encoder = encoder or (base.encoder if base is not None else EncoderId("synthetic", "0" * 12))
-        self.revision = revision or hashlib.sha256(
-            f"lsh|{self.bits}|{self.dim}|{seed}|{aligned}|{sorted(self.in_dims.items())}|"
-            f"{getattr(base, 'revision', '')}".encode()).hexdigest()[:16]
+        # everything that gives a code and a stored payload their meaning, the payload codec's settings and
+        # channel scales included: entries stored through another codec must not be read as this one's
+        h = hashlib.sha256(f"lsh|{self.bits}|{self.dim}|{seed}|{aligned}|{sorted(self.in_dims.items())}|"
+                           f"{getattr(base, 'revision', '')}|".encode() + canonical_json(self.payload.settings()))
+        for name, t in sorted(self.payload.tensors().items()):
+            h.update(name.encode() + np.ascontiguousarray(t, np.float32).tobytes())
+        self.revision = revision or h.hexdigest()[:16]
         self.manifest = {"encoder": {"name": self.encoder.name, "fingerprint": self.encoder.fingerprint,
                                      "config": dict(getattr(base, "manifest", {}).get("encoder", {}).get("config", {}))
                                      if base is not None else {}}}
