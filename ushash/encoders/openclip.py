@@ -57,7 +57,9 @@ class OpenClipEncoder(MediaTextEncoder):
 
     def text_tokens(self, text: str) -> tuple[int, int] | None:
         """(the tokens `text` has, the context length) as open_clip's own tokenizer counts them: the BPE one
-        (start + the text's tokens + end), or the Hugging Face one after its cleaning; None for another kind."""
+        (start + the text's tokens + end), the Hugging Face one after its cleaning (its ids with their special
+        tokens; in 'clips' mode its content tokens + start, end and class); None for another kind (open_clip's
+        SigLipTokenizer, which its models do not use)."""
         from open_clip import tokenizer as oc
 
         tok = self.tokenizer
@@ -66,8 +68,11 @@ class OpenClipEncoder(MediaTextEncoder):
             return None
         if type(tok) is oc.SimpleTokenizer:
             return len(tok.encode(str(text))) + 2, window
-        if type(tok) is oc.HFTokenizer and getattr(tok, "tokenizer_mode", None) != "clips":
-            return len(tok.tokenizer(tok.clean_fn(str(text)), truncation=False, verbose=False)["input_ids"]), window
+        if type(tok) is oc.HFTokenizer:
+            clips = getattr(tok, "tokenizer_mode", None) == "clips"
+            ids = tok.tokenizer(tok.clean_fn(str(text)), add_special_tokens=not clips, truncation=False,
+                                verbose=False)["input_ids"]
+            return len(ids) + (3 if clips else 0), window
         return None
 
     def _preprocess_media(self, raw: Any) -> torch.Tensor:
