@@ -503,3 +503,14 @@ def test_label_supervised_variant_trains_end_to_end(data, tmp_path):
     mod = load_checkpoint(out["best"])
     assert mod.hparams.method == "ushash_labels"
     assert 0 < out["val_score"] <= 1
+
+
+def test_the_module_built_directly_trains_the_recipes_schedule():
+    """The cosine schedule and the relaxation follow the module's max_epochs: built in Python without one, it
+    must be the recipe's (configs/trainer/default.yaml), not another number of epochs."""
+    import inspect
+
+    from ushash.hashing.module import USHashModule
+
+    default = inspect.signature(USHashModule.__init__).parameters["max_epochs"].default
+    assert default == int(compose("config", []).trainer.max_epochs) == 40

@@ -115,7 +115,7 @@ class USHashModule(pl.LightningModule):
                  w_proto: float = _L.proto, w_distill: float = _L.distill, distill_kernel: str = _M.distill_kernel,
                  w_margin: float = _L.margin, margin_fraction: float = _M.margin_fraction,
                  distill_pairs: str = _M.distill_pairs, prototypes_from: str = _M.prototypes_from,
-                 ema_epochs: float | None = _M.ema_epochs, max_epochs: int = 30,
+                 ema_epochs: float | None = _M.ema_epochs, max_epochs: int = 40,
                  provenance: dict | None = None, method: str = "ushash", method_args: dict | None = None,
                  n_train_groups: int = 0):
         """Defaults: ushash.config.ModelConfig / LossConfig (the same as configs/model/ushash.yaml).
