@@ -120,6 +120,55 @@ def test_a_dataset_folder_saved_again_over_the_same_files_gives_other_rows(tmp_p
     assert rows_fingerprint(rows) != before
 
 
+def test_a_dataset_split_folder_linked_in_is_tracked(tmp_path):
+    """A split folder that is a symbolic link (data kept on another disk) was not walked: its .arrow files
+    rewritten with other images kept the fingerprint. A link back up the tree is walked once."""
+    from ushash.data.store import rows_fingerprint
+
+    real = tmp_path / "disk2" / "test"
+    real.mkdir(parents=True)
+    arrow = real / "data-00000-of-00001.arrow"
+    arrow.write_bytes(b"images, version 1")
+    ds = tmp_path / "coco_hf"
+    ds.mkdir()
+    os.symlink(real, ds / "test")
+    os.symlink(ds, real / "loop")
+    rows = [Row("image", "0", "g0", f"hf:{ds}#test/0/image")]
+    before = rows_fingerprint(rows)
+    arrow.write_bytes(b"images, version 2, another size")
+    assert rows_fingerprint(rows) != before
+
+
+def test_svg_bytes_in_a_container_are_keyed_by_the_svg_renderer(tmp_path, monkeypatch):
+    """A tar member or a dataset cell is decoded as SVG by its bytes whatever its name, so rows inside a
+    container carry the renderer in their fingerprint as .svg files do (a store made without cairosvg would
+    otherwise be reused, without those rows, once it is installed)."""
+    from ushash.data import store
+
+    tar = tmp_path / "00000.tar"
+    tar.write_bytes(b"a tar")
+    rows = [Row("image", "1", "1", f"tar:{tar}#000001.jpg")]
+    keys = set()
+    for renderer in ("none (ImportError)", "cairosvg 2.7.1, cairo 1.18.0"):
+        monkeypatch.setattr(store, "svg_renderer", lambda r=renderer: r)
+        keys.add(store.rows_fingerprint(rows))
+    assert len(keys) == 2
+
+
+def test_a_plain_row_naming_a_folder_is_not_walked(tmp_path, monkeypatch):
+    """Only a container is keyed by the files in it: a manifest cell naming a folder ("photos/", or "/") fails
+    at extraction (not_a_file), and its fingerprint once walked and stat'ed the whole tree under it first."""
+    from ushash.data import store
+
+    (tmp_path / "photos" / "a" / "b").mkdir(parents=True)
+    calls = []
+    monkeypatch.setattr(store, "_folder_key", lambda path: calls.append(path) or "folder walked")
+    store.rows_fingerprint([Row("image", "1", "1", str(tmp_path / "photos"))])
+    assert calls == []
+    store.rows_fingerprint([Row("image", "1", "1", f"hf:{tmp_path / 'photos'}#test/0/image")])
+    assert calls == [str(tmp_path / "photos")]
+
+
 def test_a_tar_in_a_folder_whose_name_holds_a_hash_is_tracked(tmp_path):
     """The tar's path was cut at the first '#', so /data/cc3m#v1/00000.tar was looked up as /data/cc3m
     ("missing"): the tar rewritten with other images kept the fingerprint and its old features."""

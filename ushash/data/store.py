@@ -73,7 +73,8 @@ def rows_fingerprint(rows) -> str:
     """16 hex digits over every row's modality, id, group, labels and source, in order: a caption by its
     text, a file by its path, size and modification time (a member of a container, `tar:...#m` or `hf:...#m`,
     by the container's; a container that is a folder by its files', `_folder_key`), over how a file is decoded
-    (`decode_identity`) and, for rows with SVG files, over what renders them (`svg_renderer`). Another manifest,
+    (`decode_identity`) and, for rows with SVG files or members of containers (decoded as SVG by their bytes),
+    over what renders them (`svg_renderer`). Another manifest,
     another split seed or fraction, an edited caption or label, a replaced image (even of the same size: an
     image of the same size and dimensions once reused the old pixels' store) or a change to decoding give
     another fingerprint, so a feature store is never reused for other rows or other pixels. Like make and
@@ -87,7 +88,9 @@ def rows_fingerprint(rows) -> str:
     for r in rows:
         h.update(f"{r.modality}\0{r.id}\0{r.group}\0{labels_key(r.labels)}\0".encode("utf-8", "surrogatepass"))
         h.update(_source_key(r, sizes).encode("utf-8", "surrogatepass") + b"\n")
-        svg = svg or (r.modality == "image" and r.source.lower().endswith(SVG_SUFFIXES))
+        # a container's member is decoded as SVG by its bytes, whatever its name (`media._image_from_bytes`)
+        svg = svg or (r.modality == "image" and (r.source.lower().endswith(SVG_SUFFIXES)
+                                                 or packed_parts(r.source) is not None))
     if svg:
         h.update(b"svg renderer\0" + svg_renderer().encode() + b"\n")
     return h.hexdigest()[:16]
@@ -153,11 +156,15 @@ def _source_key(row, sizes: dict) -> str:
     if row.modality == "text":
         return "text:" + str(row.source)
     src = str(row.source)
-    path = container_path(src) or src
+    container = container_path(src)
+    path = container or src
     if path not in sizes:
         try:
             st = os.stat(path)
-            sizes[path] = _folder_key(path) if os.path.isdir(path) else f"{st.st_size}\0{st.st_mtime_ns}"
+            if os.path.isdir(path):   # a folder is walked only as a container: a plain row naming one fails
+                sizes[path] = _folder_key(path) if container else "folder"   # (not_a_file) at extraction
+            else:
+                sizes[path] = f"{st.st_size}\0{st.st_mtime_ns}"
         except OSError:
             sizes[path] = "missing"
     return f"{src}\0{sizes[path]}"
@@ -201,7 +208,13 @@ def _folder_key(path: str) -> str:
     rewritten in place with other images) once kept its rows fingerprint and its old features. Hidden files
     and `datasets`' cache files (`cache-*.arrow`, written beside the data by a map or filter) are left out."""
     h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(path):
+    seen = set()
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=True):   # a split folder linked in counts too
+        real = os.path.realpath(dirpath)
+        if real in seen:      # a link back up the tree: walked once
+            dirnames[:] = []
+            continue
+        seen.add(real)
         dirnames.sort()
         for name in sorted(filenames):
             if name.startswith((".", "cache-")):  # locks, and `datasets`' own cache files of a map or filter
