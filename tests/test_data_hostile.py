@@ -57,6 +57,65 @@ def test_a_row_of_a_non_string_field_is_a_clear_error():
         Row("text", "1", "1", ["a"])
 
 
+@pytest.mark.parametrize("name, body, match", [
+    ("m.csv", "image,text\na.jpg,A dog, running on the beach\n",
+     r"m\.csv:2: 3 fields where the header has 2 .*quote values that hold a comma"),
+    ("m.csv", "image,text,labels\na.jpg,A dog, running,dog\n", r"m\.csv:2: 4 fields where the header has 3"),
+    ("m.tsv", 'image\ttext\na.jpg\tA red car\nb.jpg\t"Stop sign\nc.jpg\tA dog\n',
+     r"m\.tsv: unreadable TSV after line \d.*starts with a double quote"),
+    ("m.tsv", 'image\ttext\nb.jpg\t"Stop sign\nc.jpg\tA dog"\nd.jpg\tTwo cats\n',
+     r"m\.tsv:\d: a value runs over several lines"),
+    ("m.csv", "image,text,image\nfront.jpg,a car,back.jpg\n", r"m\.csv:1: column 'image' appears more than once"),
+])
+def test_a_csv_record_read_otherwise_than_written_is_refused(tmp_path, name, body, match):
+    """An unquoted comma in a caption, a TSV value opened with a quote, a column named twice: DictReader cut the
+    caption (or took its words as a label), swallowed the next records, or kept one of the two columns."""
+    p = tmp_path / name
+    p.write_text(body)
+    with pytest.raises(ValueError, match=match):
+        _rows(p)
+
+
+def test_a_csv_line_with_a_trailing_separator_or_blank_lines_is_read(tmp_path):
+    """What the checks above must not refuse: an empty extra field, blank lines, a quoted comma."""
+    p = tmp_path / "m.csv"
+    p.write_text('text,labels\n"a dog, running",dog,\n\n\nbird,\n')
+    rows = _rows(p)
+    assert [(r.source, r.labels) for r in rows] == [("a dog, running", ("dog",)), ("bird", ())]
+
+
+@pytest.mark.parametrize("column", ["id", "group", "split"])
+def test_a_lone_surrogate_in_a_manifest_key_names_the_line(tmp_path, column):
+    p = tmp_path / "m.jsonl"
+    value = "train\\ud83d" if column == "split" else "x\\ud83d"
+    p.write_text('{"text": "ok"}\n{"text": "b", "%s": "%s"}\n' % (column, value))
+    with pytest.raises(ValueError, match=rf"m\.jsonl:2: column '{column}' holds a lone surrogate"):
+        _rows(p)
+    with pytest.raises(ValueError, match=f"its {column if column != 'split' else 'id'} holds a lone surrogate"):
+        Row("text", "x\ud83d", "g", "a") if column != "group" else Row("text", "x", "g\ud83d", "a")
+
+
+def test_a_caption_that_is_not_text_is_a_reported_row_not_a_failed_extraction(tmp_path):
+    """Its report entry is written with the surrogate escaped: writing it as it was stopped the extraction,
+    and every rerun of it, at report.json."""
+    from ushash.data.extract import extract
+
+    p = tmp_path / "m.jsonl"
+    p.write_text("".join('{"id": "r%d", "text": "%s"}\n' % (i, "a cat \\ud83d" if i == 2 else f"caption {i}")
+                         for i in range(6)))
+    enc = build_encoder({"name": "tiny", "dim": 8, "modalities": ["text"], "device": "cpu"})
+    store = extract(_rows(p), enc, tmp_path / "feat", "mine", "train", batch_size=4, num_workers=0, progress=False)
+    assert len(store.tables["text"].ids) == 5
+    assert [(f["id"], f["code"], f["source"]) for f in store.report["failed"]] == [("r2", "not_text", "a cat \\ud83d")]
+
+
+def test_a_jsonl_integer_past_pythons_digit_limit_names_the_line(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"text": "ok"}\n{"text": "b", "id": ' + "9" * 5000 + "}\n")
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: invalid JSON .*write ids as strings"):
+        _rows(p)
+
+
 @pytest.fixture
 def karpathy(tmp_path):
     (tmp_path / "val2014").mkdir()

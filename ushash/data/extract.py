@@ -289,7 +289,10 @@ def check_bad_rows(report: dict, modality: str, max_bad_frac: float, report_file
 
 
 def _short(source: str, n: int = 200) -> str:
-    return source if len(source) <= n else source[: n - 3] + "..."
+    """`source` for the report: at most `n` characters, and writable as UTF-8 JSON (a caption may hold a lone
+    surrogate, which is why it failed: written as its escape)."""
+    source = source if len(source) <= n else source[: n - 3] + "..."
+    return source.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------- one process

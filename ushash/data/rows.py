@@ -34,6 +34,12 @@ class Row:
             # the store's digests join these with NUL: one inside would let two row lists share a digest
             if "\0" in getattr(self, name):
                 raise ValueError(f"Row {self.id!r}: its {name} holds a NUL character; remove it from the data set")
+        for name in ("id", "group"):   # written to the store's JSON and hashed as UTF-8 (a source is checked
+            try:                       # when it is read: a caption that is not text is a failed row)
+                getattr(self, name).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"Row {self.id!r}: its {name} holds a lone surrogate "
+                                 f"({getattr(self, name)[e.start]!r}); fix it in the data set") from None
 
 
 def check_unique(rows: list[Row], where: str) -> None:

@@ -68,6 +68,8 @@ def read_records(path: Path) -> tuple[list[tuple[int, dict]], list[str]]:
                     except RecursionError:  # nesting deeper than the parser's stack: no manifest needs it
                         raise ValueError(f"manifest {path}:{ln}: JSON nested too deeply; a record is a flat object "
                                          f"of strings (and a list of labels)") from None
+                    except ValueError as e:   # an integer past Python's digit limit
+                        raise ValueError(f"manifest {path}:{ln}: invalid JSON ({e}); write ids as strings") from None
                     if not isinstance(rec, dict):
                         raise ValueError(f"manifest {path}:{ln}: expected a JSON object, got {type(rec).__name__}")
                     columns.update(dict.fromkeys(rec))
@@ -75,19 +77,37 @@ def read_records(path: Path) -> tuple[list[tuple[int, dict]], list[str]]:
             except UnicodeDecodeError as e:
                 raise _not_utf8(path, e) from None
         return records, list(columns)
+    sep = "\t" if fmt == "tsv" else ","
     with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",")
+        reader = csv.DictReader(f, delimiter=sep, strict=True)
         try:
             header = [c.strip() for c in (reader.fieldnames or [])]
+            twice = sorted({c for c in header if header.count(c) > 1})
+            if twice:   # DictReader keeps the last of two columns of one name: the other would be lost unseen
+                raise ValueError(f"manifest {path}:1: column {twice[0]!r} appears more than once in the header; "
+                                 f"give each column its own name")
             reader.fieldnames = header
             for rec in reader:
+                last = reader.line_num
+                extra = [v for v in rec.get(None) or () if v.strip()]
+                if extra:   # an unquoted separator inside a value: DictReader would drop what follows it
+                    raise ValueError(f"manifest {path}:{last}: {len(header) + len(extra)} fields where the header "
+                                     f"has {len(header)} (extra {extra[0]!r:.40}): quote values that hold "
+                                     f"{'a tab' if fmt == 'tsv' else 'a comma'} (\"...\"), or use JSONL")
+                if any("\n" in v or "\r" in v for k, v in rec.items() if k is not None and v):
+                    # a value opened with a quote is read on, through the next records, to the next quote
+                    raise ValueError(f"manifest {path}:{last}: a value runs over several lines (one that starts "
+                                     f"with a double quote is read as quoted up to the next one): quote such "
+                                     f"values and double their quotes (\"\"), or use JSONL")
                 if all(v in (None, "") for k, v in rec.items() if k is not None):
                     continue
-                records.append((reader.line_num, {k: v for k, v in rec.items() if k is not None}))
+                records.append((last, {k: v for k, v in rec.items() if k is not None}))
         except UnicodeDecodeError as e:
             raise _not_utf8(path, e) from None
         except csv.Error as e:  # a field over csv.field_size_limit(), a NUL byte in older Pythons ...
-            raise ValueError(f"manifest {path}: unreadable {fmt.upper()} after line {reader.line_num} ({e})") from None
+            raise ValueError(f"manifest {path}: unreadable {fmt.upper()} after line {reader.line_num} ({e}; a value "
+                             f"that starts with a double quote is read as quoted: quote such values and double "
+                             f"their quotes, or use JSONL)") from None
     return records, header
 
 
@@ -109,6 +129,12 @@ def _text(value, path: Path, ln: int, col: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise ValueError(f"manifest {path}:{ln}: column {col!r} must be a string, got {value!r:.80}")
+    if col not in MODALITIES:   # an id, group or split is written to the store's JSON and hashed as UTF-8; a
+        try:                    # caption is not (one that is not text is a failed row, counted and reported)
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"manifest {path}:{ln}: column {col!r} holds a lone surrogate ({value[e.start]!r}: "
+                             f"half of a character such as an emoji); fix that value") from None
     return value.strip() or None
 
 
