@@ -305,3 +305,17 @@ def test_coco_hf_captions_as_a_sequence_of_structs(tmp_path):
     assert hf._captions({"raw": "one caption", "sentid": 1}) == ["one caption"]
     with pytest.raises(ValueError, match="needs a 'raw' field"):
         hf._captions({"tokens": [["a"]]})
+
+
+def test_a_stray_file_in_a_2014_folder_is_not_an_image_of_the_set(root, tmp_path):
+    """A browser's second download ("COCO_train2014_000000000003 (1).jpg") stopped loading with a bare
+    int() error naming no file; it is not a file of the set, so it is passed over."""
+    import shutil
+
+    copy = tmp_path / "coco"
+    shutil.copytree(root, copy)
+    (copy / "train2014" / "COCO_train2014_000000000003 (1).jpg").write_bytes(b"x")
+    (copy / "train2014" / "COCO_train2014_notes.txt").write_bytes(b"x")
+    rows = load_rows("coco_hashing", "train", root=str(copy), **HASHING)
+    want = load_rows("coco_hashing", "train", root=str(root), **HASHING)
+    assert [(r.id, r.source.replace(str(copy), str(root))) for r in rows] == [(r.id, r.source) for r in want]

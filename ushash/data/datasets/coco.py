@@ -36,6 +36,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from ushash.data.datasets import SPLITS, listing, probe_files, register, resolve_path
@@ -183,10 +184,10 @@ def _image_paths(root: Path, base: Path, names: dict[str, tuple[str, str]]) -> d
         d = base / sub
         if d.is_dir():
             with os.scandir(d) as it:
-                for e in it:
-                    stem = e.name.rsplit(".", 1)[0]
-                    if stem.startswith("COCO_"):
-                        found[str(int(stem.rsplit("_", 1)[1]))] = e.path
+                for e in it:   # COCO_train2014_000000000009.jpg; anything else (a copy "... (1).jpg") is not one
+                    m = re.fullmatch(r"COCO_[a-z]+2014_(\d+)\.[A-Za-z]+", e.name)
+                    if m:
+                        found[str(int(m.group(1)))] = e.path
     if not found:
         missing = sorted({s for s, _ in names.values() if not (base / s).is_dir()})
         raise FileNotFoundError(f"no image folders {missing} (nor train2014/val2014) under {base}; "
