@@ -131,7 +131,8 @@ def test_registry_and_load_rows(tmp_path):
     with pytest.raises(ValueError, match="needs a path"):
         load_rows("manifest", "train", path="???")
     write_jsonl(tmp_path / "t.jsonl", [{"text": "only train", "split": "train"}])
-    with pytest.raises(ValueError, match=r"split 'test' is empty \(other splits: train: 1 rows, val: 0 rows\)"):
+    with pytest.raises(ValueError, match=r"split 'test' is empty \(other splits: train: 1 rows, val: 0 rows\).*"
+                                         r"name the others: extract\.splits=\[train\]"):
         load_rows("manifest", "test", path=str(tmp_path / "t.jsonl"))
 
 

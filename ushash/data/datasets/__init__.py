@@ -59,9 +59,11 @@ def load_rows(name: str, split: str, **cfg) -> list[Row]:
     if not rows:
         found = {s: len(fn(s, **cfg)) for s in SPLITS if s != split}
         where = ", ".join(f"{s}: {n} rows" for s, n in found.items())
+        others = ",".join(s for s in SPLITS if found.get(s))
         raise ValueError(
             f"dataset {name!r} split {split!r} is empty (other splits: {where}); "
-            f"check the data location and split fractions in {cfg}"
+            f"check the data location and split fractions in {cfg}, or, for a data set without that split, "
+            f"name the others: extract.splits=[{others}]"
         )
     check_unique(rows, f"dataset {name!r} split {split!r}")
     return rows
