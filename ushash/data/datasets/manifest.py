@@ -25,6 +25,11 @@ that is missing or fails to decode is dropped (and counted) at extraction, like 
 empty caption: a `text` that is only whitespace, or `""` in JSONL, is a text row that extraction
 reports as "empty caption" (in CSV an empty cell means the record has no caption).
 
+CSV/TSV values that hold the separator or start with a double quote must be quoted ("...", quotes inside
+doubled): a record with more fields than the header, a value that runs over several lines (a quote opened
+and read on through the next records) and a column named twice are refused with their line, since the csv
+reader would otherwise cut the caption, swallow records or keep one of the two columns.
+
 Give an `id` column if the file will be edited: line-number ids move when lines are inserted, and
 ids key resumable feature extraction.
 """
