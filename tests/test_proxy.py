@@ -200,15 +200,15 @@ def _image_chat(url, text="what is in this picture"):
 def test_a_body_of_more_json_values_than_the_limit_is_forwarded_unparsed(monkeypatch):
     """Over max_json_values the proxy does not parse the body (8 MB of `{},` is ~200 MB of Python objects) and
     does not refuse it either: the upstream gets it byte for byte and answers; nothing is stored."""
-    from ushash.serving import service
+    from ushash.serving import proxy, service
 
     head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=24, aligned=True, seed=0)
     cache = SemanticCache(head, {"radius": 4, "payload_threshold": 0.9, "cross_modal": False})
     monkeypatch.setattr(cache, "query", lambda m, data=None, features=None: cache.encoder(m, None, _feats(m, data)))
     up = Upstream()
     body = json.dumps(chat("what is a frog")).encode()
-    parsed, loads = [], service.loads_json
-    monkeypatch.setattr(service, "loads_json", lambda raw: parsed.append(raw) or loads(raw))
+    parsed, loads = [], proxy.loads_json
+    monkeypatch.setattr(proxy, "loads_json", lambda raw: parsed.append(raw) or loads(raw))
     client = TestClient(create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(up),
                                          max_json_values=service.json_values_bound(body)))
     assert client.post("/v1/chat/completions", content=body).headers["x-cache"] == "miss" and parsed == [body]
@@ -251,8 +251,8 @@ def test_requests_holding_what_the_proxy_cannot_key_pass_through(setup):
 def test_cache_control_reads_every_header_line_and_whole_directives(setup):
     client, up, _ = setup
     two_lines = [("authorization", "Bearer " + "a" * 16), ("cache-control", "max-age=0"), ("cache-control", "no-store")]
-    assert client.post("/v1/chat/completions", json=chat("q one"), headers=two_lines).headers["x-cache"] == "miss"
-    # the second line's no-store counted: not stored
+    # max-age=0 asks for a fresh answer (no lookup), and the second line's no-store counted: not stored
+    assert client.post("/v1/chat/completions", json=chat("q one"), headers=two_lines).headers["x-cache"] == "bypass"
     assert client.post("/v1/chat/completions", json=chat("q one"), headers=H()).headers["x-cache"] == "miss"
     client.post("/v1/chat/completions", json=chat("q two"), headers=H())
     r = client.post("/v1/chat/completions", json=chat("q two"), headers=H(**{"Cache-Control": "x-no-cache-hint"}))
@@ -283,6 +283,74 @@ def test_an_answer_the_upstream_marks_unshareable_is_relayed_not_stored(headers,
     assert first.json() == {"answer": 1} and first.headers["x-cache"] == "miss"
     again = client.post("/v1/chat/completions", json=chat("my account balance"))
     assert again.headers["x-cache"] == ("hit" if stored else "miss") and len(calls) == (1 if stored else 2)
+
+
+def _proxy_at(clock, up):
+    head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=24, aligned=True, seed=0)
+    cache = SemanticCache(head, {"radius": 4, "payload_threshold": 0.9, "cross_modal": False, "ttl_jitter": 0.0},
+                          clock=lambda: clock[0])
+    cache.query = lambda m, data=None, features=None: cache.encoder(m, None, _feats(m, data))
+    return TestClient(create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(up)))
+
+
+@pytest.mark.parametrize("headers,later,hit", [
+    ({"cache-control": "max-age=0"}, 1, False), ({"cache-control": "must-revalidate, max-age=0"}, 1, False),
+    ({"cache-control": "max-age=60"}, 30, True), ({"cache-control": "max-age=60"}, 120, False),
+    ({"cache-control": "s-maxage=0, max-age=600"}, 1, False), ({"cache-control": "max-age=600, s-maxage=60"}, 120, False),
+    ({"cache-control": "max-age=600"}, 120, True), ({"cache-control": "max-age=100", "age": "90"}, 30, False),
+    ({"cache-control": "max-age=soon"}, 1, False),
+    ({"date": "Sun, 06 Dec 2026 10:00:00 GMT", "expires": "Sun, 06 Dec 2026 10:01:00 GMT"}, 30, True),
+    ({"date": "Sun, 06 Dec 2026 10:00:00 GMT", "expires": "Sun, 06 Dec 2026 10:01:00 GMT"}, 90, False),
+    ({"expires": "0"}, 1, False), ({}, 3000, True), ({}, 4000, False),
+])
+def test_an_answer_is_kept_no_longer_than_the_upstream_allows(headers, later, hit):
+    """The upstream's freshness (RFC 9111: s-maxage, else max-age, else Expires less Date, less Age) bounds
+    the entry's TTL: an answer of max-age=60 was served for the cache's whole hour, one of max-age=0 too.
+    Without any, the cache's TTL (3600 s) holds."""
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"price": len(calls)}, headers=headers)
+
+    client = _proxy_at(clock, up)
+    assert client.post("/v1/chat/completions", json=chat("price of gold")).headers["x-cache"] == "miss"
+    clock[0] += later
+    again = client.post("/v1/chat/completions", json=chat("price of gold"))
+    assert again.headers["x-cache"] == ("hit" if hit else "miss") and len(calls) == (1 if hit else 2)
+
+
+@pytest.mark.parametrize("headers", [{"Cache-Control": "max-age=0"}, {"Pragma": "no-cache"}])
+def test_a_request_asking_for_a_fresh_answer_skips_the_lookup(setup, headers):
+    client, up, _ = setup
+    client.post("/v1/chat/completions", json=chat("q"), headers=H())
+    r = client.post("/v1/chat/completions", json=chat("q"), headers=H(**headers))
+    assert r.headers["x-cache"] == "bypass" and len(up.calls) == 2
+    # Pragma is HTTP/1.0's: a Cache-Control line of the request takes its place
+    r = client.post("/v1/chat/completions", json=chat("q"), headers=H(Pragma="no-cache", **{"Cache-Control": "max-age=5"}))
+    assert r.headers["x-cache"] == "hit"
+
+
+def test_a_stream_that_reports_an_error_inside_its_200_is_relayed_not_stored():
+    """vLLM and OpenAI-compatible servers report a failure mid-generation as an event whose data holds an
+    `error`, then end the stream as usual: that answer was stored and replayed to every later request."""
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        events = ([b'data: {"delta": "The capital"}\n\n', b'data: {"error": {"message": "out of memory"}}\n\n']
+                  if len(calls) == 1 else [b'data: {"delta": "Paris", "error": null}\n\n'])
+        return httpx.Response(200, headers={"content-type": "text/event-stream; charset=utf-8"},
+                              content=b"".join(events) + b"data: [DONE]\n\n")
+
+    client = _proxy_at(clock, up)
+    body = chat("capital of France", stream=True)
+    first = client.post("/v1/chat/completions", json=body)
+    assert first.headers["x-cache"] == "miss" and b"out of memory" in first.content
+    second = client.post("/v1/chat/completions", json=body)
+    assert second.headers["x-cache"] == "miss" and b"Paris" in second.content and len(calls) == 2
+    third = client.post("/v1/chat/completions", json=body)
+    assert third.headers["x-cache"] == "hit" and third.content == second.content and len(calls) == 2
 
 
 def test_an_image_requests_text_is_filtered_part_by_part(setup):

@@ -21,7 +21,9 @@ replayed as it was streamed); a miss is forwarded, streamed through as it arrive
 most `max_answer_bytes` is stored (a longer one is relayed as it arrives, never held whole; a store that
 fails is logged, and the answer still sent), unless its own headers forbid a shared cache to keep it
 (`Cache-Control: no-store`, `private` or `no-cache`, or a `Vary` on request headers other than
-Accept-Encoding: `answer_storable`). `Cache-Control: no-cache` skips
+Accept-Encoding: `answer_storable`), or it is already stale; one that states its freshness (`s-maxage`,
+`max-age`, `Expires`, less its `Age`: `answer_lifetime`) is kept no longer than that. A request's
+`Cache-Control: no-cache` or `max-age=0` (or `Pragma: no-cache` without a Cache-Control) skips
 the lookup (the fresh answer is stored), `no-store` skips storing (the directives of every Cache-Control
 line). `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
 encoding the request, the search and the check) and, on a forwarded request, the upstream
@@ -58,6 +60,7 @@ from starlette.datastructures import Headers
 
 from ushash.serving import connection
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
+from ushash.serving.cache.entries import loads_json
 from ushash.serving.messages import (content_form, decode_base64, decode_data_url, images_digest, json_digest,
                                      read_content)
 from ushash.serving.service import MAX_JSON_VALUES, check_limits
@@ -194,12 +197,75 @@ def cache_directives(lines: list[str]) -> set[str]:
     return {d.split("=", 1)[0].strip().lower() for line in lines for d in line.split(",")}
 
 
+def _directive_values(lines: list[str]) -> dict[str, str]:
+    """Cache-Control directives of every line: name (lowercase) -> its value ("" for a bare name); the first
+    of a name counts."""
+    out: dict[str, str] = {}
+    for line in lines:
+        for d in line.split(","):
+            name, _, value = d.partition("=")
+            out.setdefault(name.strip().lower(), value.strip().strip('"'))
+    return out
+
+
+def _delta_seconds(value) -> float:
+    """RFC 9111 delta-seconds; anything else is 0 (an invalid freshness value means stale)."""
+    value = str(value or "").strip()
+    return float(value) if value.isdigit() else 0.0
+
+
+def answer_lifetime(headers) -> Optional[float]:
+    """Seconds a shared cache may serve an upstream answer from now on (RFC 9111 4.2): its `s-maxage`, else
+    its `max-age`, else `Expires` less `Date` (an invalid Expires: already stale), less its `Age`; None when
+    it states no freshness (the cache's TTL applies)."""
+    from email.utils import parsedate_to_datetime
+
+    cc = _directive_values(headers.get_list("cache-control"))
+    if "s-maxage" in cc or "max-age" in cc:
+        life = _delta_seconds(cc.get("s-maxage", cc.get("max-age")))
+    elif "expires" in headers:
+        def when(value):
+            try:
+                return parsedate_to_datetime(value).timestamp()
+            except (TypeError, ValueError, IndexError, OverflowError):
+                return None
+
+        expires, date = when(headers.get("expires")), when(headers.get("date") or "")
+        life = 0.0 if expires is None else expires - (date if date is not None else time.time())
+    else:
+        return None
+    return life - _delta_seconds(headers.get("age"))
+
+
+def stream_reports_error(text: str) -> bool:
+    """Whether a server-sent event stream reports a failure inside its 200: an event whose data is a JSON
+    object with a top-level `error` (as vLLM and OpenAI-compatible servers send one mid-generation, then end
+    the stream as usual). Such an answer is relayed, never stored."""
+    for line in text.splitlines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if not data.startswith("{") or '"error"' not in data:
+            continue
+        try:
+            event = loads_json(data.encode())
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(event, dict) and event.get("error") is not None:
+            return True
+    return False
+
+
 def answer_storable(headers) -> bool:
     """Whether a shared cache may keep an upstream answer (RFC 9111): not one its Cache-Control marks
     `no-store`, `private` (one user's) or `no-cache` (every reuse revalidated, which the proxy cannot do),
     nor one whose `Vary` names request headers the proxy does not key by (any but Accept-Encoding: the
-    proxy keeps the decoded body), as `Vary: Accept-Language` or `*`."""
+    proxy keeps the decoded body), as `Vary: Accept-Language` or `*`, nor one already stale
+    (`answer_lifetime` <= 0: `max-age=0`, an `Expires` in the past)."""
     if cache_directives(headers.get_list("cache-control")) & {"no-store", "private", "no-cache"}:
+        return False
+    life = answer_lifetime(headers)
+    if life is not None and life <= 0:
         return False
     vary = {v.strip().lower() for line in headers.get_list("vary") for v in line.split(",")}
     return not (vary - {"", "accept-encoding"})
@@ -308,7 +374,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                      ttl_s: float | None = None, transport=None):
     import httpx
 
-    from ushash.serving.service import _BodyLimit, _ServerFaults, bearer_credentials, loads_json, too_many_values
+    from ushash.serving.service import _BodyLimit, _ServerFaults, bearer_credentials, too_many_values
 
     check_limits({"max_body_bytes": max_body_bytes, "max_json_values": max_json_values,
                   "max_answer_bytes": max_answer_bytes})
@@ -395,8 +461,12 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return err(400, "the request body is not JSON")
         if not isinstance(body, dict):
             return err(400, "the request body must be a JSON object")
-        cc = cache_directives(headers.getlist("cache-control"))
-        no_cache, no_store = "no-cache" in cc, "no-store" in cc
+        lines = headers.getlist("cache-control")
+        cc = _directive_values(lines)
+        # max-age=0 asks for an answer no older than 0 s, as no-cache does; Pragma: no-cache is HTTP/1.0's
+        no_cache = ("no-cache" in cc or ("max-age" in cc and _delta_seconds(cc["max-age"]) == 0)
+                    or (not lines and "no-cache" in cache_directives(headers.getlist("pragma"))))
+        no_store = "no-store" in cc
         try:
             req = extract_request(body, text_path, image_path)
             params = request_params(body, text_path, image_path) if req is not None else None
@@ -483,11 +553,17 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 text = body.decode()
             except UnicodeDecodeError:
                 return
+            if ctype.split(";", 1)[0].strip().lower() == "text/event-stream" and stream_reports_error(text):
+                return
             q, tenant, meta = key
+            ttl, life = ttl_s, answer_lifetime(up.headers)
+            if life is not None:   # kept no longer than the upstream allows, nor than the proxy's or cache's TTL
+                most = ttl_s if ttl_s is not None else cache.freshness.ttl_s   # None or 0: no expiry
+                ttl = life if not most else min(float(most), life)
             try:
                 # in a worker thread: the store may write to the L2 (Redis), never on the event loop
                 await workers.run(functools.partial(cache.store_response, q, {"body": text, "content_type": ctype},
-                                                    metadata=meta, tenant=tenant, ttl=ttl_s))
+                                                    metadata=meta, tenant=tenant, ttl=ttl))
             except Exception as e:   # noqa: BLE001 (the upstream's answer is the client's, stored or not)
                 own.store_failures.inc()
                 log.warning("the upstream's answer was relayed but not stored: %s: %s", type(e).__name__, e)
