@@ -19,6 +19,9 @@ from ushash.serving.langchain import USHashLangChainCache, decode_data_url, pars
 
 DIM = 64
 
+#: how langchain_core's dumps writes a human message's head, in a hand-written prompt
+HUMAN = '"lc": 1, "type": "constructor", "id": ["langchain", "schema", "messages", "HumanMessage"], '
+
 
 def featurize(modality, data):
     """Bag of words (text) or a byte hash (image) into DIM floats: near texts give near features."""
@@ -101,6 +104,11 @@ def test_async_lookup_and_update(lc_cache):
 
 def test_prompt_parsing_is_bounded():
     assert parse_prompt("plain llm prompt")[:3] == ("plain llm prompt", [], "")
+    # a plain LLM's prompt that is a JSON array of records is its text, not messages (one with a number or an
+    # object for its "id" raised TypeError / KeyError inside the LLM call)
+    for prompt in ('[{"id": 7, "name": "frog"}]', '[{"id": {"k": 1}}]', '[{"id": [], "kwargs": {"content": "x"}}]',
+                   "[]", "[" * 5000 + "]" * 5000):
+        assert parse_prompt(prompt)[:3] == (prompt, [], "")
     assert decode_data_url("https://example.com/cat.png") is None
     assert decode_data_url("data:image/png;base64,!!!") is None
     assert decode_data_url("data:image/png;base64," + base64.b64encode(b"ok").decode()) == b"ok"
@@ -118,7 +126,7 @@ def test_what_the_adapter_cannot_read_is_not_cached_and_the_rest_of_each_message
     llm = GenericFakeChatModel(messages=answers, cache=lc_cache)
     assert llm.invoke(remote("https://example.com/a.png")).content == "answer 0"
     assert llm.invoke(remote("https://example.com/b.png")).content == "answer 1"      # not a's answer
-    assert parse_prompt('[{"kwargs": {"content": [{"type": "input_audio"}]}}]')[2] is None
+    assert parse_prompt('[{' + HUMAN + '"kwargs": {"content": [{"type": "input_audio"}]}}]')[2] is None
     # two images: the second is a filter, so a prompt sharing only the first is another entry
     two = lambda second: [HumanMessage(content=[{"type": "text", "text": "which is bigger"}, part(png), part(second)])]
     other = base64.b64encode(b"another image").decode()
@@ -154,12 +162,12 @@ def test_the_shape_of_a_prompt_keys_it_where_an_image_stands_is_never_ignored():
     assert llm.invoke(first).content == "answer 2"
     assert llm.invoke(last).content == "answer 3"
     assert llm.invoke(first).content == "answer 2" and llm.invoke(last).content == "answer 3"
-    assert parse_prompt('[{"kwargs": {"content": "a"}}]')[2] == parse_prompt(
-        '[{"kwargs": {"content": [{"type": "text", "text": "b"}]}}]')[2]                    # one text part each
+    assert parse_prompt('[{' + HUMAN + '"kwargs": {"content": "a"}}]')[2] == parse_prompt(
+        '[{' + HUMAN + '"kwargs": {"content": [{"type": "text", "text": "b"}]}}]')[2]                    # one text part each
     img = '{"type": "image_url", "image_url": {"url": "data:image/png;base64,%s", "detail": "%s"}}'
     png = base64.b64encode(b"pretend image bytes").decode()
     # an image's detail and media type are keyed as the proxy keys them (content_form)
-    digests = {parse_prompt('[{"kwargs": {"content": [%s]}}]' % (img % (png, d)).replace("image/png", t))[2]
+    digests = {parse_prompt(('[{' + HUMAN + '"kwargs": {"content": [%s]}}]') % (img % (png, d)).replace("image/png", t))[2]
                for d in ("low", "high") for t in ("image/png", "image/jpeg")}
     assert len(digests) == 4 and None not in digests
 

@@ -42,26 +42,31 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str], str]:
     another type): keyed by the rest of it, two such prompts would share an answer, so it is not cached."""
     try:
         msgs = json.loads(prompt)
-    except ValueError:
+    except (ValueError, RecursionError):
         return prompt, [], "", json_digest([prompt])
-    if not isinstance(msgs, list):
+    if not (isinstance(msgs, list) and msgs and all(map(_serialised_message, msgs))):
+        # a plain LLM's prompt (one that happens to be a JSON array of records too) is its own text
         return prompt, [], "", json_digest([prompt])
     texts, images, rest = [], [], []
     for m in msgs:
-        kw = m.get("kwargs", {}) if isinstance(m, dict) else {}
+        kw = m.get("kwargs", {})
         kw = kw if isinstance(kw, dict) else {}
-        role = (m.get("id") or ["", "message"])[-1] if isinstance(m, dict) else "message"
+        role = m["id"][-1]
         t, i, complete = read_content(kw.get("content"))
         if not complete:
             return "", [], None, ""
         texts += [f"{role}: {x}" for x in t] if len(msgs) > 1 else t
         images += i
-        if isinstance(m, dict):
-            kept = {k: v for k, v in kw.items() if k != "content"}
-            rest.append({**m, "kwargs": {**kept, "content": content_form(kw.get("content"))}})
-        else:
-            rest.append(m)
+        kept = {k: v for k, v in kw.items() if k != "content"}
+        rest.append({**m, "kwargs": {**kept, "content": content_form(kw.get("content"))}})
     return "\n".join(texts), images, json_digest(rest), json_digest(texts)
+
+
+def _serialised_message(m) -> bool:
+    """A message as langchain_core's `dumps` writes a chat model's prompt: {"lc": 1, "type": "constructor",
+    "id": [..., "HumanMessage"], "kwargs": {...}}."""
+    return (isinstance(m, dict) and m.get("lc") == 1 and isinstance(m.get("id"), list) and bool(m["id"])
+            and all(isinstance(x, str) for x in m["id"]))
 
 
 class USHashLangChainCache(BaseCache):
