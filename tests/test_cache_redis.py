@@ -390,3 +390,26 @@ def test_a_traced_l2_lookup_has_its_own_span(redis_server):
     assert s.attributes["cache.batch_size"] == 1 and s.attributes["cache.hit"] is True
     assert s.attributes["cache.distance"] == 1
     reader.trace(None)
+
+
+def test_a_full_redis_fails_the_puts_but_keeps_serving_what_it_holds(redis_server):
+    """Redis answering with an error (OOM under maxmemory with noeviction, its default policy) is up: the
+    puts fail and are counted, and the circuit stays closed, so the entries it holds are still found (counted
+    as an outage, the errors opened the circuit and cut those lookups too)."""
+    writer = _cache(redis_server, l2={"breaker_failures": 2, "breaker_backoff_s": 60, "watermark_check_s": 60})
+    rng = np.random.default_rng(1)
+    old = rng.normal(size=(5, 16)).astype(np.float32)
+    for i, x in enumerate(old):
+        assert writer.put("text", features=x, value=f"answer {i}")
+    c = redis_server.client
+    c.config_set("maxmemory-policy", "noeviction")
+    c.config_set("maxmemory", str(int(c.info("memory")["used_memory"]) + 1024))
+    try:
+        for x in rng.normal(size=(4, 16)).astype(np.float32):
+            writer.put("text", features=x, value="x" * 100_000)      # stored in L1, refused by a full Redis
+        assert writer.metrics.value("cache_l2_errors_total", op="put") == 4 and writer.l2.available
+        writer.l1.delete_tenant("default")                             # as if its L1 had evicted them
+        assert [writer.get("text", features=x).value for x in old] == [f"answer {i}" for i in range(5)]
+        assert writer.metrics.value("cache_l2_errors_total", op="circuit_open") == 0
+    finally:
+        c.config_set("maxmemory", "0")

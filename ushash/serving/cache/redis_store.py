@@ -28,7 +28,8 @@ The entry hash holds the fields of `ushash.serving.cache.entries.Entry` under th
 
 Failures: every call has a socket timeout; errors are counted (cache_l2_errors_total{op}) and the
 cache carries on with L1 alone. A circuit breaker (pybreaker's state machine) opens after
-`breaker_failures` consecutive failures: the store then stops trying for `breaker_backoff_s` (doubling,
+`breaker_failures` consecutive failures to reach Redis (an error Redis answers with, as OOM when it is full,
+fails that call only): the store then stops trying for `breaker_backoff_s` (doubling,
 as redis-py's ExponentialBackoff, up to `breaker_max_backoff_s`, after each failed trial call), so a dead
 or slow Redis costs nothing per request. One trial call at a time: while it is out, other calls are refused
 as if the circuit were open.
@@ -270,6 +271,14 @@ class RedisStore:
             raise L2Unavailable(op)
         try:
             out = fn()
+        except self._redis.ResponseError as e:
+            # Redis answered, with an error (full under maxmemory with noeviction, a key of another type): the
+            # call failed but Redis is up, so the breaker hears a success: counted as an outage, a full Redis
+            # opened the circuit and cut the lookups it could still answer
+            if self.metrics is not None:
+                self.metrics.l2_errors.labels(op=op).inc()
+            self._report(None)
+            raise L2Unavailable(op) from e
         except (self._redis.RedisError, OSError) as e:
             if self.metrics is not None:
                 self.metrics.l2_errors.labels(op=op).inc()
