@@ -413,3 +413,24 @@ def test_a_full_redis_fails_the_puts_but_keeps_serving_what_it_holds(redis_serve
         assert writer.metrics.value("cache_l2_errors_total", op="circuit_open") == 0
     finally:
         c.config_set("maxmemory", "0")
+
+
+def test_a_revision_reloaded_during_an_l2_outage_is_announced_once_it_is_back(redis_server):
+    """A head without an export time is ranked by when it is first announced: reloaded while the breaker was
+    open, its announce failed and was never tried again, so once Redis answered the replica took the old
+    revision for the newest and served nothing of the new one for good."""
+    import redis
+
+    cfg = {"breaker_failures": 3, "breaker_backoff_s": 0.2, "breaker_max_backoff_s": 0.2}
+    a, b = _cache(redis_server, "r1", l2=cfg), _cache(redis_server, "r1", l2=cfg)
+    time.sleep(0.01)
+    for _ in range(3):                       # a blip seen by replica a: its breaker opens
+        a.l2._report(redis.ConnectionError("blip"))
+    assert not a.l2.available
+    a.reload(_head("r2"))
+    time.sleep(0.3)                          # Redis answers again
+    x = np.ones(16, np.float32)
+    assert a.put("text", features=x, value="r2 answer")
+    assert a.watermark.current and not b.watermark.current
+    assert [m.decode() for m in redis_server.client.zrange("ushash:revisions", 0, -1)] == ["r1", "r2"]
+    assert a.get("text", features=x).value == "r2 answer"

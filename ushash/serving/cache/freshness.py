@@ -217,16 +217,21 @@ class RevisionWatermark:
         self.newest: str | None = self.revision
         self.newest_rank = self.rank if self.rank is not None else -math.inf   # as the L2 last showed it
         self._last = -math.inf
-        self.announce: Callable[[str, float], None] | None = None
+        self._announced = False   # this cache's own revision reached the L2
+        self.announce: Callable[[str, float], bool | None] | None = None
         self.fetch: Callable[[], tuple | None] | None = None
 
-    def attach(self, announce: Callable[[str, float], None], fetch: Callable[[], tuple | None]) -> None:
+    def attach(self, announce: Callable[[str, float], bool | None], fetch: Callable[[], tuple | None]) -> None:
+        """`announce` returns False when the L2 could not be told (it is tried again at each refresh: a
+        reload during an L2 outage once left the new revision unannounced, and the replica that served it
+        stale behind the old one for good)."""
         self.announce, self.fetch = announce, fetch
         self._announce_own()
         self.refresh(force=True)
 
     def _announce_own(self) -> None:
-        self.announce(self.revision, self.rank if self.rank is not None else float(int(self.wall() * 1000)))
+        told = self.announce(self.revision, self.rank if self.rank is not None else float(int(self.wall() * 1000)))
+        self._announced = told is not False
 
     def refresh(self, force: bool = False) -> None:
         if self.fetch is None:
@@ -235,6 +240,8 @@ class RevisionWatermark:
         if not force and now - self._last < self.check_s:
             return
         self._last = now
+        if not self._announced:
+            self._announce_own()
         top = self.fetch()
         if top is None:  # unknown (L2 down): keep the last view
             return

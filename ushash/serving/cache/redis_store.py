@@ -292,12 +292,14 @@ class RedisStore:
         return out
 
     # ------------------------------------------------------------------ revisions
-    def announce(self, revision: str, rank: float) -> None:
-        """Register `revision` with its rank (when its export was made, ms); a known one keeps its rank."""
+    def announce(self, revision: str, rank: float) -> bool:
+        """Register `revision` with its rank (when its export was made, ms); a known one keeps its rank. False
+        when the L2 could not be told."""
         try:
             self._call("announce", lambda: self.r.zadd(self.rev_key(), {revision: float(rank)}, nx=True))
         except L2Unavailable:
-            pass
+            return False
+        return True
 
     def newest_revision(self) -> tuple[str, float] | tuple[None, None] | None:
         """(revision, rank) of the newest announced revision; (None, None) when none is (the key was lost);
