@@ -235,7 +235,7 @@ def test_tenants_are_isolated_in_l2_and_keys_share_a_cluster_slot(redis_server):
     keys = [k.decode() for k in redis_server.client.keys("ushash:*")]
     acme = [k for k in keys if "{acme}" in k]
     assert acme and len({key_slot(k.encode()) for k in acme}) == 1
-    assert all(k == "ushash:revisions" or "{acme}" in k for k in keys)
+    assert all(k in ("ushash:revisions", "ushash:layout") or "{acme}" in k for k in keys)
 
 
 def test_ttl_is_kept_in_redis(redis_server):
@@ -434,3 +434,16 @@ def test_a_revision_reloaded_during_an_l2_outage_is_announced_once_it_is_back(re
     assert a.watermark.current and not b.watermark.current
     assert [m.decode() for m in redis_server.client.zrange("ushash:revisions", 0, -1)] == ["r1", "r2"]
     assert a.get("text", features=x).value == "r2 answer"
+
+
+def test_a_replica_splitting_codes_into_other_chunks_is_refused_at_start(redis_server):
+    """Bucket keys are per code chunk: a replica with another l2.chunks read buckets the others never write,
+    and found none of the entries Redis held (0 of 50 exact repeats), without a word."""
+    a = _cache(redis_server, l2={"prefix": "layout"})
+    x = np.ones(16, np.float32)
+    a.put("text", features=x, value="stored with 4 chunks")
+    assert _cache(redis_server, l2={"prefix": "layout", "chunks": 4}).get("text", features=x) is not None
+    with pytest.raises(ValueError, match=r"l2\.chunks gives chunks=8, but the entries under prefix 'layout' .* "
+                                         r"chunks=4.*Set l2\.chunks=4, or use another l2\.prefix"):
+        _cache(redis_server, l2={"prefix": "layout", "chunks": 8})
+    assert _cache(redis_server, l2={"prefix": "layout-8", "chunks": 8}).get("text", features=x) is None

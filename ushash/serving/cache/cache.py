@@ -134,12 +134,14 @@ class SemanticCache(CheckStore):
     # ------------------------------------------------------------------ (re)loading a head
     def _make_l2(self, bits: int) -> RedisStore:
         c, l2 = self._tier_config, self.config.l2
-        return RedisStore(l2.url, bits=bits, prefix=l2.prefix, chunks=l2.chunks, cluster=l2.cluster,
-                          timeout_s=l2.timeout_s, connect_timeout_s=l2.connect_timeout_s,
-                          breaker_failures=l2.breaker_failures, breaker_backoff_s=l2.breaker_backoff_s,
-                          breaker_max_backoff_s=l2.breaker_max_backoff_s, max_candidates=c.max_candidates,
-                          radius=c.radius, metrics=self.metrics, clock=self.clock, client=self._l2_client,
-                          max_bucket_read=l2.max_bucket_read)
+        store = RedisStore(l2.url, bits=bits, prefix=l2.prefix, chunks=l2.chunks, cluster=l2.cluster,
+                           timeout_s=l2.timeout_s, connect_timeout_s=l2.connect_timeout_s,
+                           breaker_failures=l2.breaker_failures, breaker_backoff_s=l2.breaker_backoff_s,
+                           breaker_max_backoff_s=l2.breaker_max_backoff_s, max_candidates=c.max_candidates,
+                           radius=c.radius, metrics=self.metrics, clock=self.clock, client=self._l2_client,
+                           max_bucket_read=l2.max_bucket_read)
+        store.check_layout()
+        return store
 
     def _install(self, head, encoder=None, calibration: Calibration | None = None) -> None:
         c = self.config

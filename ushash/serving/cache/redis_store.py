@@ -3,6 +3,8 @@
 Layout (prefix "ushash"; {t} is the tenant, a Redis Cluster hash tag, so all of a tenant's keys live in
 one hash slot and multi-key commands and scripts work on a cluster too; a tenant is the sharding unit):
 
+    ushash:layout                           STR   "chunks=<m>": how codes are split into bucket chunks;
+                                                  a replica of another layout is refused at start
     ushash:revisions                        ZSET  revision -> when its export was made (ms); the highest
                                                   score is the watermark (replicas announce what they
                                                   know again when it is lost: freshness.py)
@@ -219,6 +221,25 @@ class RedisStore:
     # ------------------------------------------------------------------ keys
     def rev_key(self) -> str:
         return f"{self.prefix}:revisions"
+
+    def layout_key(self) -> str:
+        return f"{self.prefix}:layout"
+
+    def check_layout(self) -> None:
+        """Record how this store splits codes into bucket chunks, or refuse to start where the replicas already
+        on this Redis and prefix split them otherwise: each would read buckets the other never writes, and
+        find none of its entries while Redis holds them all. Not checked while Redis cannot be reached."""
+        want = f"chunks={self.chunks}"
+        try:
+            old = self._call("layout", lambda: self.r.set(self.layout_key(), want, nx=True, get=True))
+        except L2Unavailable:
+            return
+        old = old.decode() if isinstance(old, bytes) else old
+        if old is not None and old != want:
+            raise ValueError(f"l2.chunks gives {want}, but the entries under prefix {self.prefix!r} on this Redis "
+                             f"were stored with {old}: a replica of another layout finds none of them. Set "
+                             f"l2.{old}, or use another l2.prefix (or delete {self.layout_key()!r} and the "
+                             f"prefix's keys to change it for all)")
 
     def entry_key(self, tenant: str, eid: str) -> str:
         return f"{self.prefix}:{{{tenant}}}:e:{eid}"
