@@ -186,3 +186,30 @@ def test_a_tar_in_a_folder_whose_name_holds_a_hash_is_tracked(tmp_path):
     before = rows_fingerprint(rows)
     tar.write_bytes(b"tar, version 2 with other images")
     assert rows_fingerprint(rows) != before
+
+
+def test_a_store_replaced_by_a_run_killed_midway_is_found_whole(tmp_path, monkeypatch):
+    """`finish` removed the older store in place: a kill midway left a half-deleted store that every later
+    run found, could not open, and would not replace. It is renamed aside first, then removed."""
+    from ushash.data import store
+
+    def table(value):
+        return {"text": {"x": np.full((2, 4), value, np.float32), "ids": ["a", "b"], "groups": ["a", "b"]}}
+
+    enc = {"name": "tiny", "fingerprint": "0" * 12, "config": {}}
+    out = tmp_path / "toy" / "train" / "tiny-000000000000-r0123456789abcdef"
+    store.write_split(out, "toy", "train", table(1.0), enc, rows="0123456789abcdef")
+    store.write_split(tmp_path / "new", "toy", "train", table(2.0), enc, rows="0123456789abcdef")
+    os.replace(tmp_path / "new", store.partial_path(out))
+    rmtree = store.shutil.rmtree
+
+    def killed(path, *a, **kw):
+        os.unlink(os.path.join(path, "meta.json"))
+        raise KeyboardInterrupt("killed while removing the older store")
+
+    monkeypatch.setattr(store.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        store.finish(store.partial_path(out), out)
+    monkeypatch.setattr(store.shutil, "rmtree", rmtree)
+    assert float(np.asarray(store.open_split(out).tables["text"].x)[0, 0]) == 2.0
+    assert store.stores_named(out.with_name("tiny-000000000000")) == [out]   # not the one set aside

@@ -29,6 +29,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -282,8 +283,9 @@ def stores_named(folder: Path) -> list[Path]:
     """The finished stores `folder` (an `identity_path` without rows) names, with or without a rows
     fingerprint (`folder`, `folder-r<rows>`)."""
     folder = Path(folder)
+    named = re.compile(re.escape(folder.name) + r"(-r[0-9a-f]{16})?")   # not a `.partial` or `.old` beside them
     return sorted(p for p in folder.parent.glob(folder.name + "*")
-                  if (p / "meta.json").exists() and (p.name == folder.name or p.name.startswith(folder.name + "-r")))
+                  if (p / "meta.json").exists() and named.fullmatch(p.name))
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -417,12 +419,21 @@ def finish(work: Path, out: Path) -> FeatureSplit:
 
     Every file of it is fsynced first, and the folders after the rename: only meta.json (written by
     `write_json`) was, so a power cut after the rename could leave a finished-looking store whose arrays or
-    row lists had not reached the disk (zeros or a short file under a whole meta.json)."""
+    row lists had not reached the disk (zeros or a short file under a whole meta.json).
+
+    An older `out` is renamed aside before the new one takes its place, and removed after: removed in place,
+    a kill midway left a half-deleted store that every later run found, could not open, and would not
+    replace (the finished `.partial` beside it unused)."""
     _sync_tree(work)
+    old = out.with_name(out.name + ".old")
+    if old.exists():       # left by a kill after an earlier rename aside
+        shutil.rmtree(old)
     if out.exists():
-        shutil.rmtree(out)
+        os.replace(out, old)
     os.replace(work, out)
     fsync_dir(out.parent)
+    if old.exists():
+        shutil.rmtree(old)
     return open_split(out)
 
 
