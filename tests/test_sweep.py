@@ -234,6 +234,12 @@ def test_aggregate_tables_and_plots(tmp_path):
     (exp / "results.json").unlink()
     with pytest.raises(ValueError, match="different settings"):  # two lsh-16b-s0 runs: which grid is meant?
         sweep.aggregate(exp)
+    # a multirun that swept a setting beyond method, bits and seed gives its table both runs' digests: one of
+    # the two lsh-16b-s0 runs silently stood for both ("Runs: 2", one value, no ±)
+    digests = [json.loads(p.read_text())["digest"] for p in (exp / "runs").glob("lsh-16b-s0-*/result.json")]
+    assert len(digests) == 2
+    with pytest.raises(ValueError, match=r"different settings; a multirun's table keys its runs by method, bits"):
+        sweep.aggregate(exp, digests=digests, out_dir=tmp_path / "variant")
 
 
 def test_a_seed_cell_is_rounded_once_where_it_is_printed():

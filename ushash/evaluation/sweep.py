@@ -325,13 +325,16 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
             raise FileNotFoundError(f"{len(unreadable)} run result(s) under {exp / 'runs'} are unreadable "
                                     f"({', '.join(f.parent.name for f in unreadable[:5])}); run the sweep again, "
                                     "which makes them again, then aggregate")
-        by_key: dict = {}
-        for r in results:
-            by_key.setdefault(r["key"], []).append(r)
-        clash = sorted(k for k, rs in by_key.items() if len(rs) > 1)
-        if clash:
-            raise ValueError(f"{exp / 'runs'} holds runs of {clash[:3]} with different settings; aggregate one grid "
-                             "by running the sweep (python -m ushash.sweep -m experiment=...), which records its runs")
+    by_key: dict = {}
+    for r in results:
+        by_key.setdefault(r["key"], []).append(r)
+    clash = sorted(k for k, rs in by_key.items() if len(rs) > 1)
+    if clash:   # a table cell is one (method, bits, seed): one run would silently stand for the others
+        raise ValueError(f"{exp / 'runs'} holds runs of {clash[:3]} with different settings"
+                         + ("; a multirun's table keys its runs by method, bits and seed: sweep another setting in "
+                            "multiruns of their own (one variant folder each)" if digests is not None else
+                            "; aggregate one grid by running the sweep (python -m ushash.sweep -m experiment=...), "
+                            "which records its runs"))
     not_applicable = [{"key": r["key"], "reason": r["reason"], "digest": r.get("digest")}
                       for r in results if r.get("status") == "not_applicable"]
     results = [r for r in results if r.get("status") != "not_applicable"]
