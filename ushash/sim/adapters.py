@@ -70,20 +70,26 @@ def _settings(name: str, settings: dict, allowed: dict) -> dict:
     return {**allowed, **settings}
 
 
-def _expiry(now: float, ttl_s: float | None) -> float:
-    return now + ttl_s if ttl_s else math.inf
+def _freshness(ttl_s: float | None, jitter: float):
+    """The expiry rule the code caches replay with (`Freshness`: ttl x (1 - jitter x u), seeded as theirs), so
+    that every cache of a replay loses its entries alike (the baselines once kept theirs the whole ttl while
+    the code caches' expired up to `jitter` earlier)."""
+    from ushash.serving.cache.freshness import Freshness
+
+    return Freshness(ttl_s or None, float(jitter), 0.0, rng=random.Random(0))
 
 
 class ExactKeyCache:
     """An exact-key cache: sha256 of the normalised input (what a plain HTTP/LLM response cache does).
     It does not track model revisions: after a change it keeps serving the old model's answers."""
 
-    def __init__(self, pool: Pool, clock: SimClock, ttl_s: float | None):
-        self.name, self.keys, self.clock, self.ttl_s = "exact key", pool.key, clock, ttl_s
+    def __init__(self, pool: Pool, clock: SimClock, ttl_s: float | None, ttl_jitter: float = 0.0):
+        self.name, self.keys, self.clock, self.ttl_s, self.ttl_jitter = "exact key", pool.key, clock, ttl_s, ttl_jitter
         self.reset()
 
     def reset(self, **settings) -> None:
         _settings(type(self).__name__, settings, {})
+        self.freshness = _freshness(self.ttl_s, self.ttl_jitter)
         self.d: dict[bytes, tuple[int, float, int]] = {}
         self.n_rev = 0
 
@@ -97,7 +103,7 @@ class ExactKeyCache:
         return Outcome(True, e[0], e[2] != self.n_rev)
 
     def store(self, i: int, value: int) -> None:
-        self.d[self.keys[i]] = (value, _expiry(self.clock(), self.ttl_s), self.n_rev)
+        self.d[self.keys[i]] = (value, self.freshness.expiry(self.clock()), self.n_rev)
 
     def nearest_value(self, i: int) -> int | None:
         return None
@@ -112,8 +118,9 @@ class CosineCache:
     """GPTCache / RedisVL-like: float embeddings, flat inner-product index, one global threshold, TTL;
     entries are not tied to a model revision (those caches do not track one). Setting: `threshold`."""
 
-    def __init__(self, head, pool: Pool, clock: SimClock, ttl_s: float | None, threshold: float = 0.8):
-        self.name, self.clock, self.ttl_s = "float z cosine", clock, ttl_s
+    def __init__(self, head, pool: Pool, clock: SimClock, ttl_s: float | None, threshold: float = 0.8,
+                 ttl_jitter: float = 0.0):
+        self.name, self.clock, self.ttl_s, self.ttl_jitter = "float z cosine", clock, ttl_s, ttl_jitter
         self.base = {"threshold": float(threshold)}
         z = np.zeros((len(pool), head.dim), np.float32)
         mods = np.asarray(pool.modality)
@@ -128,6 +135,7 @@ class CosineCache:
         import faiss
 
         self.threshold = float(_settings(type(self).__name__, settings, self.base)["threshold"])
+        self.freshness = _freshness(self.ttl_s, self.ttl_jitter)
         self.index = faiss.IndexFlatIP(self.z.shape[1])
         self.values, self.expires, self.rev = [], [], []
         self.n_rev = 0
@@ -161,7 +169,7 @@ class CosineCache:
     def store(self, i: int, value: int) -> None:
         self.index.add(self.z[i:i + 1])
         self.values.append(value)
-        self.expires.append(_expiry(self.clock(), self.ttl_s))
+        self.expires.append(self.freshness.expiry(self.clock()))
         self.rev.append(self.n_rev)
 
     def nearest_value(self, i: int) -> int | None:

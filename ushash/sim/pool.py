@@ -133,8 +133,8 @@ def pool_from_media(rows, encoder, n_variants: int = 1, jpeg_quality: int = 40, 
     rng = np.random.default_rng(seed)
     gid = {g: i for i, g in enumerate(sorted({r.group for r in rows}))}
     pool = Pool(variant_note=f"raw media through the encoder: images JPEG q={jpeg_quality} re-encoded and "
-                             f"centre-cropped to {crop_frac:.0%}; sounds with white noise at {snr_db} dB SNR and "
-                             f"-6 dB gain; captions: " + ", ".join(
+                             f"cropped at a random place to {crop_frac:.0%} of each side; sounds at -6 dB gain with "
+                             f"white noise {snr_db} dB below the original's power; captions: " + ", ".join(
                                  f"{k} ({CAPTION_VARIANTS[k][1]}; {'changes' if CAPTION_VARIANTS[k][0] else 'keeps'} "
                                  f"the MiniLM encoding)" for k in captions) + f"; {n_variants} of each")
     items: list[tuple[str, object, int, str, bytes]] = []

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from ushash.config import to_dict
+from ushash.serving.cache import CacheConfig
 from ushash.sim.adapters import CacheUnderTest, CosineCache, ExactKeyCache, LSHCodesCache, USHashCache
 from ushash.sim.config import check_replay_settings
 from ushash.sim.pool import Pool, build_pool
@@ -150,6 +151,7 @@ def _run(cfg: DictConfig, head, pool: Pool | None) -> dict:
     clock = SimClock()
     cache_cfg = {**to_dict(cfg.cache), "l2": None}
     ttl = cache_cfg.get("ttl_s")
+    jitter = float(cache_cfg.get("ttl_jitter", CacheConfig.ttl_jitter))   # the baselines expire as the code caches do
     kw = dict(seconds_per_request=float(st.seconds_per_request), revision_change_at=float(st.revision_change_at),
               progress=bool(cfg.get("progress", True)))
     radius, thr = int(cache_cfg["radius"]), float(cfg.cosine_threshold)
@@ -167,10 +169,11 @@ def _run(cfg: DictConfig, head, pool: Pool | None) -> dict:
 
     t0 = time.perf_counter()
     if "exact" in methods:
-        rows += sweep(ExactKeyCache(pool, clock, ttl), EXACT, [("-", {}, {})], stream, pool, clock, **kw)
+        rows += sweep(ExactKeyCache(pool, clock, ttl, jitter), EXACT, [("-", {}, {})], stream, pool, clock, **kw)
     if "cosine" in methods:
         ths = sorted(set([float(x) for x in cfg.sweep.thresholds] + [thr]), reverse=True)
-        pts = sweep(CosineCache(head, pool, clock, ttl, threshold=thr), f"float z cosine (GPTCache-like, {head.dim}-d fp32)",
+        pts = sweep(CosineCache(head, pool, clock, ttl, threshold=thr, ttl_jitter=jitter),
+                    f"float z cosine (GPTCache-like, {head.dim}-d fp32)",
                     [(f"cos >= {th:g}", {"threshold": th}, {"threshold": th}) for th in ths], stream, pool, clock, **kw)
         sweeps["float z cosine"] = pts
         rows.append(next(p for p in pts if p["threshold"] == thr))
