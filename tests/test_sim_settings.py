@@ -19,6 +19,7 @@ from ushash.sim.replay import run_cachesim
     ("cosine_threshold=1.5", "cosine_threshold"),
     ("split=train", "split=train: the heads were trained on it"),  # flattering hit rates, reported as a replay
     ("split=tset", "split=tset: unknown split"),
+    ("cache.calibration=cal.json", "cache.calibration: the replay sweeps"),   # every swept point the same one
 ])
 def test_meaningless_replay_settings_are_refused(override, field):
     cfg = compose("cachesim", ["export=nowhere", override])

@@ -141,6 +141,12 @@ def check_replay_settings(cfg) -> None:
                          f"got {st.revision_change_at}")
     if not -1.0 <= float(cfg.cosine_threshold) <= 1.0:
         raise ValueError(f"cosine_threshold is a cosine in [-1, 1]; got {cfg.cosine_threshold}")
+    if cfg.get("cache") is not None and cfg.cache.get("calibration"):
+        # a calibration sets every pair's radius and threshold: the sweeps over both would replay one point
+        # under many labels (and the LSH cache is not the head it was made for)
+        raise ValueError("cache.calibration: the replay sweeps the radius and the payload threshold, which a "
+                         "calibration fixes; measure a calibration with benchmarks/false_hit_budget.py (or "
+                         "ushash.sim.calibrate.measure)")
 
 
 def register_schema() -> None:
