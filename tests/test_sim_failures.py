@@ -150,3 +150,16 @@ def test_the_cachesim_verb_runs_a_scenario_and_writes_table_and_plot(tmp_path):
     assert set(res["results"]["breakdown"]["runs"]) == {"off", *DEFENCES, "defaults"}
     with pytest.raises(Exception):
         compose("cachesim", [f"paths.root={tmp_path}", "failures.workers=many"])
+
+
+@pytest.mark.parametrize("scenario", ["qos", "adaptive_ttl"])
+def test_a_policy_run_refuses_the_settings_it_does_not_take(tmp_path, scenario):
+    """The policy runs are set in ushash/sim/policies.py: failures.seed=7 gave the same results as seed 0 in
+    another folder. Such overrides are refused, before anything runs."""
+    from ushash.sim.replay import run_cachesim
+
+    for override in ("failures.seed=7", "defences.single_flight=false"):
+        cfg = compose("cachesim", [f"paths.root={tmp_path}", f"scenario={scenario}", override])
+        with pytest.raises(ValueError, match=f"scenario={scenario} takes no failures"):
+            run_cachesim(cfg)
+    assert not (tmp_path / "experiments").exists()

@@ -424,7 +424,15 @@ def run_failures(cfg) -> dict:
     for n in names:
         if n not in SCENARIOS + POLICY_RUNS:
             raise ValueError(f"unknown scenario {n!r}; choose all or one of {SCENARIOS + POLICY_RUNS}")
-    settings = {"scenario": str(cfg.scenario), "failures": dataclasses.asdict(f), "defences": dataclasses.asdict(d)}
+    if cfg.scenario in POLICY_RUNS:
+        # the policy runs are set in ushash/sim/policies.py: failures.* and defences.* (its seed too) changed
+        # nothing of them, yet named another output folder
+        if f != FailuresConfig() or d != DefencesConfig():
+            raise ValueError(f"scenario={cfg.scenario} takes no failures.* or defences.* settings (its runs are set in "
+                             f"ushash/sim/policies.py); drop those overrides")
+        settings = {"scenario": str(cfg.scenario)}
+    else:
+        settings = {"scenario": str(cfg.scenario), "failures": dataclasses.asdict(f), "defences": dataclasses.asdict(d)}
     digest = settings_digest(settings, 10)
     name = f"scenario-{cfg.scenario}-{digest}"
     out = Path(cfg.out) if cfg.get("out") else Path(cfg.paths.experiments_dir) / "cachesim" / name
