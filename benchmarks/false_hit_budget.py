@@ -111,24 +111,40 @@ def markdown(results: list[dict], meta: dict, detail=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _repo_relative(path) -> str:
+    """`path` relative to the repository where it lies inside it (a kept result names no machine's folder)."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(ROOT.resolve()))
+    except ValueError:
+        return str(p)
+
+
 def resumed(export: str, a, settings: CalibrationSettings) -> dict:
     """run(), or its result kept in --out from an earlier run of the same head revision, settings and code
-    (an interrupted benchmark resumes with the next export; a changed cache runtime, simulator or package
-    computes it again)."""
+    (an interrupted benchmark resumes with the next export; a changed cache runtime, simulator, package, this
+    benchmark or features folder computes it again)."""
+    import hashlib
+
+    from ushash.core.io import atomic_write
     from ushash.core.provenance import made_by, runtime_digest
 
     head = load_export(export)
     key = {"revision": head.revision, "budgets": a.budgets, "requests": a.requests, "test_requests": a.test_requests,
-           "settings": str(settings), "made_by": made_by(), "runtime": runtime_digest()}
+           "settings": str(settings), "made_by": made_by(), "runtime": runtime_digest(),
+           "features_dir": _repo_relative(a.features_dir),
+           "benchmark": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
     part = Path(a.out) / f"part-{Path(export).name}.json"
     if part.exists():
-        kept = json.loads(part.read_text())
+        try:
+            kept = json.loads(part.read_text())
+        except ValueError:   # unreadable: computed again
+            kept = {}
         if kept.get("key") == key:
             print(f"{export}: kept from {part.name} (revision {head.revision})", flush=True)
             return kept["result"]
     res = run(export, Path(a.features_dir), a.budgets, a.requests, a.test_requests, settings, Path(a.out))
-    part.parent.mkdir(parents=True, exist_ok=True)
-    part.write_text(json.dumps({"key": key, "result": res}, default=float))
+    atomic_write(part, json.dumps({"key": key, "result": res}, default=float))
     return res
 
 

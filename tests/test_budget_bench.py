@@ -315,3 +315,35 @@ def test_false_hit_budget_rows_every_budget_and_details_those_asked():
         assert "| a | 0.01 | image>image (5, 0.98) | 0.9700 |" in md and "| a | 0.05 | image>image (5, 0.98) |" in md
     assert "TABLE 0.01" in every and "TABLE 0.05" in every
     assert "TABLE 0.01" in one and "TABLE 0.05" not in one and "a, budget 0.05, measured on test" not in one
+
+
+def test_a_kept_budget_result_is_keyed_by_the_features_it_was_computed_from(tmp_path, monkeypatch):
+    """benchmarks/false_hit_budget.py keeps each export's result for an interrupted run to resume: one made from
+    data/features was served for another --features-dir (and a part cut short by a kill stopped the run)."""
+    import argparse
+    import types
+
+    from ushash.serving.calibration import CalibrationSettings
+
+    fhb = _load("false_hit_budget", "benchmarks/false_hit_budget.py")
+    calls = []
+    monkeypatch.setattr(fhb, "load_export", lambda export: types.SimpleNamespace(revision="r1"))
+    monkeypatch.setattr(fhb, "run", lambda export, features_dir, *a: calls.append(str(features_dir)) or
+                        {"made_from": str(features_dir)})
+    s = CalibrationSettings()
+
+    def args(features):
+        return argparse.Namespace(budgets=[0.01], requests=10, test_requests=10, out=str(tmp_path), features_dir=features)
+
+    assert fhb.resumed("exports/x", args(ROOT / "data" / "features"), s)["made_from"].endswith("features")
+    assert fhb.resumed("exports/x", args(ROOT / "data" / "features"), s) and len(calls) == 1   # kept
+    assert fhb.resumed("exports/x", args(tmp_path / "other"), s) == {"made_from": str(tmp_path / "other")}
+    assert len(calls) == 2 and "data/features" not in (tmp_path / "part-x.json").read_text()   # computed again
+    (tmp_path / "part-x.json").write_text('{"key": {"revis')            # a part cut short by a kill
+    assert fhb.resumed("exports/x", args(tmp_path / "other"), s) and len(calls) == 3   # is computed again
+    import json
+
+    key = json.loads((tmp_path / "part-x.json").read_text())["key"]
+    assert key["features_dir"] == str((tmp_path / "other").resolve())
+    fhb.resumed("exports/x", args(ROOT / "data" / "features"), s)        # the repository's: named relative to it
+    assert json.loads((tmp_path / "part-x.json").read_text())["key"]["features_dir"] == "data/features"
