@@ -322,3 +322,13 @@ def test_a_run_another_process_is_making_is_waited_for_not_made_twice(tmp_path):
     finally:
         other.wait(timeout=60)
     assert second.get("made_by") == "the other sweep"  # waited, then found it done: not computed again
+
+
+@pytest.mark.parametrize("override,match", [("+sweep.k=20", r"sweep\.k=20: a sweep's tables report mAP@10"),
+                                            ("+sweep.denominator=found", r"sweep\.denominator=found: .*use min or all")])
+def test_sweep_settings_its_tables_cannot_report_are_refused_before_a_run(tmp_path, override, match):
+    """sweep.k=20 or denominator=found ran, wrote its result, then raised KeyError (map@10, tie_map@10) in the
+    run's log line and in the table, every time the sweep was run again."""
+    with pytest.raises(ValueError, match=match):
+        sweep.run_one(_cfg(tmp_path, "method=itq", "bits=16", "seed=0", override))
+    assert not (tmp_path / "experiments").exists()

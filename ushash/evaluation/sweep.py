@@ -58,6 +58,14 @@ PROTOCOL_DOC = {
 def sweep_settings(cfg: DictConfig) -> dict:
     s = dict(DEFAULTS)
     s.update(to_dict(cfg.get("sweep")) or {})
+    # a sweep's tables, plots and selection read the tie-aware mAP@10 (the KeyError came after every run)
+    if int(s["k"]) != 10:
+        raise ValueError(f"sweep.k={s['k']}: a sweep's tables report mAP@10, R@1/R@10 and P@10; evaluate another k "
+                         f"with python -m ushash.eval ckpt=... k={s['k']}")
+    if s["denominator"] not in ("min", "all"):
+        raise ValueError(f"sweep.denominator={s['denominator']}: a sweep reports the tie-aware mAP@10, which only "
+                         f"min and all have (found's Z depends on the order of ties); use min or all, or "
+                         f"python -m ushash.eval ckpt=... denominator={s['denominator']}")
     if not s["name"]:
         s["name"] = f"{cfg.data.name}-{cfg.encoder.name}"
     return s
