@@ -273,16 +273,21 @@ def run_step(name: str) -> None:
     t0 = time.perf_counter()
     log = ROOT / "experiments" / "reproduce" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
+    # printed into a file of its own, which becomes the step's log only when the command succeeds: a failed or
+    # interrupted run once left its partial output as the log that publish prints
+    new = log.with_name(f"{name}.new.log")
+    with open(new, "w") as out, open(log.with_suffix(".err"), "w") as err:
         rc = subprocess.call(argv_of(line), cwd=ROOT, stdout=out, stderr=err)
     stamp = {"command": line, "date": datetime.date.today().isoformat(), "machine": machine(),
              "versions": versions(), "wall_s": round(time.perf_counter() - t0, 1), "returncode": rc}
     if not rc:
+        os.replace(new, log)
         stamp["outputs"] = digests(name)
         stamp["made_from"] = {n: digests(n) for n in NEEDS.get(name, [])}
+        stamp["log_sha256"] = hashlib.sha256(log.read_bytes()).hexdigest()
     log.with_suffix(".json").write_text(json.dumps(stamp, indent=1) + "\n")
     if rc:
-        raise SystemExit(f"[reproduce] {name} failed (exit {rc}); its output: {log}, {log.with_suffix('.err')}")
+        raise SystemExit(f"[reproduce] {name} failed (exit {rc}); its output: {new}, {log.with_suffix('.err')}")
 
 
 def run_readme() -> None:
@@ -453,9 +458,22 @@ def sweep_body(exp: str, step: str) -> str | None:
             f"`experiments/{exp}/results.md`.\n\n#### Summary" + summary)
 
 
+def printed_log(step: str) -> Path | None:
+    """The log a step's printed block is made from, where its stamp describes it: the step's last run
+    succeeded and, where the stamp records the log's digest, the log is that one; else None (publish leaves
+    the block as it is)."""
+    log = ROOT / "experiments" / "reproduce" / f"{step}.log"
+    rec = stamp_record(step)
+    if not log.exists() or rec is None or rec.get("returncode"):
+        return None
+    if "log_sha256" in rec and hashlib.sha256(log.read_bytes()).hexdigest() != rec["log_sha256"]:
+        return None
+    return log
+
+
 def demo_body() -> str | None:
-    log = ROOT / "experiments" / "reproduce" / "demo.log"
-    if not log.exists():
+    log = printed_log("demo")
+    if log is None:
         return None
     lines = [l.split("] ", 1)[-1] if l.startswith("[") else l
              for l in log.read_text(encoding="utf-8", errors="replace").splitlines()]
@@ -471,8 +489,8 @@ def demo_body() -> str | None:
 
 
 def printed_body(step: str) -> str | None:
-    log = ROOT / "experiments" / "reproduce" / f"{step}.log"
-    if not log.exists() or not log.read_text().strip():
+    log = printed_log(step)
+    if log is None or not log.read_text().strip():
         return None
     text = re.sub(r"^### ", "#### ", log.read_text(encoding="utf-8").strip(), flags=re.M)
     return f"Printed by {stamp_of(step)}:\n\n" + text

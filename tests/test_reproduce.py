@@ -3,6 +3,8 @@
 import importlib.util
 import json
 
+import pytest
+
 from ushash.config import ROOT
 
 
@@ -268,6 +270,40 @@ def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_desc
         raise AssertionError("publish stamped old results with a failed run")
     except SystemExit as e:
         assert "bench: its last run" in str(e) and "failed with exit" in str(e)
+
+
+def test_a_printed_block_is_published_only_from_a_log_its_stamp_describes(tmp_path, monkeypatch):
+    """A printed block (a benchmark's table, the demo's) is the step's log: a failed or interrupted rerun once
+    left its partial output there, and publish printed it under the last good run's stamp."""
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "machine", lambda: "2 x86_64 cores (test CPU), no GPU")
+    bench = tmp_path / "bench.py"
+    bench.write_text("import sys\nprint('| a | 100 |')\nif sys.argv[1] == 'fail':\n    sys.exit(3)\n"
+                     "print('| b | 200 |')\n")
+    monkeypatch.setattr(r, "STEPS", {"bench": f"python {bench} ok"})
+    monkeypatch.setattr(r, "PRINTED_BLOCKS", {"bench": ("doc.md", "bench")})
+    for table in ("SWEEP_BLOCKS", "RESULT_BLOCKS", "VARIANT_STEPS", "SEARCH_STEPS", "CROSS_STEPS", "MADE_BLOCKS",
+                  "NEEDS"):
+        monkeypatch.setattr(r, table, {})
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- reproduce:bench -->\nold\n<!-- /reproduce:bench -->\n")
+    r.run_step("bench")
+    r.publish()
+    good = doc.read_text()
+    assert "| b | 200 |" in good and "test CPU" in good
+    monkeypatch.setitem(r.STEPS, "bench", f"python {bench} fail")
+    with pytest.raises(SystemExit, match="bench failed"):
+        r.run_step("bench")
+    log = tmp_path / "experiments" / "reproduce" / "bench.log"
+    assert "| b | 200 |" in log.read_text()          # the last good run's log is kept
+    r.publish()
+    assert doc.read_text() == good                     # and the block with it: not published under a failed stamp
+    monkeypatch.setitem(r.STEPS, "bench", f"python {bench} ok")
+    r.run_step("bench")
+    log.write_text("| a | 1 |\n")                     # a log its stamp does not describe
+    r.publish()
+    assert doc.read_text() == good
 
 
 def test_reaggregate_remakes_a_sweeps_tables_from_its_runs_and_says_so(tmp_path, monkeypatch):
