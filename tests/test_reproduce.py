@@ -192,23 +192,30 @@ def test_previous_recipe_block_has_a_row_per_set_length_and_recipe(tmp_path, mon
     assert rows[2].split(" | ")[4:6] == ["0.3100 ± 0.0100", "0.3000 ± 0.0000"]
 
 
-def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_describe(tmp_path, monkeypatch):
-    """A results file rewritten outside reproduce, or downstream results made from an upstream step's earlier
-    results (budget_heads run again under the cache benchmarks), stop publish before it writes any block."""
+def _isolated(tmp_path, monkeypatch, **tables):
+    """scripts/reproduce.py run in `tmp_path`, on a test CPU, with only the steps and blocks given (every other
+    table of steps and blocks empty)."""
     r = _reproduce()
     monkeypatch.setattr(r, "ROOT", tmp_path)
     monkeypatch.setattr(r, "machine", lambda: "2 x86_64 cores (test CPU), no GPU")
+    for table in ("STEPS", "NEEDS", "SWEEP_BLOCKS", "PRINTED_BLOCKS", "RESULT_BLOCKS", "VARIANT_STEPS", "SEARCH_STEPS",
+                  "CROSS_STEPS", "MADE_BLOCKS"):
+        monkeypatch.setattr(r, table, tables.get(table, {}))
+    return r
+
+
+def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_describe(tmp_path, monkeypatch):
+    """A results file rewritten outside reproduce, or downstream results made from an upstream step's earlier
+    results (budget_heads run again under the cache benchmarks), stop publish before it writes any block."""
     write = tmp_path / "write.py"
     write.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True)\n"
                      "p.write_text(sys.argv[2])\n")
-    monkeypatch.setattr(r, "STEPS", {"heads": f"python {write} experiments/heads/results.md heads-A",
-                                     "bench": f"python {write} experiments/bench/results.md bench-1"})
-    monkeypatch.setattr(r, "NEEDS", {"bench": ["heads"]})
-    monkeypatch.setattr(r, "RESULT_BLOCKS", {"heads": ("doc.md", "heads", "experiments/heads/results.md"),
-                                             "bench": ("doc.md", "bench", "experiments/bench/results.md")})
-    for table in ("SWEEP_BLOCKS", "PRINTED_BLOCKS", "VARIANT_STEPS", "SEARCH_STEPS", "CROSS_STEPS"):
-        monkeypatch.setattr(r, table, {})
-    monkeypatch.setattr(r, "MADE_BLOCKS", {})
+    r = _isolated(tmp_path, monkeypatch,
+                  STEPS={"heads": f"python {write} experiments/heads/results.md heads-A",
+                         "bench": f"python {write} experiments/bench/results.md bench-1"},
+                  NEEDS={"bench": ["heads"]},
+                  RESULT_BLOCKS={"heads": ("doc.md", "heads", "experiments/heads/results.md"),
+                                 "bench": ("doc.md", "bench", "experiments/bench/results.md")})
     doc = tmp_path / "doc.md"
     doc.write_text("<!-- reproduce:heads -->\nold\n<!-- /reproduce:heads -->\n<!-- reproduce:bench -->\nold\n"
                    "<!-- /reproduce:bench -->\n")
@@ -275,17 +282,11 @@ def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_desc
 def test_a_printed_block_is_published_only_from_a_log_its_stamp_describes(tmp_path, monkeypatch):
     """A printed block (a benchmark's table, the demo's) is the step's log: a failed or interrupted rerun once
     left its partial output there, and publish printed it under the last good run's stamp."""
-    r = _reproduce()
-    monkeypatch.setattr(r, "ROOT", tmp_path)
-    monkeypatch.setattr(r, "machine", lambda: "2 x86_64 cores (test CPU), no GPU")
     bench = tmp_path / "bench.py"
     bench.write_text("import sys\nprint('| a | 100 |')\nif sys.argv[1] == 'fail':\n    sys.exit(3)\n"
                      "print('| b | 200 |')\n")
-    monkeypatch.setattr(r, "STEPS", {"bench": f"python {bench} ok"})
-    monkeypatch.setattr(r, "PRINTED_BLOCKS", {"bench": ("doc.md", "bench")})
-    for table in ("SWEEP_BLOCKS", "RESULT_BLOCKS", "VARIANT_STEPS", "SEARCH_STEPS", "CROSS_STEPS", "MADE_BLOCKS",
-                  "NEEDS"):
-        monkeypatch.setattr(r, table, {})
+    r = _isolated(tmp_path, monkeypatch, STEPS={"bench": f"python {bench} ok"},
+                  PRINTED_BLOCKS={"bench": ("doc.md", "bench")})
     doc = tmp_path / "doc.md"
     doc.write_text("<!-- reproduce:bench -->\nold\n<!-- /reproduce:bench -->\n")
     r.run_step("bench")
