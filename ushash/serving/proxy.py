@@ -190,22 +190,21 @@ def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optio
     return Extracted("" if text is _MISSING else text, image)
 
 
-def cache_directives(lines: list[str]) -> set[str]:
-    """The directive names (lowercase) of a request's Cache-Control header lines: every line, each a
-    comma-separated list of `name` or `name=value` (RFC 9111), so `no-store` in a second line counts and
-    `x-no-store-hint` is not `no-store`."""
-    return {d.split("=", 1)[0].strip().lower() for line in lines for d in line.split(",")}
-
-
 def _directive_values(lines: list[str]) -> dict[str, str]:
-    """Cache-Control directives of every line: name (lowercase) -> its value ("" for a bare name); the first
-    of a name counts."""
+    """The directives of Cache-Control header lines: every line, each a comma-separated list of `name` or
+    `name=value` (RFC 9111), so `no-store` in a second line counts and `x-no-store-hint` is not `no-store`:
+    name (lowercase) -> its value ("" for a bare name; the first of a name counts)."""
     out: dict[str, str] = {}
     for line in lines:
         for d in line.split(","):
             name, _, value = d.partition("=")
             out.setdefault(name.strip().lower(), value.strip().strip('"'))
     return out
+
+
+def cache_directives(lines: list[str]) -> set[str]:
+    """The directive names (lowercase) of Cache-Control (or Pragma) header lines (`_directive_values`)."""
+    return set(_directive_values(lines))
 
 
 def _delta_seconds(value) -> float:
