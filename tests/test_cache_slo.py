@@ -202,3 +202,22 @@ def test_values_json_would_change_are_refused_rather_than_changed():
     with pytest.raises(TypeError, match="is a float32, not a JSON value"):
         encode_value([np.float32(1.5)])
     assert encode_value({"a": [1, True, None, 2.5]}) == ("j", b'{"a":[1,true,null,2.5]}')
+
+
+def test_loads_json_reads_long_digit_runs_as_json_does():
+    """A run of 19 or more digits outside a string is an integer orjson may make a float; loads_json must send
+    every body holding one to json.loads, wherever the run sits (first, last, beside a string of digits), and
+    read the rest with orjson alike. Checked against json.loads on seeded bodies, runs of 17 to 21 digits."""
+    import json
+
+    from ushash.serving.cache.entries import loads_json
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(17, 22))
+        big = int("9" * n) - int(rng.integers(0, 10))
+        doc = rng.choice([f"{big}", f"[{big}]", f'{{"a": "{big}", "b": -{big}}}', f'["{"7" * 30}", {big}, 1e3]',
+                          f'{{"x": [0.5, {big}]}}'])
+        for body in (doc.encode(), bytearray(doc.encode()), memoryview(doc.encode())):
+            got, want = loads_json(body), json.loads(doc)
+            assert got == want and json.dumps(got) == json.dumps(want), doc

@@ -36,7 +36,11 @@ from ushash.serving.cache import heap
 #: Tenant names: 1-64 characters of [A-Za-z0-9_.-] (a Redis hash tag and a metric label, never a path).
 TENANT_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
 TENANT_RE = re.compile(TENANT_PATTERN)
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+#: Each byte as its class, a digit as b"0" and anything else as b" ": a run of 19 digits is then found by a
+#: plain substring search. `re.search(rb"[0-9]{19}")` tries a match at every digit of a base64 image, several
+#: times slower over a chat body: it was a quarter of the proxy's own time on a hit.
+_DIGIT_CLASSES = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_DIGIT_RUN = b"0" * 19
 
 
 def valid_tenant(tenant) -> bool:
@@ -98,12 +102,13 @@ def loads_json(raw) -> Any:
     same: a run of 19 digits (an integer orjson may make a float: 2**64 and beyond) and what orjson refuses
     (NaN, lone surrogates) go to json.loads, whose error (ValueError, or RecursionError when nested past the
     interpreter's limit) a body neither reads raises."""
-    if _LONG_DIGITS.search(raw) is None:
+    data = raw if isinstance(raw, (bytes, bytearray)) else bytes(raw)
+    if _LONG_DIGIT_RUN not in data.translate(_DIGIT_CLASSES):
         try:
-            return _orjson_loads(raw)
+            return _orjson_loads(data)
         except JSONDecodeError:
             pass
-    return json.loads(raw if isinstance(raw, (str, bytes, bytearray)) else bytes(raw))
+    return json.loads(data)
 
 
 # ---------------------------------------------------------------------------------------------- records
