@@ -164,6 +164,53 @@ def test_corrupt_bucket_member_is_skipped(redis_server, member):
     assert hit is not None and hit.value == "v1" and bad >= 1
 
 
+def _two_entries(srv, prefix):
+    """A store holding two entries of one request's neighbourhood (distances 0 and 1 from `q`); (store, q, the
+    entry keys nearest first)."""
+    from ushash.serving.cache.entries import Entry
+    from ushash.serving.cache.redis_store import RedisStore
+    from ushash.serving.cache.telemetry import CacheMetrics
+
+    store = RedisStore(srv.url, bits=64, prefix=prefix, metrics=CacheMetrics(64))
+    q = np.random.default_rng(5).integers(0, 256, 8, dtype=np.uint8)
+    near = q.copy()
+    near[7] ^= 1
+    for i, c in enumerate((q, near)):
+        store.put("t", Entry(code=c.tobytes(), payload=b"", modality="text", value=b"%d" % i, kind="b",
+                             revision="r1", created=0.0, expires=math.inf, compute_s=0.0, id=f"e{i}"))
+    return store, q.tobytes(), [store.entry_key("t", f"e{i}") for i in range(2)]
+
+
+@pytest.mark.parametrize("write", [
+    lambda c, k: c.set(k, b"a string"),
+    lambda c, k: c.rpush(k, b"a list"),
+])
+def test_an_entry_key_of_another_type_costs_only_that_entry(redis_server, write):
+    """An entry key holding another type (WRONGTYPE to HMGET) failed the whole pipelined fetch, so every
+    lookup near it missed the live entries beside it too. It is a corrupt entry (counted), the others are
+    served."""
+    store, q, (k0, k1) = _two_entries(redis_server, "wt")
+    redis_server.client.delete(k0)
+    write(redis_server.client, k0)
+    entries, dists = store.lookup("t", "r1", q, 3)
+    assert [e.id for e in entries] == ["e1"] and dists == [1]
+    assert store.metrics.value("cache_l2_errors_total", op="corrupt") >= 1
+
+
+def test_a_bucket_key_of_another_type_costs_only_that_bucket(redis_server):
+    """A probe bucket key holding another type (WRONGTYPE to SCARD / SUNION) failed the lookup script, so the
+    entries it shares with the other probe buckets were missed too. The bucket is skipped (counted as
+    corrupt); its entries are found through their other chunks' buckets."""
+    store, q, _ = _two_entries(redis_server, "wb")
+    (first, *rest) = store._bucket_keys("t", revision_tag("r1"), q)
+    redis_server.client.delete(first)
+    redis_server.client.set(first, b"a string")
+    entries, dists = store.lookup("t", "r1", q, 3)
+    assert [e.id for e in entries] == ["e0", "e1"] and dists == [0, 1]
+    assert store.metrics.value("cache_l2_errors_total", op="corrupt") >= 1
+    assert [[e.id for e in es] for es, _ in store.lookup_many("t", "r1", [q, q], 3)] == [["e0", "e1"]] * 2
+
+
 def test_lookup_matches_a_brute_force_reference(redis_server):
     """RedisStore.lookup against a naive scan of every stored code: the entries within the radius, by
     (distance, id), at most max_candidates; radii below and above the chunk count (probes with flips),
@@ -250,9 +297,9 @@ def test_a_lookup_reads_at_most_max_bucket_read_members_leaving_out_the_largest_
                 break
             skip.add(i)
             total -= sizes[i]
-        over, members = store._union_script(keys=keys, args=[cap])
+        over, members, wrong = store._union_script(keys=keys, args=[cap])
         want = {f"{keys[i]}:{m}".encode() for i in range(len(sizes)) if i not in skip for m in range(sizes[i])}
-        assert over == len(skip) and set(members) == want and len(members) <= cap
+        assert wrong == 0 and over == len(skip) and set(members) == want and len(members) <= cap
 
 
 def test_an_entry_in_an_oversized_bucket_is_still_found_through_its_other_chunks(redis_server):
@@ -337,7 +384,7 @@ def test_one_trial_call_at_a_time_once_the_circuit_half_opens():
             if failing[0]:
                 raise redis.ConnectionError("down")
             release.wait(5)  # the trial call hangs, as on a connect timeout
-            return [0, []]
+            return [0, [], 0]
 
     store = RedisStore(bits=64, breaker_failures=1, breaker_backoff_s=0.05, client=Dead())
     code = bytes(8)

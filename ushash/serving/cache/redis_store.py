@@ -74,14 +74,21 @@ return 1
 """
 
 # The members of a lookup's probe buckets, at most ARGV[1] of them: the largest buckets are left out (largest
-# first, ties by position) until the rest hold no more; returns {buckets left out, members of the others}
+# first, ties by position) until the rest hold no more; a key holding another type than a set (corrupt or
+# hostile data) is left out too, not an error that fails the lookup; returns {buckets left out for their size,
+# members of the others, keys of another type}
 _UNION_LUA = """
 local cap = tonumber(ARGV[1])
-local sizes, order, total = {}, {}, 0
+local sizes, order, total, bad = {}, {}, 0, {}
+local nbad = 0
 for i = 1, #KEYS do
-  sizes[i] = redis.call('SCARD', KEYS[i])
+  local n = redis.pcall('SCARD', KEYS[i])
+  if type(n) ~= 'number' then
+    n, bad[i], nbad = 0, true, nbad + 1
+  end
+  sizes[i] = n
   order[i] = i
-  total = total + sizes[i]
+  total = total + n
 end
 table.sort(order, function(a, b) if sizes[a] ~= sizes[b] then return sizes[a] > sizes[b] end return a < b end)
 local skip, over = {}, 0
@@ -91,9 +98,9 @@ for _, i in ipairs(order) do
   skip[i], total, over = true, total - sizes[i], over + 1
 end
 local keep = {}
-for i = 1, #KEYS do if not skip[i] then keep[#keep + 1] = KEYS[i] end end
-if #keep == 0 then return {over, {}} end
-return {over, redis.call('SUNION', unpack(keep))}
+for i = 1, #KEYS do if not skip[i] and not bad[i] then keep[#keep + 1] = KEYS[i] end end
+if #keep == 0 then return {over, {}, nbad} end
+return {over, redis.call('SUNION', unpack(keep)), nbad}
 """
 
 #: Entry field -> (hash field, to bytes, from bytes); the entry's id is its key, not a field.
@@ -434,8 +441,9 @@ class RedisStore:
 
         per_code = []   # each code's candidates within the radius, (distance, id, code hex), nearest first
         bad = skipped = 0
-        for code, (over, members) in zip(codes, self._call("lookup", union)):
+        for code, (over, members, wrong) in zip(codes, self._call("lookup", union)):
             skipped += int(over)
+            bad += int(wrong)
             q = int.from_bytes(code, "little")
             cands = []
             for mem in members:
@@ -458,7 +466,8 @@ class RedisStore:
                 pipe = self.r.pipeline(transaction=False)
                 for eid in ids:
                     pipe.hmget(self.entry_key(tenant, eid), _HASH_FIELDS)
-                return pipe.execute()
+                # a key of another type (WRONGTYPE) is that entry's error, not the fetch's: corrupt, below
+                return pipe.execute(raise_on_error=False)
             return run
 
         rows: dict[str, list] = {}
@@ -481,6 +490,8 @@ class RedisStore:
             for (entries, dists), take in zip(out, takes):
                 for d, eid, hexcode in take:
                     row = rows[eid]
+                    if isinstance(row, Exception):
+                        row = [b""] * len(_HASH_FIELDS)   # unreadable: _read refuses it, counted as corrupt
                     if row[0] is None:
                         gone.setdefault(eid, hexcode)
                         continue
@@ -510,7 +521,7 @@ class RedisStore:
             for eid, hexcode in gone:
                 for key in self._bucket_keys(tenant, rtag, bytes.fromhex(hexcode)):
                     pipe.srem(key, f"{hexcode}:{eid}")
-            pipe.execute()
+            pipe.execute(raise_on_error=False)   # a bucket of another type: the others are still cleaned
 
         try:
             self._call("cleanup", run)
