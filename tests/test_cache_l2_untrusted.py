@@ -274,6 +274,36 @@ def test_entries_gone_from_redis_do_not_take_the_places_of_live_ones(redis_serve
     assert store.lookup("t", "r1", q.tobytes(), 9)[0] == entries
 
 
+def test_an_entry_stored_again_while_a_lookup_forgets_it_stays_findable(redis_server):
+    """A lookup that found an entry gone drops its bucket members afterwards; a replica storing the same
+    request again in between (same id, same code, its members added back) lost them to that cleanup, and the
+    fresh entry was found by no lookup until it was stored once more. The members are dropped only while the
+    entry is still gone."""
+    from ushash.serving.cache.entries import Entry
+    from ushash.serving.cache.redis_store import RedisStore
+
+    store = RedisStore(redis_server.url, bits=64, prefix="race")
+    q = np.random.default_rng(9).integers(0, 256, 8, dtype=np.uint8).tobytes()
+
+    def put(value):
+        store.put("t", Entry(code=q, payload=b"", modality="text", value=value, kind="b", revision="r1",
+                             created=0.0, expires=math.inf, compute_s=0.0, id="e0"))
+
+    put(b"old")
+    redis_server.client.delete(store.entry_key("t", "e0"))   # expired or evicted by Redis
+    forget = store._forget
+
+    def stored_meanwhile(*args):
+        put(b"new")   # another replica, between this lookup's fetch and its cleanup
+        forget(*args)
+
+    store._forget = stored_meanwhile
+    assert store.lookup("t", "r1", q, 3) == ([], [])
+    del store._forget
+    entries, _ = store.lookup("t", "r1", q, 3)
+    assert [e.value for e in entries] == [b"new"]
+
+
 def test_a_lookup_reads_at_most_max_bucket_read_members_leaving_out_the_largest_buckets(redis_server):
     """SUNION read every member of the probe buckets, however many (a hot chunk value, or a hostile writer):
     one lookup's memory and time had no bound. The lookup script leaves out the largest buckets (largest

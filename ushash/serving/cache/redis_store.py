@@ -103,6 +103,15 @@ if #keep == 0 then return {over, {}, nbad} end
 return {over, redis.call('SUNION', unpack(keep)), nbad}
 """
 
+# A gone entry's bucket members (ARGV[1]) dropped from its buckets (KEYS[2..]), only while its hash (KEYS[1]) is
+# still gone: a replica may have stored the same request again (same id and code, its members added back) since
+# the lookup found it gone
+_FORGET_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 2, #KEYS do redis.pcall('SREM', KEYS[i], ARGV[1]) end
+return 1
+"""
+
 #: Entry field -> (hash field, to bytes, from bytes); the entry's id is its key, not a field.
 REDIS_FIELDS = {
     "code": ("c", bytes, bytes),
@@ -224,6 +233,16 @@ class RedisStore:
         self.cluster = bool(cluster)
         self._put_script = self.r.register_script(_PUT_LUA)
         self._union_script = self.r.register_script(_UNION_LUA)
+        self._forget_script = self.r.register_script(_FORGET_LUA)
+
+    def _queue_script(self, pipe, script, keys: list, args: list) -> None:
+        """One call of a registered script in a pipeline. A cluster pipeline loads no script before its EVALSHA
+        (redis-py's does for a single Redis), so a node that holds none (restarted, added, flushed) answered
+        NOSCRIPT: there the script's text is sent (EVAL; Redis keeps it compiled by its digest)."""
+        if self.cluster:
+            pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        else:
+            script(keys=keys, args=args, client=pipe)
 
     # ------------------------------------------------------------------ keys
     def rev_key(self) -> str:
@@ -436,7 +455,7 @@ class RedisStore:
                 return [self._union_script(keys=probes[0], args=cap)]
             pipe = self.r.pipeline(transaction=False)
             for keys in probes:
-                self._union_script(keys=keys, args=cap, client=pipe)
+                self._queue_script(pipe, self._union_script, keys, cap)
             return pipe.execute()
 
         per_code = []   # each code's candidates within the radius, (distance, id, code hex), nearest first
@@ -513,15 +532,16 @@ class RedisStore:
         return out
 
     def _forget(self, tenant: str, revision: str, gone: list[tuple[str, str]]) -> None:
-        """Drop bucket members whose entry hash no longer exists (expired or evicted by Redis)."""
+        """Drop bucket members whose entry hash no longer exists (expired or evicted by Redis), where it is still
+        gone (`_FORGET_LUA`)."""
         rtag = revision_tag(revision)
 
         def run():
             pipe = self.r.pipeline(transaction=False)
             for eid, hexcode in gone:
-                for key in self._bucket_keys(tenant, rtag, bytes.fromhex(hexcode)):
-                    pipe.srem(key, f"{hexcode}:{eid}")
-            pipe.execute(raise_on_error=False)   # a bucket of another type: the others are still cleaned
+                keys = [self.entry_key(tenant, eid)] + self._bucket_keys(tenant, rtag, bytes.fromhex(hexcode))
+                self._queue_script(pipe, self._forget_script, keys, [f"{hexcode}:{eid}"])
+            pipe.execute(raise_on_error=False)   # one entry's error: the others are still cleaned
 
         try:
             self._call("cleanup", run)
