@@ -72,6 +72,8 @@ STEPS = {
                       "--out experiments/proxy",
     # what handing the encoding to a worker thread costs the proxy's event loop, Workers against to_thread
     "offload": "python benchmarks/offload.py",
+    # what reading a request's JSON body costs, loads_json against the scan it replaced and json.loads
+    "json_body": "python benchmarks/json_body.py",
     # what hostile bodies cost the service with its bounds and with each lifted (docs/cache.md)
     "hostile_input": "python benchmarks/hostile_input.py",
     # the failure modes and the adaptive policies in simulated time (docs/cache.md), tables and plots in docs/failures
@@ -230,6 +232,7 @@ PRINTED_BLOCKS = {
     "heads_speed": ("docs/benchmarks.md", "heads-speed"),
     "hostile_input": ("docs/cache.md", "hostile-input"),
     "offload": ("docs/benchmarks.md", "offload"),
+    "json_body": ("docs/benchmarks.md", "json-body"),
 }
 # a sweep's summary: block -> (file, experiment, step)
 SWEEP_BLOCKS = {

@@ -205,19 +205,50 @@ def test_values_json_would_change_are_refused_rather_than_changed():
 
 
 def test_loads_json_reads_long_digit_runs_as_json_does():
-    """A run of 19 or more digits outside a string is an integer orjson may make a float; loads_json must send
-    every body holding one to json.loads, wherever the run sits (first, last, beside a string of digits), and
-    read the rest with orjson alike. Checked against json.loads on seeded bodies, runs of 17 to 21 digits."""
+    """A run of 19 or more digits outside a string is an integer orjson may make a float; loads_json must read
+    every body holding one as json.loads does, wherever the run sits (first, last, deep, beside a string of
+    digits, after more values than its reading is looked through), and the rest with orjson alike. Checked
+    against json.loads on seeded bodies, runs of 17 to 21 digits."""
     import json
 
     from ushash.serving.cache.entries import loads_json
 
     rng = np.random.default_rng(7)
-    for _ in range(300):
+    many = ", ".join(["0.5"] * 300)   # past the values the reading is looked through: the bytes are scanned
+    for _ in range(600):
         n = int(rng.integers(17, 22))
         big = int("9" * n) - int(rng.integers(0, 10))
-        doc = rng.choice([f"{big}", f"[{big}]", f'{{"a": "{big}", "b": -{big}}}', f'["{"7" * 30}", {big}, 1e3]',
-                          f'{{"x": [0.5, {big}]}}'])
+        doc = rng.choice([f"{big}", f"-{big}", f"[{big}]", f'{{"a": "{big}", "b": -{big}}}',
+                          f'["{"7" * 30}", {big}, 1e3]', f'{{"x": [0.5, {big}]}}', f'[{many}, {big}]',
+                          f'{{"f": [{many}], "s": "{big}"}}', f'[[[{{"d": [{big}]}}]]]', f'"{big}"',
+                          f"[{big}.0, 1e400, -1e19]"])
         for body in (doc.encode(), bytearray(doc.encode()), memoryview(doc.encode())):
             got, want = loads_json(body), json.loads(doc)
             assert got == want and json.dumps(got) == json.dumps(want), doc
+
+
+def test_long_integer_literal_scan_matches_a_regex_reference():
+    """The byte-class scan behind loads_json against a plain regex of what it looks for: a run of 19 or more
+    digits after none of [0-9.eE] and before none of [.eE] (a fraction's digits, as in 0.0000123..., and a
+    float's integer part are not integer literals). Seeded strings of digit runs around 19 long, points,
+    exponents, signs and letters, runs at the very start and end included."""
+    import re
+
+    from ushash.serving.cache.entries import _long_integer_literal
+
+    ref = re.compile(rb"(?<![0-9.eE])[0-9]{19,}(?![0-9.eE])")
+    rng = np.random.default_rng(3)
+    pieces = [b".", b"e", b"E", b"-", b" ", b",", b"[", b'"', b"a", b"0."]
+    found = 0
+    for _ in range(3000):
+        parts = []
+        for _ in range(int(rng.integers(1, 5))):
+            parts.append(pieces[int(rng.integers(len(pieces)))])
+            parts.append(bytes(rng.integers(48, 58, int(rng.integers(15, 23)), dtype=np.uint8)))
+        if rng.random() < 0.5:
+            parts.append(pieces[int(rng.integers(len(pieces)))])
+        data = b"".join(parts)
+        want = ref.search(data) is not None
+        found += want
+        assert _long_integer_literal(data) == want, data
+    assert 300 < found < 2700   # both answers well represented

@@ -36,11 +36,15 @@ from ushash.serving.cache import heap
 #: Tenant names: 1-64 characters of [A-Za-z0-9_.-] (a Redis hash tag and a metric label, never a path).
 TENANT_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
 TENANT_RE = re.compile(TENANT_PATTERN)
-#: Each byte as its class, a digit as b"0" and anything else as b" ": a run of 19 digits is then found by a
-#: plain substring search. `re.search(rb"[0-9]{19}")` tries a match at every digit of a base64 image, several
-#: times slower over a chat body: it was a quarter of the proxy's own time on a hit.
-_DIGIT_CLASSES = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
-_LONG_DIGIT_RUN = b"0" * 19
+#: orjson reads an integer outside [-2**63, 2**64) as a float (json.loads as an int): a float at least this large
+_LARGE = float(2 ** 63)
+#: The values `_reads_large_float` looks at before it leaves the question to a scan of the bytes
+_WALK = 256
+#: Each byte as its class for `_long_integer_literal`: a digit as b"0", what continues a number as a float (. e E)
+#: as b".", anything else as b" "
+_NUMBER_CLASSES = bytes(0x30 if 0x30 <= b <= 0x39 else 0x2E if b in b".eE" else 0x20 for b in range(256))
+_RUN_START = b" " + b"0" * 19
+_ZEROS = re.compile(rb"0*")
 
 
 def valid_tenant(tenant) -> bool:
@@ -99,16 +103,60 @@ def decode_value(kind: str, data: bytes):
 
 def loads_json(raw) -> Any:
     """JSON bytes (or a buffer of them) as json.loads reads them, at orjson's speed where it reads them the
-    same: a run of 19 digits (an integer orjson may make a float: 2**64 and beyond) and what orjson refuses
-    (NaN, lone surrogates) go to json.loads, whose error (ValueError, or RecursionError when nested past the
-    interpreter's limit) a body neither reads raises."""
+    same. What orjson refuses (NaN, lone surrogates) goes to json.loads, whose error (ValueError, or
+    RecursionError when nested past the interpreter's limit) a body neither reads raises; so does a body in
+    which orjson may have read an integer as a float (2**64 and beyond): one whose reading holds a float of
+    2**63 or more, or, past `_WALK` values, whose bytes hold what may be an integer literal of 19 digits. A
+    chat body's base64 image is one value to look at, not megabytes to scan."""
     data = raw if isinstance(raw, (bytes, bytearray)) else bytes(raw)
-    if _LONG_DIGIT_RUN not in data.translate(_DIGIT_CLASSES):
-        try:
-            return _orjson_loads(data)
-        except JSONDecodeError:
-            pass
-    return json.loads(data)
+    try:
+        out = _orjson_loads(data)
+    except JSONDecodeError:
+        return json.loads(data)
+    large = _reads_large_float(out)
+    if large is None:
+        large = _long_integer_literal(data)
+    return json.loads(data) if large else out
+
+
+def _long_integer_literal(data: bytes) -> bool:
+    """Whether `data` holds what may be an integer literal of 19 digits or more: a run of that many digits
+    after neither a digit nor a point (not a fraction's digits, as in 0.0000123...) and before neither a point
+    nor an exponent (not a float's integer part). Digits in a string may match too (json.loads then reads the
+    body, the same either way). Found by a substring search over the bytes' classes, at C speed however
+    many values the body holds."""
+    t = b" " + data.translate(_NUMBER_CLASSES)
+    i = t.find(_RUN_START)
+    while i >= 0:
+        end = _ZEROS.match(t, i + 1).end()
+        if end == len(t) or t[end] != 0x2E:
+            return True
+        i = t.find(_RUN_START, end)
+    return False
+
+
+def _reads_large_float(obj) -> bool | None:
+    """Whether `obj` (orjson's reading) holds a float of magnitude 2**63 or more, or one that is not finite
+    (from an integer literal orjson made a float, or a float literal that large, which json.loads reads
+    alike); None when it holds more than `_WALK` values (a vector of features: the bytes are scanned instead)."""
+    if type(obj) is float:
+        return not -_LARGE < obj < _LARGE
+    if type(obj) is not dict and type(obj) is not list:
+        return False
+    stack, seen = [obj], 0
+    while stack:
+        x = stack.pop()
+        for y in (x.values() if type(x) is dict else x):
+            seen += 1
+            if seen > _WALK:
+                return None
+            t = type(y)
+            if t is float:
+                if not -_LARGE < y < _LARGE:
+                    return True
+            elif t is dict or t is list:
+                stack.append(y)
+    return False
 
 
 # ---------------------------------------------------------------------------------------------- records
