@@ -53,7 +53,7 @@ class CacheConfig:
     backend: str = "auto"                    # auto = mindex (own multi-index, numba) | flat | mih | faiss (faiss:
                                              # flat, MIH, flat then MIH) | torch (tensors on `device`)
     device: str = "cpu"                      # torch backend: cuda, cuda:1, cpu
-    mih_nhash: Optional[int] = None          # multi-index hash tables; None: bits // 16
+    mih_nhash: Optional[int] = None          # multi-index hash tables; None: bits // 16 (each at most 64 bits)
     mih_min_entries: int = 20000             # faiss: flat below this size, then MIH; mindex: tables from
                                              # min(this, 4096) codes (a scan below)
     ttl_s: Optional[float] = 3600.0          # time to live; 0 / None: no expiry
@@ -143,9 +143,13 @@ class CacheConfig:
     def check_head(self, bits: int) -> None:
         """The settings that depend on the head, checked when one is loaded (before serving anything):
         the multi-index hash tables must divide the code, radii fit in it, and the torch device exist."""
-        nhash = self.mih_nhash or max(1, bits // 16)
-        if str(self.backend).lower() in ("auto", "mih", "faiss") and bits % nhash:
-            raise ValueError(f"cache.mih_nhash={nhash} must divide the head's {bits} bits (e.g. {bits // 16 or 1})")
+        if str(self.backend).lower() in ("auto", "mih", "faiss"):
+            from ushash.serving.cache.search import mih_tables
+
+            try:
+                mih_tables(bits, self.mih_nhash)
+            except ValueError as e:
+                raise ValueError(f"cache.{e} (the head's code)") from None
         if self.radius > bits or (self.observe_radius or 0) > bits:
             raise ValueError(f"cache.radius / observe_radius must be <= the head's {bits} bits")
         device = str(self.device)
