@@ -253,6 +253,35 @@ def test_checkpoint_without_encoder_provenance_is_refused(trained, tmp_path):
     assert artifact.ALLOWED_SUFFIXES == (".json", ".safetensors")
 
 
+def test_an_export_written_over_another_is_whole_whenever_a_folder_is_deleted(tmp_path, monkeypatch):
+    """overwrite=true deleted the old export before renaming the new one into place: a loader then found a
+    folder without its manifest (thousands of failures while 30 exports were written over one), and a kill
+    after the delete left none. Now the old one is renamed aside first: after every deletion the path holds
+    a whole export, the new one once the write returns, and nothing is left beside it."""
+    import torch
+
+    from ushash.hashing.heads import USHash
+    from ushash.serving.export import write_export
+
+    enc = {"name": "x", "fingerprint": "f"}
+    out = tmp_path / "e"
+    torch.manual_seed(0)
+    first = write_export(USHash({"text": 12}, bits=32, dim=24), out, enc)
+    old_revision = load_export(first).revision
+    whole, rmtree = [], shutil.rmtree
+
+    def watched(path, *a, **k):
+        rmtree(path, *a, **k)
+        whole.append(load_export(out).revision)   # raises where the path holds no whole export
+
+    monkeypatch.setattr(shutil, "rmtree", watched)
+    torch.manual_seed(1)
+    write_export(USHash({"text": 12}, bits=32, dim=24), out, enc, overwrite=True)
+    new_revision = load_export(out).revision
+    assert new_revision != old_revision and whole and set(whole) == {new_revision}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+
+
 # ------------------------------------------------------------------------------------------ one forward
 
 def test_one_forward_for_training_and_serving(tmp_path):

@@ -1,4 +1,5 @@
-"""Files: one atomic write (temp file in the same folder, fsync, rename, fsync of the folder) and one inter-process lock.
+"""Files: one atomic write (temp file in the same folder, fsync, rename, fsync of the folder), one folder replaced
+by renames (`replace_folder`), and one inter-process lock.
 
 Every artifact ushash writes (feature-store metadata, results, checkpoints' companions, exports) goes
 through `atomic_write` or `write_json` (a plot through `save_figure`), so a reader never sees half a file and
@@ -13,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -55,6 +57,26 @@ def replace_synced(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
+
+
+def replace_folder(work: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Put a finished folder `work` in the place of `out` (a sibling, on the same file system): an older `out`
+    is renamed aside (`<out>.old`), `work` renamed into place, the old one removed after. A reader finds the
+    old folder whole or the new one whole (or, between the two renames, none: a loader should retry); a kill
+    at any point leaves either of them whole under its own name. Deleting the old folder first, a reader
+    found a folder without its files, and a kill after the delete left none. The renames reach the disk;
+    `work`'s files must have reached it before (the caller's to sync)."""
+    work, out = Path(work), Path(out)
+    old = out.with_name(out.name + ".old")
+    if old.exists():       # left by a kill after an earlier rename aside
+        shutil.rmtree(old)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(work, out)
+    fsync_dir(out.parent)
+    if old.exists():
+        shutil.rmtree(old)
+    return out
 
 
 def fsync_dir(folder: Path) -> None:

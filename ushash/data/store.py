@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 import ushash
-from ushash.core.io import exclusive, fsync_dir, write_json  # noqa: F401  write_json: re-exported for older imports
+from ushash.core.io import exclusive, fsync_dir, replace_folder, write_json  # noqa: F401  write_json: re-exported for older imports
 
 STORE_VERSION = 1
 
@@ -425,15 +425,7 @@ def finish(work: Path, out: Path) -> FeatureSplit:
     a kill midway left a half-deleted store that every later run found, could not open, and would not
     replace (the finished `.partial` beside it unused)."""
     _sync_tree(work)
-    old = out.with_name(out.name + ".old")
-    if old.exists():       # left by a kill after an earlier rename aside
-        shutil.rmtree(old)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(work, out)
-    fsync_dir(out.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    replace_folder(work, out)
     return open_split(out)
 
 

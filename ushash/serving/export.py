@@ -28,7 +28,7 @@ from torch import nn
 
 import ushash
 from ushash.config import to_dict
-from ushash.core.io import atomic_write, write_json
+from ushash.core.io import atomic_write, replace_folder, write_json
 from ushash.hashing import forward as fwd
 from ushash.hashing.heads import USHash
 from ushash.serving import artifact
@@ -120,8 +120,9 @@ def build_manifest(model: USHash, encoder: dict, payload: PayloadCodec, tensors:
 
 def write_export(model: USHash, out: str | Path, encoder: dict, payload: PayloadCodec | None = None,
                  source: dict | None = None, overwrite: bool = False) -> Path:
-    """Write model + payload settings to the export directory `out` (atomically: a sibling temp folder
-    renamed into place). Returns the path. Refuses to replace an existing export unless overwrite."""
+    """Write model + payload settings to the export directory `out` (a sibling temp folder, its files written
+    atomically, renamed into place by `replace_folder`). Returns the path. Refuses to replace an existing
+    export unless overwrite."""
     from safetensors.torch import save as st_save
 
     out = Path(out)
@@ -148,9 +149,7 @@ def write_export(model: USHash, out: str | Path, encoder: dict, payload: Payload
     work.mkdir()
     atomic_write(work / artifact.WEIGHTS, blob)
     write_json(work / artifact.MANIFEST, manifest)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(work, out)
+    replace_folder(work, out)   # an older export renamed aside, not deleted before the new one is in place
     return out
 
 
