@@ -44,6 +44,7 @@ def _naive_decode(f: PayloadFormat, x: np.ndarray) -> np.ndarray:
     (7, dict(kind="int4", group_size=3)), (33, dict(kind="int4", group_size=32, topk=5)),
     (33, dict(kind="int4", group_size=64)), (300, dict(kind="fp16", topk=4)), (9, dict(kind="fp32", topk=9)),
     (1, dict(kind="int4", group_size=1)),
+    (33, dict(kind="int4", group_size=10 ** 12)),   # one scale per vector, not a row padded to 10**12 values
 ])
 def test_codecs_and_scores_match_a_naive_reference(dim, settings):
     rng = np.random.default_rng(dim)
@@ -135,6 +136,12 @@ def test_an_oversized_manifest_is_refused_before_it_is_read(copy, monkeypatch):
         with pytest.raises(CorruptExport, match="manifest.json"):
             load_export(copy)
     assert _peak_while(load) < 16 << 20
+
+
+def test_a_manifest_nested_past_the_recursion_limit_is_a_corrupt_export(copy):
+    (copy / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CorruptExport, match="manifest.json is not valid JSON"):
+        load_export(copy)
 
 
 # ------------------------------------------------------------------------------------------ workers

@@ -274,8 +274,9 @@ def read_manifest(path: str | Path) -> dict:
     data = _read_member(path, MANIFEST)
     try:
         manifest = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptExport(f"corrupt export: {mf} is not valid JSON ({e}); truncated or damaged") from e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:   # nested past the interpreter's limit
+        raise CorruptExport(f"corrupt export: {mf} is not valid JSON ({type(e).__name__}: {e}); truncated or "
+                            f"damaged") from e
     if not isinstance(manifest, dict):
         raise CorruptExport(f"corrupt export: {mf} is not a JSON object")
     if manifest.get("format") != FORMAT:

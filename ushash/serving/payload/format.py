@@ -104,8 +104,10 @@ def int4_group_cosine(r, k, o_scale, o_vals, length, group, q, qi):
 
 
 def _group_scales(x: np.ndarray, group: int) -> np.ndarray:
-    """fp16 scales [N, ceil(L/group)]: absmax / 7 of each group, rounded to fp16."""
+    """fp16 scales [N, ceil(L/group)]: absmax / 7 of each group, rounded to fp16 (a group longer than the row is
+    the row: not padded to its size)."""
     n, length = x.shape
+    group = max(1, min(group, length))
     ng = -(-length // group)
     pad = ng * group - length
     a = np.abs(x)
@@ -134,7 +136,7 @@ def _quantize(x: np.ndarray, inv: np.ndarray) -> np.ndarray:
 
 
 def _expand_groups(s: np.ndarray, group: int, length: int) -> np.ndarray:
-    return np.repeat(s.astype(np.float32), group, axis=1)[:, :length]
+    return np.repeat(s.astype(np.float32), max(1, min(group, length)), axis=1)[:, :length]
 
 
 
