@@ -509,13 +509,12 @@ class RedisStore:
             for (entries, dists), take in zip(out, takes):
                 for d, eid, hexcode in take:
                     row = rows[eid]
-                    if isinstance(row, Exception):
-                        row = [b""] * len(_HASH_FIELDS)   # unreadable: _read refuses it, counted as corrupt
-                    if row[0] is None:
+                    wrong = isinstance(row, Exception)   # a key of another type: corrupt, counted below
+                    if not wrong and row[0] is None:
                         gone.setdefault(eid, hexcode)
                         continue
                     if (eid, hexcode) not in made:
-                        made[eid, hexcode] = _read(eid, row, hexcode)
+                        made[eid, hexcode] = None if wrong else _read(eid, row, hexcode)
                         bad += made[eid, hexcode] is None
                     e = made[eid, hexcode]
                     if e is None or e.expires <= now:

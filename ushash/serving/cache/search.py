@@ -78,10 +78,11 @@ class HammingBackend:
         codes = np.ascontiguousarray(codes, dtype=np.uint8).reshape(len(slots), self.nbytes)
         if len(slots) == 0:
             return
-        _, last = np.unique(slots[::-1], return_index=True)
-        if len(last) < len(slots):
-            keep = np.sort(len(slots) - 1 - last)
-            slots, codes = slots[keep], codes[keep]
+        if len(slots) > 1:   # one put (the hot path) cannot repeat a slot
+            _, last = np.unique(slots[::-1], return_index=True)
+            if len(last) < len(slots):
+                keep = np.sort(len(slots) - 1 - last)
+                slots, codes = slots[keep], codes[keep]
         for s in slots.tolist():
             if s in self._slot2pos:
                 self.remove(s)
