@@ -461,3 +461,71 @@ def test_a_replica_splitting_codes_into_other_chunks_is_refused_at_start(redis_s
                                          r"chunks=4.*Set l2\.chunks=4, or use another l2\.prefix"):
         _cache(redis_server, l2={"prefix": "layout", "chunks": 8})
     assert _cache(redis_server, l2={"prefix": "layout-8", "chunks": 8}).get("text", features=x) is None
+
+
+def _crowd(srv, n: int = 12, size: int = 40_000):
+    """A request's code `q` and, in the L2, an image entry at distance 0 (which a text request may not be
+    served with cross_modal off) and `n` text entries at distance 1, each answer `size` characters; (q, the
+    text entries' answers by id)."""
+    a = _cache(srv, cross_modal=False)
+    q = np.random.default_rng(4).integers(0, 256, 8, dtype=np.uint8)
+    a.store(a.query_from_code("image", q), "i" * size)
+    for j in range(n):
+        a.store(a.query_from_code("text", np.frombuffer(_flip(q.tobytes(), [j]), np.uint8)), f"{j:02d}" * (size // 2))
+    answers = {}
+    for key in srv.client.keys("ushash:*:e:*"):
+        row = srv.client.hmget(key, ["m", "v"])
+        if row[0] == b"text":
+            answers[key.decode().rsplit(":", 1)[1]] = row[1].decode()
+    assert len(answers) == n
+    return q, answers
+
+
+def test_a_lookup_reads_the_answer_it_serves_not_every_candidates(redis_server):
+    """An L2 lookup fetched every candidate's whole entry, answer included, to serve one: among max_candidates
+    near-duplicates of large answers it moved them all. It reads the nearest candidate's answer with it and
+    another's only once the hit check chooses it: here the image entry's (nearest, refused) and the chosen
+    text entry's, the one first by (distance, id), of 13 candidates."""
+    q, answers = _crowd(redis_server)
+    b = _cache(redis_server, cross_modal=False)
+    sent = lambda: redis_server.client.info("stats")["total_net_output_bytes"]   # noqa: E731
+    before = sent()
+    hit = b.lookup(b.query_from_code("text", q))
+    moved = sent() - before
+    assert hit is not None and hit.tier == "l2" and hit.value == answers[min(answers)]
+    assert moved < 2.5 * 40_000, moved   # reading every candidate's answer: 13 x 40 KB
+    assert b.lookup(b.query_from_code("text", q)).value == hit.value   # promoted into L1 with its answer
+
+
+@pytest.mark.parametrize("change", ["corrupt", "gone", "expired"])
+def test_a_chosen_entry_that_changes_before_its_answer_is_read_is_passed_over(redis_server, change):
+    """Between reading the candidates and reading the chosen one's answer, the entry is made unreadable,
+    dropped or expired: the next candidate by (distance, id) is served (its answer read in one more round
+    trip), an unreadable entry counted as corrupt, and nothing of the changed entry is served or promoted."""
+    q, answers = _crowd(redis_server)
+    first, second = sorted(answers)[:2]
+    b = _cache(redis_server, cross_modal=False)
+    key = b.l2.entry_key("default", first)
+    fetch, asked = b.l2._fetch, []
+
+    def changing(tenant, fields):
+        asked.append(set(fields))
+        if len(asked) == 2:   # the chosen entry's answer, after the candidates were read
+            {"corrupt": lambda: redis_server.client.hset(key, "k", b"zz"),
+             "gone": lambda: redis_server.client.delete(key),
+             "expired": lambda: redis_server.client.hset(key, "x", repr(b.l2.clock() - 1.0))}[change]()
+        return fetch(tenant, fields)
+
+    b.l2._fetch = changing
+    hit = b.lookup(b.query_from_code("text", q))
+    assert hit is not None and hit.value == answers[second]
+    assert asked[1:] == [{first}, {second}]
+    assert b.metrics.value("cache_l2_errors_total", op="corrupt") == (1 if change == "corrupt" else 0)
+
+
+def test_top_k_from_the_l2_reads_each_served_entrys_answer(redis_server):
+    """check / store's top-k: every entry of the k served from the L2 comes with its answer, by (distance, id)."""
+    q, answers = _crowd(redis_server)
+    b = _cache(redis_server, cross_modal=False)
+    hits = b.lookup_top(b.query_from_code("text", q), k=4)
+    assert [h.value for h in hits] == [answers[i] for i in sorted(answers)[:4]]

@@ -20,7 +20,9 @@ Lookup within Hamming radius r, codes split into m chunks: an entry within r has
 floor(r / m) bits of the request's (pigeonhole), so the union of the probe buckets (m keys while r < m;
 one script, which leaves out the largest buckets beyond `max_bucket_read` members) gives a superset of
 the answer with the candidates' codes; the client keeps those within r
-and fetches them (one pipelined HMGET round trip, only when there are any). Members whose entry has
+and fetches them (one pipelined HMGET round trip, only when there are any): every field but the value, which
+is read with the nearest candidate only, and for another only once the hit check chooses it (one more round
+trip), so a lookup among many candidates does not move every one's answer. Members whose entry has
 expired are removed lazily, and the candidates next in line fetched in their place. Puts are one Lua script (the entry hash and its bucket memberships,
 atomically, all keys declared, one slot). Revisions are part of the bucket key, so codes of different
 heads never meet; entries also carry their revision and the cache checks it.
@@ -39,6 +41,7 @@ as if the circuit were open.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -127,6 +130,10 @@ REDIS_FIELDS = {
 }
 assert set(REDIS_FIELDS) == set(ENTRY_FIELDS) - {"id"}
 _HASH_FIELDS = tuple(name for name, _, _ in REDIS_FIELDS.values())
+#: what a lookup reads of a candidate it may not serve: every field but the value (a model's answer, maybe
+#: large), which is read for the candidates the hit check chooses (`RedisStore._served`)
+_META_FIELDS = tuple(name for f, (name, _, _) in REDIS_FIELDS.items() if f != "value")
+_VALUE_AT = list(REDIS_FIELDS).index("value")
 
 
 def to_hash(e: Entry) -> list:
@@ -145,12 +152,15 @@ def from_hash(eid: str, row: list) -> Entry:
 def _read(eid: str, row: list, hexcode: str) -> Entry | None:
     """`from_hash`, or None for a row no put writes (a field missing or unreadable, a NaN expiry, a code
     other than its bucket member's, a value its kind does not decode): such an entry is never served
-    nor promoted into L1."""
+    nor promoted into L1. A row of `_META_FIELDS` gives the entry with value None (not read yet)."""
+    full = len(row) == len(_HASH_FIELDS)
     try:
-        e = from_hash(eid, row)
+        e = from_hash(eid, row if full else [*row[:_VALUE_AT], b"", *row[_VALUE_AT:]])
         if e.kind not in VALUE_KINDS or math.isnan(e.expires) or e.code.hex() != hexcode:
             return None
-        if e.kind != "b":
+        if not full:
+            e.value = None
+        elif e.kind != "b":
             decode_value(e.kind, e.value)
     except (TypeError, ValueError, RecursionError):   # a missing field (None), a bad number, not UTF-8 / JSON
         return None
@@ -160,6 +170,19 @@ def _read(eid: str, row: list, hexcode: str) -> Entry | None:
 #: Round trips a lookup may spend fetching entries, the first included: later ones fetch the candidates next in
 #: line for the places of those found gone, expired or unreadable.
 FETCH_ROUNDS = 3
+
+
+def _served_entries(f: Found) -> list[Entry]:
+    """The entries a tier's choice serves: the one, then the next best (k > 1)."""
+    return [] if f.entry is None else [f.entry, *(m[0] for m in f.more)]
+
+
+def _filled(f: Found, read: dict) -> Found:
+    """`f` with its entries that were read without their value replaced by the ones `read` (id -> Entry)."""
+    if f.entry is None or not read:
+        return f
+    return dataclasses.replace(f, entry=read.get(f.entry.id) or f.entry,
+                               more=tuple((read.get(e.id) or e, d, c, ref) for e, d, c, ref in f.more))
 
 
 class L2Unavailable(Exception):
@@ -393,15 +416,56 @@ class RedisStore:
         return self.find_many([q], tenant, revision, check, now, k)[0]
 
     def find_many(self, queries: list, tenant: str, revision: str, check, now: float, k: int = 1) -> list[Found]:
-        """`find` of each query, the batch in two round trips (`lookup_many`); a failed or skipped call is
-        a miss for every query of the batch (counted once)."""
+        """`find` of each query, the batch in two round trips (`lookup_many`, which reads the values of each
+        query's nearest `k` candidates only), and a third only where the hit check chooses a candidate whose
+        value was not read with it (`_served`); a failed or skipped call is a miss for every query of the
+        batch (counted once)."""
         try:
-            looked = self.lookup_many(tenant, revision, [q.code for q in queries], self.radius)
+            looked = self.lookup_many(tenant, revision, [q.code for q in queries], self.radius, values=k)
+            codec = getattr(check, "codec", None)
+            return self._served(queries, [self._fits(entries, dists, codec) for entries, dists in looked],
+                                tenant, revision, check, now, k)
         except L2Unavailable:
             return [MISS] * len(queries)
-        codec = getattr(check, "codec", None)
-        return [self._choose(q, *self._fits(entries, dists, codec), revision, check, now, k)
-                for q, (entries, dists) in zip(queries, looked)]
+
+    def _served(self, queries: list, cands: list, tenant: str, revision: str, check, now: float,
+                k: int) -> list[Found]:
+        """Each query's choice among its candidates (`_choose`), with the values of the entries it serves: those
+        not read with their candidate are read now, for the chosen entries alone (one pipelined round trip for
+        the batch). A chosen entry found gone, expired or unreadable then is dropped (counted as corrupt when
+        unreadable) and its query chooses again among the rest, at most `FETCH_ROUNDS` times."""
+        out = [MISS] * len(queries)
+        todo = list(range(len(queries)))
+        for _ in range(FETCH_ROUNDS):
+            need: dict[str, str] = {}   # entry id -> its code (hex), first-seen order
+            for i in todo:
+                out[i] = self._choose(queries[i], *cands[i], revision, check, now, k)
+                need.update((e.id, e.code.hex()) for e in _served_entries(out[i]) if e.value is None)
+            if not need:
+                return out
+            rows = self._call("fetch", self._fetch(tenant, dict.fromkeys(need, _HASH_FIELDS)))
+            later = self.clock()
+            read: dict[str, Entry | None] = {}   # None: gone, expired or unreadable
+            bad = 0
+            for (eid, hexcode), row in zip(need.items(), rows):
+                e = None if isinstance(row, Exception) or row[0] is None else _read(eid, row, hexcode)
+                bad += e is None and (isinstance(row, Exception) or row[0] is not None)
+                read[eid] = e if e is not None and e.expires > later else None
+            self._corrupt(bad)
+            again = []
+            for i in todo:
+                entries, dists = cands[i]
+                if any(e.id in read for e in entries):
+                    keep = [j for j, e in enumerate(entries) if e.id not in read or read[e.id] is not None]
+                    cands[i] = ([read.get(entries[j].id) or entries[j] for j in keep], [dists[j] for j in keep])
+                if any(read.get(e.id, e) is None for e in _served_entries(out[i])):
+                    again.append(i)
+                else:
+                    out[i] = _filled(out[i], read)
+            todo = again
+        for i in todo:   # still choosing entries that vanish as they are read: served none
+            out[i] = MISS
+        return out
 
     def _fits(self, entries: list[Entry], dists: list[int], codec) -> tuple[list[Entry], list[int]]:
         """The candidates whose payload record is one this head's codec reads (none, or its modality's
@@ -433,16 +497,20 @@ class RedisStore:
         return Found(entries[i], d, cos, entries[i].id, cands.nearest,
                      more=tuple((entries[j], dj, cj, entries[j].id) for j, dj, cj in ranked[1:]))
 
-    def lookup(self, tenant: str, revision: str, code: bytes, radius: int) -> tuple[list[Entry], list[int]]:
+    def lookup(self, tenant: str, revision: str, code: bytes, radius: int,
+               values: int | None = None) -> tuple[list[Entry], list[int]]:
         """Entries of `revision` within `radius` and their distances, by (distance, id), at most
         max_candidates; raises L2Unavailable on failure. Expired, vanished and unreadable entries are not
-        returned, nor counted against max_candidates."""
-        return self.lookup_many(tenant, revision, [code], radius)[0]
+        returned, nor counted against max_candidates. `values`: the entries whose value is read, the
+        nearest first (None: all); the others are returned with value None."""
+        return self.lookup_many(tenant, revision, [code], radius, values)[0]
 
-    def lookup_many(self, tenant: str, revision: str, codes: list[bytes], radius: int) -> list[tuple[list[Entry], list[int]]]:
+    def lookup_many(self, tenant: str, revision: str, codes: list[bytes], radius: int,
+                    values: int | None = None) -> list[tuple[list[Entry], list[int]]]:
         """`lookup` of each code in two round trips for all: the probe buckets' SUNION of every code (one
         pipeline), then the entries of all their candidates within `radius` (one pipelined HMGET each,
-        an entry that is a candidate of several codes fetched once). Where some of a code's nearest
+        an entry that is a candidate of several codes fetched once, with its value only where it is one of
+        a code's nearest `values`). Where some of a code's nearest
         max_candidates turn out gone (expired or evicted by Redis, not yet dropped from their buckets),
         expired or unreadable, the next ones are fetched in another round trip (at most `FETCH_ROUNDS` in
         all): they used to take the places of live entries further out, which were then never served."""
@@ -480,15 +548,6 @@ class RedisStore:
             cands.sort()
             per_code.append(cands)
 
-        def fetch(ids):
-            def run():
-                pipe = self.r.pipeline(transaction=False)
-                for eid in ids:
-                    pipe.hmget(self.entry_key(tenant, eid), _HASH_FIELDS)
-                # a key of another type (WRONGTYPE) is that entry's error, not the fetch's: corrupt, below
-                return pipe.execute(raise_on_error=False)
-            return run
-
         rows: dict[str, list] = {}
         gone: dict[str, str] = {}   # entry id -> its code (hex): members whose entry hash no longer exists
         made: dict[tuple[str, str], Entry | None] = {}   # (id, its member's code): a member's code must be the entry's
@@ -496,15 +555,19 @@ class RedisStore:
         pos = [0] * len(codes)
         for _ in range(FETCH_ROUNDS):
             takes, need = [], {}   # per code the candidates read this round; the ids to fetch, first-seen order
+            fields = {}            # the fields to read of each: the value too for a code's nearest `values`
             for i, ((entries, _), cands) in enumerate(zip(out, per_code)):
                 take = cands[pos[i]: pos[i] + max(0, self.max_candidates - len(entries))]
                 pos[i] += len(take)
                 takes.append(take)
-                for _, eid, hexcode in take:
+                for t, (_, eid, hexcode) in enumerate(take):
                     if eid not in rows:
                         need.setdefault(eid, hexcode)
+                        full = values is None or len(entries) + t < values
+                        if full or eid not in fields:
+                            fields[eid] = _HASH_FIELDS if full else _META_FIELDS
             if need:
-                rows.update(zip(need, self._call("fetch", fetch(need))))
+                rows.update(zip(need, self._call("fetch", self._fetch(tenant, {eid: fields[eid] for eid in need}))))
             now = self.clock()
             for (entries, dists), take in zip(out, takes):
                 for d, eid, hexcode in take:
@@ -529,6 +592,16 @@ class RedisStore:
         if gone:
             self._forget(tenant, revision, list(gone.items()))
         return out
+
+    def _fetch(self, tenant: str, fields: dict[str, tuple]) -> Callable[[], list]:
+        """The call that reads each entry's `fields` (entry id -> HMGET fields) in one pipeline: per entry its
+        row, or the error of a key of another type (WRONGTYPE: that entry's, not the fetch's, read as corrupt)."""
+        def run():
+            pipe = self.r.pipeline(transaction=False)
+            for eid, names in fields.items():
+                pipe.hmget(self.entry_key(tenant, eid), names)
+            return pipe.execute(raise_on_error=False)
+        return run
 
     def _forget(self, tenant: str, revision: str, gone: list[tuple[str, str]]) -> None:
         """Drop bucket members whose entry hash no longer exists (expired or evicted by Redis), where it is still
