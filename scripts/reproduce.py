@@ -74,6 +74,8 @@ STEPS = {
     "offload": "python benchmarks/offload.py",
     # what reading a request's JSON body costs, loads_json against the scan it replaced and json.loads
     "json_body": "python benchmarks/json_body.py",
+    # what an L2 lookup among near-duplicates reads and costs, the served answers only against every candidate's
+    "l2_fetch": "python benchmarks/l2_fetch.py",
     # what hostile bodies cost the service with its bounds and with each lifted (docs/cache.md)
     "hostile_input": "python benchmarks/hostile_input.py",
     # the failure modes and the adaptive policies in simulated time (docs/cache.md), tables and plots in docs/failures
@@ -233,6 +235,7 @@ PRINTED_BLOCKS = {
     "hostile_input": ("docs/cache.md", "hostile-input"),
     "offload": ("docs/benchmarks.md", "offload"),
     "json_body": ("docs/benchmarks.md", "json-body"),
+    "l2_fetch": ("docs/benchmarks.md", "l2-fetch"),
 }
 # a sweep's summary: block -> (file, experiment, step)
 SWEEP_BLOCKS = {

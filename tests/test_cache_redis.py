@@ -529,3 +529,22 @@ def test_top_k_from_the_l2_reads_each_served_entrys_answer(redis_server):
     b = _cache(redis_server, cross_modal=False)
     hits = b.lookup_top(b.query_from_code("text", q), k=4)
     assert [h.value for h in hits] == [answers[i] for i in sorted(answers)[:4]]
+
+
+def test_the_l2_fetch_benchmark_serves_the_same_entry_both_ways(monkeypatch):
+    """benchmarks/l2_fetch.py at small sizes: both ways serve the same entry with the same answer (it asserts so),
+    and with 8 candidates of 1 KB answers the served-answer way moves under half the bytes."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("l2_fetch_bench",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks/l2_fetch.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "CANDIDATES", (1, 8))
+    monkeypatch.setattr(bench, "SIZES", (1024,))
+    rows = bench.measure(2)
+    assert [(r["candidates"], r["nearest refused"]) for r in rows] == [(1, False), (8, False), (8, True)]
+    eight = rows[1]
+    assert eight["served answer bytes"] < 0.5 * eight["every answer bytes"]
+    assert "| 8 | 1 KB | the nearest |" in bench.markdown(rows, 2)
