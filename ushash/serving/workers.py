@@ -4,12 +4,13 @@
     result = await workers.run(cache.query, "image", data)   # in a worker thread, in a copy of the context
     workers.close()
 
-What `asyncio.to_thread` does, at less cost per call: the caller puts (call, loop, future) on one queue that
+What `asyncio.to_thread` does, at less cost per encoder-sized call: the caller puts (call, loop, future) on one queue that
 every worker takes from, and the worker that ran it settles the future through `loop.call_soon_threadsafe`.
 `to_thread` goes through concurrent.futures (a Future with its condition lock, a work item, the pool's
 thread accounting) and `asyncio.wrap_future`, Python code that runs on both sides of the handoff, cold after
 the call's own work, while the other thread waits for the GIL (`benchmarks/offload.py` times the two handoffs
-side by side; docs/benchmarks.md). The call runs in a copy of the caller's context, as under `to_thread`
+side by side; docs/benchmarks.md: the gain is on a call that leaves the caches cold, as an encoding does; on an
+empty call the two are within a few hundredths of a millisecond, either way from machine to machine). The call runs in a copy of the caller's context, as under `to_thread`
 (tracing spans, the single-flight leader mark). A call whose awaiter was cancelled still runs to its end;
 its result is dropped.
 """
