@@ -176,6 +176,18 @@ def test_an_lsh_heads_revision_names_its_payload_codec():
     assert lsh(channel(1.0)).revision != lsh(channel(3.0)).revision
 
 
+def test_an_answer_is_kept_no_longer_than_its_origin_allows():
+    """Freshness.within: the TTL given (None: the cache's; 0: none), cut to the seconds the origin says its answer
+    stays fresh; an origin that says nothing leaves the TTL as given."""
+    from ushash.serving.cache.freshness import Freshness
+
+    hour = Freshness(ttl_s=3600)
+    assert hour.within(None) is None and hour.within(None, 30) == 30 and hour.within(None, 0) == 0
+    assert hour.within(60.0) == 60 and hour.within(7200.0) == 3600
+    assert hour.within(60.0, 30) == 30 and hour.within(60.0, 0) == 60 and hour.within(10.0, 7200) == 10
+    assert Freshness(ttl_s=None).within(60.0) == 60 and Freshness(ttl_s=None).within(None) is None
+
+
 def test_ttl_with_jitter_expires_entries():
     clock = FakeClock()
     head = LSHHead({"text": 8}, bits=64, dim=16)

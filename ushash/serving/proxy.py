@@ -255,16 +255,15 @@ def stream_reports_error(text: str) -> bool:
     return False
 
 
-def answer_storable(headers, life=...) -> bool:
+def answer_storable(headers) -> bool:
     """Whether a shared cache may keep an upstream answer (RFC 9111): not one its Cache-Control marks
     `no-store`, `private` (one user's) or `no-cache` (every reuse revalidated, which the proxy cannot do),
     nor one whose `Vary` names request headers the proxy does not key by (any but Accept-Encoding: the
     proxy keeps the decoded body), as `Vary: Accept-Language` or `*`, nor one already stale
-    (`answer_lifetime` <= 0: `max-age=0`, an `Expires` in the past; `life`: that lifetime, where the caller
-    has it already)."""
+    (`answer_lifetime` <= 0: `max-age=0`, an `Expires` in the past)."""
     if cache_directives(headers.get_list("cache-control")) & {"no-store", "private", "no-cache"}:
         return False
-    life = answer_lifetime(headers) if life is ... else life
+    life = answer_lifetime(headers)
     if life is not None and life <= 0:
         return False
     vary = {v.strip().lower() for line in headers.get_list("vary") for v in line.split(",")}
@@ -549,8 +548,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         async def keep(body: bytes):
             if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
                 return
-            life = answer_lifetime(up.headers)
-            if not answer_storable(up.headers, life):
+            if not answer_storable(up.headers):
                 return
             try:
                 text = body.decode()
@@ -559,10 +557,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             if ctype.split(";", 1)[0].strip().lower() == "text/event-stream" and stream_reports_error(text):
                 return
             q, tenant, meta = key
-            ttl = ttl_s
-            if life is not None:   # kept no longer than the upstream allows, nor than the proxy's or cache's TTL
-                most = ttl_s if ttl_s is not None else cache.freshness.ttl_s   # None or 0: no expiry
-                ttl = life if not most else min(float(most), life)
+            ttl = cache.freshness.within(answer_lifetime(up.headers), ttl_s)
             try:
                 # in a worker thread: the store may write to the L2 (Redis), never on the event loop
                 await workers.run(functools.partial(cache.store_response, q, {"body": text, "content_type": ctype},

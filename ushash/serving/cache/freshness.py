@@ -64,6 +64,14 @@ class Freshness:
             return math.inf
         return now + ttl * (1.0 - self.jitter * self.rng.random())
 
+    def within(self, life: float | None, ttl_s: float | None = None) -> float | None:
+        """The TTL for an answer its origin says stays fresh `life` more seconds (None: it says nothing, and
+        `ttl_s` applies): `ttl_s` (None: this Freshness's; 0: no expiry) but no longer than `life`."""
+        if life is None:
+            return ttl_s
+        most = self.ttl_s if ttl_s is None else ttl_s
+        return float(life) if not most else min(float(most), float(life))
+
     def should_refresh(self, now: float, expires: float, compute_s: float) -> bool:
         """XFetch: recompute this hit early? (False without a TTL, a compute time or beta.)"""
         if not math.isfinite(expires) or compute_s <= 0 or self.xfetch_beta <= 0:
