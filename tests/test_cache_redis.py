@@ -248,7 +248,7 @@ def test_ttl_is_kept_in_redis(redis_server):
     assert b.get("text", features=x) is None
 
 
-def test_revision_watermark_across_replicas(redis_server):
+def test_revision_watermark_across_replicas(redis_server, caplog):
     x = np.ones(16, np.float32)
     old = _cache(redis_server, revision="rev-1")
     old.put("text", features=x, value="old answer")
@@ -256,8 +256,12 @@ def test_revision_watermark_across_replicas(redis_server):
     time.sleep(0.01)
     new = _cache(redis_server, revision="rev-2")  # a newer model is announced
     assert new.get("text", features=x) is None  # never an entry of rev-1
-    # the old replica notices the watermark and stops serving (L1 included) and storing
-    assert old.get("text", features=x) is None
+    # the old replica notices the watermark and stops serving (L1 included) and storing, and says so once
+    with caplog.at_level("WARNING", logger="ushash.cache"):
+        assert old.get("text", features=x) is None
+        assert old.get("text", features=x) is None
+    said = [r.getMessage() for r in caplog.records if "announced on the shared cache" in r.getMessage()]
+    assert len(said) == 1 and "rev-2" in said[0] and "rev-1" in said[0] and "l2.prefix" in said[0]
     assert not old.put("text", features=x, value="stale write")
     assert old.metrics.value("cache_rejections_total", reason="stale_revision") >= 2
     # a replica restarted on the old revision does not win the watermark back

@@ -24,6 +24,7 @@ never filed under the new revision with the old head's code.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -33,6 +34,8 @@ import numpy as np
 
 from ushash.core.jit import njit
 from ushash.serving.cache import heap
+
+log = logging.getLogger("ushash.cache")
 
 
 def _check_ttl(ttl_s) -> None:
@@ -261,6 +264,11 @@ class RevisionWatermark:
             if self.newest != self.revision or not math.isfinite(self.newest_rank):
                 self._announce_own()
             return
+        if rev != self.newest == self.revision:
+            log.warning("model revision %s, newer than this replica's %s, was announced on the shared cache: this "
+                        "replica serves and stores nothing until it is reloaded. If %s is another service's model, "
+                        "give each service its own l2.prefix (one prefix's revisions are one model's)",
+                        rev, self.revision, rev)
         self.newest, self.newest_rank = rev, rank
 
     @property
