@@ -213,3 +213,82 @@ def test_a_store_replaced_by_a_run_killed_midway_is_found_whole(tmp_path, monkey
     monkeypatch.setattr(store.shutil, "rmtree", rmtree)
     assert float(np.asarray(store.open_split(out).tables["text"].x)[0, 0]) == 2.0
     assert store.stores_named(out.with_name("tiny-000000000000")) == [out]   # not the one set aside
+
+
+def _word_tokenizer(folder, words):
+    """A word-level Hugging Face tokenizer saved in `folder`: `words` take ids 5, 6, ... in the order given."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[CLS]": 3, "[UNK]": 4, **{w: 5 + i for i, w in enumerate(words)}}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", 1), ("[EOS]", 2)])
+    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
+                            cls_token="[CLS]", unk_token="[UNK]").save_pretrained(folder)
+
+
+def _tokenized_clip(tmp_path):
+    """A tiny CLIP saved in a folder with a word-level tokenizer: (the folder, the tokenizer's words, a function
+    that builds the encoder from the folder)."""
+    from test_encoders import TINY_CLIP
+
+    model = tmp_path / "clip"
+    # the text tower pools where its eos id is: the tokenizer's below (else it pools the first token alone)
+    config = {**TINY_CLIP, "text_config": {**TINY_CLIP["text_config"], "pad_token_id": 0, "bos_token_id": 1,
+                                           "eos_token_id": 2}}
+    tiny = build_encoder({"name": "hf_clip", "config": config, "device": "cpu"})
+    tiny.model.save_pretrained(model)
+    tiny.image_processor.save_pretrained(model)
+    words = ["caption", "number", "0", "1", "2", "3"]
+    _word_tokenizer(model, words)
+    return model, words, lambda: build_encoder({"name": "hf_clip", "model": str(model), "device": "cpu"})
+
+
+def test_a_store_made_with_other_tokenizer_files_under_the_same_path_is_checked_not_reused_as_it_is(tmp_path):
+    """The encoder's fingerprint covers its weights and config, not the tokenizer files beside them: a tokenizer
+    replaced under the same model folder tokenises the captions otherwise, yet the store of the old one was reused
+    as it was. A store records the tokenizer's digest; where it is another, a sample of its rows is encoded again
+    and, giving other text features, the store is refused (as a store of other library versions is)."""
+    pytest.importorskip("transformers")
+    from ushash.data.store import FeatureStoreError
+
+    model, words, enc = _tokenized_clip(tmp_path)
+    rows = _rows(tmp_path)
+    first = _extract(rows, tmp_path / "feat", enc())
+    digest = first.meta["libraries"]["text tokenizer"]
+    assert digest == enc().tokenizer_digests()["text tokenizer"]
+    assert _extract(rows, tmp_path / "feat", enc()).path == first.path      # the same files: reused
+    _word_tokenizer(model, list(reversed(words)))                           # other ids for the same words
+    swapped = enc()
+    assert swapped.fingerprint == enc().fingerprint and swapped.tokenizer_digests()["text tokenizer"] != digest
+    with pytest.raises(FeatureStoreError, match=rf"made with text tokenizer {digest} -> \w+, .*extract again"):
+        _extract(rows, tmp_path / "feat", swapped)
+    _word_tokenizer(model, words)                                            # back: reused, unchecked
+    assert _extract(rows, tmp_path / "feat", enc()).path == first.path
+
+
+def test_an_export_refuses_raw_text_through_other_tokenizer_files_than_its_features_were_made_with(tmp_path):
+    """An export records the tokenizer digest of the store its head was trained on; a cache building the encoder
+    from the export encodes raw text only where the tokenizer files are those (the weights fingerprint alone let
+    other files through: a head fed other token ids, serving meaningless codes)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from ushash.hashing.heads import USHash
+    from ushash.serving.artifact import load_export
+    from ushash.serving.cache.request import QueryEncoder, RequestError
+    from ushash.serving.export import write_export
+
+    model, words, enc = _tokenized_clip(tmp_path)
+    made = enc()
+    torch.manual_seed(0)
+    out = write_export(USHash({"image": 16, "text": 16}, bits=32, dim=24), tmp_path / "e",
+                       {"name": "hf_clip", "fingerprint": made.fingerprint, "config": {"model": str(model)},
+                        "tokenizers": made.tokenizer_digests()})
+    head = load_export(out)
+    assert head.manifest["encoder"]["tokenizers"] == made.tokenizer_digests() != {}
+    assert QueryEncoder(head).features("text", "caption number 1").shape == (16,)
+    _word_tokenizer(model, list(reversed(words)))
+    with pytest.raises(RequestError, match=r"reads other tokenizer files .* than the export's features were made with"):
+        QueryEncoder(head).features("text", "caption number 1")

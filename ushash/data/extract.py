@@ -322,13 +322,14 @@ VERIFIED = "verified.json"
 def reuse(out: Path, rows: list[Row], encoder) -> FeatureSplit:
     """The finished store at `out`, once it is known to hold what `encoder` computes here. Its key covers the
     encoder's weights, config and precision and the rows, not the code of the libraries that decode,
-    tokenise and run the networks: where their versions here (`store.libraries`) are not those the store
-    records (or it records none, made before it did), REUSE_SAMPLE of its rows per modality, spread over it,
+    tokenise and run the networks nor the tokenizer's files: where their versions and digests here
+    (`store.libraries`, `tokenizers`) are not those the store records (or it records none, made before it
+    did), REUSE_SAMPLE of its rows per modality, spread over it,
     are encoded again and must give its features (cosine >= 0.9999, norms within 0.1 %). A store that does
     is marked verified for these versions (`VERIFIED`, beside meta.json); one that does not is refused,
     naming the versions that changed, rather than reused as features the code here no longer computes."""
     split = open_split(out)
-    here = libraries()
+    here = {**libraries(), **tokenizers(encoder)}
     recorded = split.meta.get("libraries")
     if recorded == here or here in _verified(out / VERIFIED):
         return split
@@ -365,6 +366,12 @@ def reuse(out: Path, rows: list[Row], encoder) -> FeatureSplit:
              changed, checked, low_cos)
     atomic_write(out / VERIFIED, json.dumps(_verified(out / VERIFIED) + [here], indent=1) + "\n")
     return split
+
+
+def tokenizers(encoder) -> dict[str, str]:
+    """The digests of `encoder`'s tokenizer files (`Encoder.tokenizer_digests`; {} for an encoder without)."""
+    digests = getattr(encoder, "tokenizer_digests", None)
+    return digests() if callable(digests) else {}
 
 
 def _prepare_rows(encoder, modality: str, rows: list[Row]) -> dict[str, object]:
@@ -514,5 +521,5 @@ def _extract_locked(rows, encoder, out: Path, identity: dict, batch_size, num_wo
         (work / f"{m}.full.npy").unlink(missing_ok=True)
         (work / f"{m}.progress.json").unlink(missing_ok=True)
     write_json(work / "report.json", report)
-    write_meta(work, identity, meta_mods)
+    write_meta(work, identity, meta_mods, tokenizers(encoder))
     return finish(work, out)

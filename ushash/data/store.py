@@ -406,12 +406,13 @@ def libraries() -> dict[str, str | None]:
     return out
 
 
-def write_meta(work: Path, identity: dict, modalities: dict[str, dict]) -> None:
+def write_meta(work: Path, identity: dict, modalities: dict[str, dict], tokenizers: dict | None = None) -> None:
     """meta.json: the store's identity (`store_identity`), {modality: {"dim", "count"}} and the versions of
-    the libraries that computed the features (`libraries`); written last."""
+    the libraries that computed the features (`libraries`), with the digests of the encoder's tokenizer files
+    where it reads them (`Encoder.tokenizer_digests`); written last."""
     write_json(work / "meta.json", {
-        "store_version": STORE_VERSION, "ushash_version": ushash.__version__, **identity,
-        "modalities": modalities, "libraries": libraries(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        "store_version": STORE_VERSION, "ushash_version": ushash.__version__, **identity, "modalities": modalities,
+        "libraries": {**libraries(), **(tokenizers or {})}, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
 def finish(work: Path, out: Path) -> FeatureSplit:

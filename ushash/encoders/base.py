@@ -241,6 +241,18 @@ class Encoder(nn.Module):
             return None
         return tok.n_tokens(str(text)), int(tok.max_length)
 
+    def tokenizer_digests(self) -> dict[str, str]:
+        """{"text tokenizer": digest} where the text tower's tokenizer is read from files (a Hugging Face one:
+        `tokenizing.tokenizer_digest`), which the fingerprint does not cover: a store records it beside the
+        library versions, and one made with other tokenizer files is checked before it is reused. {} else."""
+        if getattr(self, "_tokenizer_digests", None) is None:
+            from ushash.encoders.tokenizing import tokenizer_digest
+
+            tower = self.parts["text"] if "text" in self.parts else self
+            digest = tokenizer_digest(getattr(tower, "tokenizer", None)) if "text" in self.modalities else None
+            self._tokenizer_digests = {} if digest is None else {"text tokenizer": digest}
+        return dict(self._tokenizer_digests)
+
     def _preprocess(self, modality: str, raw: Any) -> Any:
         return self.parts[modality].preprocess(raw)
 

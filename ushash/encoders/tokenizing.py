@@ -11,6 +11,7 @@ substitute for a model's real tokenizer: pretrained weights need the tokenizer t
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 
 import torch
@@ -79,6 +80,28 @@ class HashTokenizer:
             input_ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
             attention_mask[row, : len(s)] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def tokenizer_digest(tok) -> str | None:
+    """16 hex digits over what a Hugging Face tokenizer (or a wrapper of one, `.tokenizer`) turns text into ids
+    with: a fast tokenizer's whole serialisation (vocabulary, merges, normaliser, pre-tokeniser, post-processor,
+    added tokens; not the truncation and padding its calls set), a slow one's vocabulary, and either's special tokens and plain settings (paths left out, so
+    the same files elsewhere agree). None for any other tokenizer (the hashing one: its settings are in the
+    encoder's config; open_clip's bundled one: its version is the library's)."""
+    from transformers import PreTrainedTokenizerBase
+
+    inner = tok if isinstance(tok, PreTrainedTokenizerBase) else getattr(tok, "tokenizer", None)
+    if not isinstance(inner, PreTrainedTokenizerBase):
+        return None
+    backend = getattr(inner, "backend_tokenizer", None)
+    if backend is not None:   # less the truncation and padding a call sets (the encoder's max_length is its config)
+        backend = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+    settings = {k: v for k, v in inner.init_kwargs.items()
+                if isinstance(v, (str, int, float, bool, type(None))) and "file" not in k and "path" not in k}
+    record = {"class": type(inner).__name__, "settings": settings,
+              "special": {k: str(v) for k, v in inner.special_tokens_map.items()},
+              "model": backend if backend is not None else sorted(inner.get_vocab().items())}
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class HFTokenizer:
