@@ -244,6 +244,22 @@ def test_incompatible_bits_and_encoder(trained):
         head.codes("video", np.zeros((3, 12), np.float32))
 
 
+def test_the_tokenizer_digests_of_the_training_features_reach_the_manifest(trained, tmp_path):
+    """The checkpoint's provenance names the tokenizer digests its training store records (none for synthetic
+    features: no key); the export writes them beside the encoder's fingerprint, where request.py checks them."""
+    from ushash.serving.export import run_export
+
+    prov = trained["module"].hparams.provenance
+    assert prov["tokenizers"] == {}
+    assert "tokenizers" not in load_export(trained["export"]["out"]).manifest["encoder"]
+    prov["tokenizers"] = {"text tokenizer": "0123456789abcdef"}
+    try:
+        exp = run_export(_export_cfg(trained["root"], trained["ckpt"], str(tmp_path / "t")), module=trained["module"])
+    finally:
+        prov["tokenizers"] = {}
+    assert load_export(exp["out"]).manifest["encoder"]["tokenizers"] == {"text tokenizer": "0123456789abcdef"}
+
+
 def test_checkpoint_without_encoder_provenance_is_refused(trained, tmp_path):
     from ushash.serving.export import write_export
 

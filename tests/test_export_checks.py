@@ -68,7 +68,8 @@ def _set(mf, path, value):
 MALFORMED = [
     (("bits",), "64"), (("bits",), -8), (("dim",), None), (("modalities",), []), (("modalities",), {}),
     (("modalities", "text"), 16), (("modalities", "text"), {"in_dim": "16"}), (("encoder",), "tiny"),
-    (("encoder",), {"name": 1, "fingerprint": "x"}), (("head",), []), (("head", "layers"), None),
+    (("encoder",), {"name": 1, "fingerprint": "x"}), (("encoder", "tokenizers"), ["x"]),
+    (("encoder", "tokenizers"), {"text tokenizer": 7}), (("head",), []), (("head", "layers"), None),
     (("head", "layers", "text"), "linear"), (("head", "layers", "text"), [1, 2]),
     (("prototypes",), "prototypes"), (("prototypes",), {"tensor": 3}), (("payload",), None),
     (("tensors",), []), (("tensors", "prototypes"), {"shape": 3}),

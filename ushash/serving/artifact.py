@@ -312,6 +312,9 @@ def _check_shape_of_manifest(m: dict) -> None:
             bad(f"modalities.{k}", "{\"in_dim\": a positive integer}")
     if not isinstance(m["encoder"], dict) or not all(isinstance(m["encoder"].get(k), str) for k in ("name", "fingerprint")):
         bad("encoder", "{\"name\": str, \"fingerprint\": str, ...}")
+    toks = m["encoder"].get("tokenizers", {})
+    if not isinstance(toks, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in toks.items()):
+        bad("encoder.tokenizers", "an object of str -> str (tokenizer digests)")
     if not isinstance(m["head"], dict) or not isinstance(m["head"].get("layers"), dict):
         bad("head", "an object with layers")
     for mod, ops in m["head"]["layers"].items():

@@ -103,7 +103,10 @@ def build_manifest(model: USHash, encoder: dict, payload: PayloadCodec, tensors:
         "dim": int(model.dim),
         "modalities": {m: {"in_dim": int(d)} for m, d in model.in_dims.items()},
         "encoder": {"name": str(encoder["name"]), "fingerprint": str(encoder["fingerprint"]),
-                    "config": encoder.get("config") or {}},
+                    "config": encoder.get("config") or {},
+                    # the digests of the tokenizer files its features were made with (the store's), which
+                    # the fingerprint does not cover: a raw text is encoded only with the same (request.py)
+                    **({"tokenizers": dict(encoder["tokenizers"])} if encoder.get("tokenizers") else {})},
         "head": {"hidden": hidden, "n_linear": sum(isinstance(op, nn.Linear) for op in first),
                  "output": "l2_normalize", "layers": layers},
         "prototypes": {"tensor": "prototypes", "shape": [int(model.bits), int(model.dim)],
@@ -206,7 +209,8 @@ def run_export(cfg: DictConfig, module=None) -> dict:
               "features_dir": prov.get("features_dir") if not os.path.isabs(str(prov.get("features_dir") or "")) else None,
               "stores": _stores(prov), "run_name": run, "checkpoint": Path(str(cfg.ckpt)).name,
               "seed": prov.get("seed"), "calibration_split": cfg.calibration.split if samples else None}
-    write_export(model, out, prov.get("encoder") or {}, codec, source=source, overwrite=bool(cfg.overwrite))
+    encoder = {**(prov.get("encoder") or {}), "tokenizers": prov.get("tokenizers")}
+    write_export(model, out, encoder, codec, source=source, overwrite=bool(cfg.overwrite))
     head = artifact.load_export(out)  # read back through the serving loader before declaring success
     log.info("export %s: revision %s, %d bits, modalities %s, encoder %s-%s, payload %r", out, head.revision,
              head.bits, head.modalities, head.encoder.name, head.encoder.fingerprint, head.payload)

@@ -116,6 +116,12 @@ class QueryEncoder:
         if want and encoder.fingerprint != want:
             raise RequestError(f"the {name!r} encoder built here has fingerprint {encoder.fingerprint}, the export "
                                f"was trained on {want}: raw inputs would give meaningless codes")
+        tokenizers = enc.get("tokenizers") or {}
+        here = {k: encoder.tokenizer_digests().get(k) for k in tokenizers}
+        if here != tokenizers:
+            raise RequestError(f"the {name!r} encoder built here reads other tokenizer files ({here}) than the "
+                               f"export's features were made with ({tokenizers}): its texts would give meaningless "
+                               f"codes; give it the tokenizer files it was trained with")
         return encoder
 
     def features(self, modality: str, data) -> np.ndarray:
