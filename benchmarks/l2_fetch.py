@@ -5,9 +5,8 @@ with it (the read before, `lookup_many(values=None)` then the same choice), in t
 Fixed inputs: a redis-server started on a free loopback port; one request code and `n` entries around it
 (one at distance 0, the rest at distance 1, as near-duplicates of one request are), each answer `size`
 seeded bytes; a 64-bit head with a 16-d payload (`LSHHead`), radius 3. Two cases: the nearest candidate is
-served (an exact repeat: one round trip less than a miss of the nearest would need), and it is refused (of
-another modality with cross_modal off, so a candidate at distance 1 is chosen and its answer read in one more
-round trip). Each way is timed on the same store, interleaved, a fresh lookup of the L2 each time (no L1);
+served (an exact repeat), and it is refused (of another modality with cross_modal off), so that a candidate at
+distance 1 is chosen and its answer read in one more round trip. Each way is timed on the same store, interleaved, a fresh lookup of the L2 each time (no L1);
 the bytes Redis sent per lookup are from its `total_net_output_bytes`, less what reading that counter costs.
 
     ./run bench l2_fetch [--repeats 300]

@@ -85,9 +85,10 @@ class HashTokenizer:
 def tokenizer_digest(tok) -> str | None:
     """16 hex digits over what a Hugging Face tokenizer (or a wrapper of one, `.tokenizer`) turns text into ids
     with: a fast tokenizer's whole serialisation (vocabulary, merges, normaliser, pre-tokeniser, post-processor,
-    added tokens; not the truncation and padding its calls set), a slow one's vocabulary, and either's special tokens and plain settings (paths left out, so
-    the same files elsewhere agree). None for any other tokenizer (the hashing one: its settings are in the
-    encoder's config; open_clip's bundled one: its version is the library's)."""
+    added tokens; not the truncation and padding its calls set), a slow one's vocabulary, and either's special
+    tokens and plain settings (paths left out, so the same files elsewhere agree). None for any other tokenizer
+    (the hashing one: its settings are in the encoder's config; open_clip's bundled one: its version is the
+    library's)."""
     from transformers import PreTrainedTokenizerBase
 
     inner = tok if isinstance(tok, PreTrainedTokenizerBase) else getattr(tok, "tokenizer", None)
