@@ -292,3 +292,28 @@ def test_an_export_refuses_raw_text_through_other_tokenizer_files_than_its_featu
     _word_tokenizer(model, list(reversed(words)))
     with pytest.raises(RequestError, match=r"reads other tokenizer files .* than the export's features were made with"):
         QueryEncoder(head).features("text", "caption number 1")
+
+
+def test_the_tokenizer_digest_is_of_its_files_not_of_their_folder_or_the_object(tmp_path):
+    """The digest is of the files (name and bytes): the same files in another folder give the same digest, the
+    tokenizer's calls (which set its truncation and padding) change nothing, a tokenizer made in memory has
+    none, and MiniLM's bundled one has one."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from ushash.encoders.text_minilm import bundled_model_dir
+    from ushash.encoders.tokenizing import HFTokenizer, tokenizer_digest
+
+    model, words, enc = _tokenized_clip(tmp_path)
+    digest = tokenizer_digest(AutoTokenizer.from_pretrained(model))
+    shutil.copytree(model, tmp_path / "elsewhere")
+    moved = AutoTokenizer.from_pretrained(tmp_path / "elsewhere")
+    HFTokenizer(moved, 8)(["caption number 1", "caption"])   # padding and truncation set on the object
+    assert tokenizer_digest(moved) == digest == enc().tokenizer_digests()["text tokenizer"]
+    (tmp_path / "elsewhere" / "tokenizer.json").write_bytes((model / "tokenizer.json").read_bytes() + b" ")
+    assert tokenizer_digest(AutoTokenizer.from_pretrained(tmp_path / "elsewhere")) != digest
+    moved.name_or_path = ""
+    assert tokenizer_digest(moved) is None
+    assert tokenizer_digest(AutoTokenizer.from_pretrained(bundled_model_dir())) is not None

@@ -11,8 +11,8 @@ substitute for a model's real tokenizer: pretrained weights need the tokenizer t
 from __future__ import annotations
 
 import hashlib
-import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -82,27 +82,51 @@ class HashTokenizer:
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+#: Files a Hugging Face tokenizer is read from besides its class's vocabulary files (`vocab_files_names`)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
 def tokenizer_digest(tok) -> str | None:
-    """16 hex digits over what a Hugging Face tokenizer (or a wrapper of one, `.tokenizer`) turns text into ids
-    with: a fast tokenizer's whole serialisation (vocabulary, merges, normaliser, pre-tokeniser, post-processor,
-    added tokens; not the truncation and padding its calls set), a slow one's vocabulary, and either's special
-    tokens and plain settings (paths left out, so the same files elsewhere agree). None for any other tokenizer
-    (the hashing one: its settings are in the encoder's config; open_clip's bundled one: its version is the
-    library's)."""
+    """16 hex digits over the files a Hugging Face tokenizer (or a wrapper of one, `.tokenizer`) was read from:
+    the name and bytes of each of its class's vocabulary files (vocab.txt, merges.txt, tokenizer.json,
+    spiece.model, ...) and of `TOKENIZER_FILES` that its folder holds. The files, not the object: the same files
+    read by another transformers version, from another folder or through the hub's cache give the same digest.
+    None for a tokenizer not read from a folder found here (the hashing one: its settings are in the encoder's
+    config; open_clip's bundled one: its version is the library's; one made in memory)."""
     from transformers import PreTrainedTokenizerBase
 
     inner = tok if isinstance(tok, PreTrainedTokenizerBase) else getattr(tok, "tokenizer", None)
     if not isinstance(inner, PreTrainedTokenizerBase):
         return None
-    backend = getattr(inner, "backend_tokenizer", None)
-    if backend is not None:   # less the truncation and padding a call sets (the encoder's max_length is its config)
-        backend = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
-    settings = {k: v for k, v in inner.init_kwargs.items()
-                if isinstance(v, (str, int, float, bool, type(None))) and "file" not in k and "path" not in k}
-    record = {"class": type(inner).__name__, "settings": settings,
-              "special": {k: str(v) for k, v in inner.special_tokens_map.items()},
-              "model": backend if backend is not None else sorted(inner.get_vocab().items())}
-    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = _tokenizer_folder(str(getattr(inner, "name_or_path", "") or ""))
+    if folder is None:
+        return None
+    names = {*TOKENIZER_FILES, *(v for v in (getattr(inner, "vocab_files_names", None) or {}).values()
+                                 if isinstance(v, str))}
+    h, read = hashlib.sha256(), 0
+    for name in sorted(names):
+        path = folder / name
+        if path.is_file():
+            data = path.read_bytes()
+            h.update(f"{name}\0{len(data)}\0".encode())
+            h.update(data)
+            read += 1
+    return h.hexdigest()[:16] if read else None
+
+
+def _tokenizer_folder(name_or_path: str) -> Path | None:
+    """The folder a tokenizer was read from: a local folder, or a hub id's snapshot in the local cache."""
+    if not name_or_path:
+        return None
+    if Path(name_or_path).is_dir():
+        return Path(name_or_path)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "tokenizer_config.json")
+    except Exception:   # not a repo id (a path that does not exist), no hub library
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 class HFTokenizer:
