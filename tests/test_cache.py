@@ -186,6 +186,9 @@ def test_an_answer_is_kept_no_longer_than_its_origin_allows():
     assert hour.within(60.0) == 60 and hour.within(7200.0) == 3600
     assert hour.within(60.0, 30) == 30 and hour.within(60.0, 0) == 60 and hour.within(10.0, 7200) == 10
     assert Freshness(ttl_s=None).within(60.0) == 60 and Freshness(ttl_s=None).within(None) is None
+    for stale in (0.0, -1.0, float("nan")):   # never 0, which would store it with no expiry
+        with pytest.raises(ValueError, match="stale"):
+            hour.within(stale)
 
 
 def test_ttl_with_jitter_expires_entries():

@@ -293,6 +293,19 @@ def _proxy_at(clock, up):
     return TestClient(create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(up)))
 
 
+def test_an_answer_without_a_date_is_judged_at_one_time_for_storing_and_keeping():
+    """An answer with Expires and no Date is fresh until Expires less the time now: the proxy read the clock
+    twice, once to decide it may be stored and once for its TTL, so an answer that went stale in between was
+    stored with a TTL of 0 (no expiry) or below. Both are read at the one time given."""
+    from ushash.serving.proxy import answer_lifetime, answer_storable
+
+    headers = httpx.Headers({"expires": "Sun, 06 Dec 2026 10:01:00 GMT"})
+    at = 1796551260.0   # 2026-12-06 10:01:00 UTC
+    assert answer_lifetime(headers, at - 5) == 5 and answer_storable(headers, at - 5)
+    assert answer_lifetime(headers, at) == 0 and not answer_storable(headers, at)
+    assert answer_lifetime(httpx.Headers({"cache-control": "max-age=60"}), at) == 60
+
+
 @pytest.mark.parametrize("headers,later,hit", [
     ({"cache-control": "max-age=0"}, 1, False), ({"cache-control": "must-revalidate, max-age=0"}, 1, False),
     ({"cache-control": "max-age=60"}, 30, True), ({"cache-control": "max-age=60"}, 120, False),

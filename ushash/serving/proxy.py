@@ -213,10 +213,10 @@ def _delta_seconds(value) -> float:
     return float(value) if value.isdigit() else 0.0
 
 
-def answer_lifetime(headers) -> Optional[float]:
+def answer_lifetime(headers, now: Optional[float] = None) -> Optional[float]:
     """Seconds a shared cache may serve an upstream answer from now on (RFC 9111 4.2): its `s-maxage`, else
-    its `max-age`, else `Expires` less `Date` (an invalid Expires: already stale), less its `Age`; None when
-    it states no freshness (the cache's TTL applies)."""
+    its `max-age`, else `Expires` less `Date` (less `now`, the clock's time when not given, without a Date; an
+    invalid Expires: already stale), less its `Age`; None when it states no freshness (the cache's TTL applies)."""
     from email.utils import parsedate_to_datetime
 
     cc = _directive_values(headers.get_list("cache-control"))
@@ -230,7 +230,8 @@ def answer_lifetime(headers) -> Optional[float]:
                 return None
 
         expires, date = when(headers.get("expires")), when(headers.get("date") or "")
-        life = 0.0 if expires is None else expires - (date if date is not None else time.time())
+        since = date if date is not None else (time.time() if now is None else now)
+        life = 0.0 if expires is None else expires - since
     else:
         return None
     return life - _delta_seconds(headers.get("age"))
@@ -255,15 +256,15 @@ def stream_reports_error(text: str) -> bool:
     return False
 
 
-def answer_storable(headers) -> bool:
+def answer_storable(headers, now: Optional[float] = None) -> bool:
     """Whether a shared cache may keep an upstream answer (RFC 9111): not one its Cache-Control marks
     `no-store`, `private` (one user's) or `no-cache` (every reuse revalidated, which the proxy cannot do),
     nor one whose `Vary` names request headers the proxy does not key by (any but Accept-Encoding: the
     proxy keeps the decoded body), as `Vary: Accept-Language` or `*`, nor one already stale
-    (`answer_lifetime` <= 0: `max-age=0`, an `Expires` in the past)."""
+    (`answer_lifetime` at `now` <= 0: `max-age=0`, an `Expires` in the past)."""
     if cache_directives(headers.get_list("cache-control")) & {"no-store", "private", "no-cache"}:
         return False
-    life = answer_lifetime(headers)
+    life = answer_lifetime(headers, now)
     if life is not None and life <= 0:
         return False
     vary = {v.strip().lower() for line in headers.get_list("vary") for v in line.split(",")}
@@ -548,7 +549,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         async def keep(body: bytes):
             if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
                 return
-            if not answer_storable(up.headers):
+            now = time.time()   # one clock reading: the lifetime that made it storable is the one it is kept for
+            if not answer_storable(up.headers, now):
                 return
             try:
                 text = body.decode()
@@ -557,7 +559,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             if ctype.split(";", 1)[0].strip().lower() == "text/event-stream" and stream_reports_error(text):
                 return
             q, tenant, meta = key
-            ttl = cache.freshness.within(answer_lifetime(up.headers), ttl_s)
+            ttl = cache.freshness.within(answer_lifetime(up.headers, now), ttl_s)
             try:
                 # in a worker thread: the store may write to the L2 (Redis), never on the event loop
                 await workers.run(functools.partial(cache.store_response, q, {"body": text, "content_type": ctype},

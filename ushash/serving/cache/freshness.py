@@ -69,9 +69,12 @@ class Freshness:
 
     def within(self, life: float | None, ttl_s: float | None = None) -> float | None:
         """The TTL for an answer its origin says stays fresh `life` more seconds (None: it says nothing, and
-        `ttl_s` applies): `ttl_s` (None: this Freshness's; 0: no expiry) but no longer than `life`."""
+        `ttl_s` applies): `ttl_s` (None: this Freshness's; 0: no expiry) but no longer than `life`. An answer
+        already stale (`life` <= 0) has no TTL to be stored with: a ValueError (0 would mean no expiry)."""
         if life is None:
             return ttl_s
+        if not life > 0:
+            raise ValueError(f"an answer fresh for {life!r} more seconds is stale: it is not stored")
         most = self.ttl_s if ttl_s is None else ttl_s
         return float(life) if not most else min(float(most), float(life))
 
