@@ -467,19 +467,23 @@ def test_a_replica_splitting_codes_into_other_chunks_is_refused_at_start(redis_s
     assert _cache(redis_server, l2={"prefix": "layout-8", "chunks": 8}).get("text", features=x) is None
 
 
-def _crowd(srv, n: int = 12, size: int = 40_000):
-    """A request's code `q` and, in the L2, an image entry at distance 0 (which a text request may not be
-    served with cross_modal off) and `n` text entries at distance 1, each answer `size` characters; (q, the
-    text entries' answers by id)."""
+def _crowd(srv, n: int = 12, size: int = 40_000, z=None):
+    """A request's code `q` and, in the L2, an entry at distance 0 that a text request is refused (an image
+    entry, cross_modal off; or, with `z` (the request's), a text entry whose payload is far from it) and `n` text
+    entries at distance 1 (payload `z`), each answer `size` characters; (q, the distance-1 entries' answers by id)."""
     a = _cache(srv, cross_modal=False)
     q = np.random.default_rng(4).integers(0, 256, 8, dtype=np.uint8)
-    a.store(a.query_from_code("image", q), "i" * size)
+    if z is None:
+        a.store(a.query_from_code("image", q), "i" * size)
+    else:
+        a.store(a.query_from_code("text", q, -np.asarray(z)), "f" * size)
     for j in range(n):
-        a.store(a.query_from_code("text", np.frombuffer(_flip(q.tobytes(), [j]), np.uint8)), f"{j:02d}" * (size // 2))
+        near = np.frombuffer(_flip(q.tobytes(), [j]), np.uint8)
+        a.store(a.query_from_code("text", near, z), f"{j:02d}" * (size // 2))
     answers = {}
     for key in srv.client.keys("ushash:*:e:*"):
         row = srv.client.hmget(key, ["m", "v"])
-        if row[0] == b"text":
+        if row[0] == b"text" and row[1][:1] != b"f":
             answers[key.decode().rsplit(":", 1)[1]] = row[1].decode()
     assert len(answers) == n
     return q, answers
@@ -505,9 +509,21 @@ def test_a_lookup_reads_the_answer_it_serves_not_every_candidates(redis_server):
 def test_a_chosen_entry_that_changes_before_its_answer_is_read_is_passed_over(redis_server, change):
     """Between reading the candidates and reading the chosen one's answer, the entry is made unreadable,
     dropped or expired: the next candidate by (distance, id) is served (its answer read in one more round
-    trip), an unreadable entry counted as corrupt, and nothing of the changed entry is served or promoted."""
-    q, answers = _crowd(redis_server)
+    trip), an unreadable entry counted as corrupt, and nothing of the changed entry is served or promoted. The
+    nearest candidate's refusal is counted once, as in a lookup where nothing changes (choosing again counted
+    it again)."""
+    z = np.random.default_rng(8).normal(size=32).astype(np.float32)
+    z /= np.linalg.norm(z)
+    q, answers = _crowd(redis_server, z=z)
     first, second = sorted(answers)[:2]
+
+    def refused(cache):
+        return {s.labels["reason"]: s.value for metric in cache.metrics.registry.collect()
+                if metric.name == "cache_rejections" for s in metric.samples if s.name == "cache_rejections_total"}
+
+    plain = _cache(redis_server, cross_modal=False)
+    assert plain.lookup(plain.query_from_code("text", q, z)).value == answers[first]
+    assert refused(plain) == {"payload": 1.0}   # the nearest entry, its payload far from the request's z
     b = _cache(redis_server, cross_modal=False)
     key = b.l2.entry_key("default", first)
     fetch, asked = b.l2._fetch, []
@@ -521,10 +537,11 @@ def test_a_chosen_entry_that_changes_before_its_answer_is_read_is_passed_over(re
         return fetch(tenant, fields)
 
     b.l2._fetch = changing
-    hit = b.lookup(b.query_from_code("text", q))
+    hit = b.lookup(b.query_from_code("text", q, z))
     assert hit is not None and hit.value == answers[second]
     assert asked[1:] == [{first}, {second}]
     assert b.metrics.value("cache_l2_errors_total", op="corrupt") == (1 if change == "corrupt" else 0)
+    assert refused(b) == refused(plain)
 
 
 def test_top_k_from_the_l2_reads_each_served_entrys_answer(redis_server):

@@ -23,6 +23,7 @@ records, checked for records read from a shared L2.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -104,6 +105,20 @@ def _pick(lims, dists, status, cos, thr):
     return chosen, out, n_bad
 
 
+class _Uncounted:
+    """Metrics that count nothing (`HitCheck.uncounted`): `rejections.labels(...).inc(...)` does nothing."""
+
+    @property
+    def rejections(self):
+        return self
+
+    def labels(self, **_):
+        return self
+
+    def inc(self, *_):
+        pass
+
+
 class HitCheck:
     def __init__(self, payload_codec, payload_check: bool, payload_threshold: float, cross_modal: bool, metrics,
                  points=None):
@@ -113,6 +128,12 @@ class HitCheck:
         self.threshold = float(payload_threshold)
         self.cross_modal = bool(cross_modal)
         self.metrics = metrics
+
+    def uncounted(self) -> "HitCheck":
+        """This check, counting no rejection: for a choice made again among candidates it has counted once."""
+        quiet = copy.copy(self)
+        quiet.metrics = _Uncounted()
+        return quiet
 
     def _score(self, qz, has_z, qmod, modalities, c: "Batch", now: float, trusted: bool):
         """(status [M], cosine [M], threshold [M]) of every candidate: the cheap checks, the pairs' points,

@@ -433,13 +433,15 @@ class RedisStore:
         """Each query's choice among its candidates (`_choose`), with the values of the entries it serves: those
         not read with their candidate are read now, for the chosen entries alone (one pipelined round trip for
         the batch). A chosen entry found gone, expired or unreadable then is dropped (counted as corrupt when
-        unreadable) and its query chooses again among the rest, at most `FETCH_ROUNDS` times."""
+        unreadable) and its query chooses again among the rest, at most `FETCH_ROUNDS` times (counting no
+        rejection again: `HitCheck.uncounted`)."""
         out = [MISS] * len(queries)
         todo = list(range(len(queries)))
-        for _ in range(FETCH_ROUNDS):
+        for round_ in range(FETCH_ROUNDS):
             need: dict[str, str] = {}   # entry id -> its code (hex), first-seen order
+            choosing = check if round_ == 0 or not hasattr(check, "uncounted") else check.uncounted()
             for i in todo:
-                out[i] = self._choose(queries[i], *cands[i], revision, check, now, k)
+                out[i] = self._choose(queries[i], *cands[i], revision, choosing, now, k)
                 need.update((e.id, e.code.hex()) for e in _served_entries(out[i]) if e.value is None)
             if not need:
                 return out
