@@ -265,7 +265,19 @@ def test_a_store_made_with_other_tokenizer_files_under_the_same_path_is_checked_
     with pytest.raises(FeatureStoreError, match=rf"made with text tokenizer {digest} -> \w+, .*extract again"):
         _extract(rows, tmp_path / "feat", swapped)
     _word_tokenizer(model, words)                                            # back: reused, unchecked
-    assert _extract(rows, tmp_path / "feat", enc()).path == first.path
+    back = _extract(rows, tmp_path / "feat", enc())
+    assert back.path == first.path and back.tokenizers == {"text tokenizer": digest}
+    # a store made before stores recorded the digest: checked once, then known to be of these files (what the
+    # checkpoint's provenance, and so the export, records)
+    import json
+
+    meta = json.loads((first.path / "meta.json").read_text())
+    del meta["libraries"]["text tokenizer"]
+    (first.path / "meta.json").write_text(json.dumps(meta))
+    (first.path / "verified.json").unlink(missing_ok=True)
+    older = _extract(rows, tmp_path / "feat", enc())
+    assert "text tokenizer" not in older.meta["libraries"] and older.tokenizers == {"text tokenizer": digest}
+    assert json.loads((first.path / "verified.json").read_text())[-1]["text tokenizer"] == digest
 
 
 def test_an_export_refuses_raw_text_through_other_tokenizer_files_than_its_features_were_made_with(tmp_path):

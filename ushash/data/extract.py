@@ -332,6 +332,7 @@ def reuse(out: Path, rows: list[Row], encoder) -> FeatureSplit:
     here = {**libraries(), **tokenizers(encoder)}
     recorded = split.meta.get("libraries")
     if recorded == here or here in _verified(out / VERIFIED):
+        split.checked_tokenizers = tokenizers(encoder)
         return split
     by_id = {(r.modality, r.id): r for r in rows}
     low_cos, far_norm, checked = 1.0, 0.0, 0
@@ -365,6 +366,7 @@ def reuse(out: Path, rows: list[Row], encoder) -> FeatureSplit:
     log.info("%s: made with %s; %d of its rows encode to its features here (lowest cosine %.6f), reused", out,
              changed, checked, low_cos)
     atomic_write(out / VERIFIED, json.dumps(_verified(out / VERIFIED) + [here], indent=1) + "\n")
+    split.checked_tokenizers = tokenizers(encoder)
     return split
 
 

@@ -309,6 +309,17 @@ class FeatureSplit:
     path: Path
     meta: dict
     tables: dict[str, Table]
+    #: the tokenizer digests its features are known to be made by where they were checked against an encoder
+    #: here (`extract.reuse`: that encoder's); None: those meta.json records (`tokenizers`)
+    checked_tokenizers: dict | None = None
+
+    @property
+    def tokenizers(self) -> dict[str, str]:
+        """{"text tokenizer": digest} of the tokenizer files its features are those of (none for an encoder
+        without, or a store made before stores recorded them and not checked since)."""
+        if self.checked_tokenizers is not None:
+            return dict(self.checked_tokenizers)
+        return {k: v for k, v in (self.meta.get("libraries") or {}).items() if k.endswith(" tokenizer")}
 
     @property
     def modalities(self) -> tuple[str, ...]:

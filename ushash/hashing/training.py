@@ -309,8 +309,7 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
     data_cfg = to_dict(cfg.data)
     made_here = data_cfg.get("name") == train.meta["dataset"]
     provenance = {"dataset": train.meta["dataset"], "encoder": train.meta["encoder"],
-                  "tokenizers": {k: v for k, v in (train.meta.get("libraries") or {}).items()
-                                 if k.endswith(" tokenizer")},
+                  "tokenizers": train.tokenizers,
                   "features_dir": relative_to_root(Path(train.path).parents[2], cfg.paths.root),
                   "stores": {sp: s.meta.get("rows_fingerprint") for sp, s in (("train", train), ("val", val))},
                   "content": {sp: s.content for sp, s in (("train", train), ("val", val))},
