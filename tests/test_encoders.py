@@ -238,21 +238,28 @@ def test_openclip_counts_a_texts_tokens_as_its_tokenizer_cuts_them(tiny_openclip
     assert int((ids[0] != 0).sum()) == 16 and int((ids[1] != 0).sum()) == 16   # the longer one is cut
 
 
+def word_tokenizer(folder, words):
+    """A word-level Hugging Face tokenizer saved in `folder`: [PAD] [BOS] [EOS] [CLS] [UNK] take ids 0-4 and
+    `words` 5, 6, ... in the order given; a text is [BOS] words [EOS]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[CLS]": 3, "[UNK]": 4, **{w: 5 + i for i, w in enumerate(words)}}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", 1), ("[EOS]", 2)])
+    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
+                            cls_token="[CLS]", unk_token="[UNK]").save_pretrained(folder)
+
+
 @pytest.mark.parametrize("mode", [None, "clips"])
 def test_openclip_hf_tokenizers_count_a_texts_tokens_as_they_cut_them(tiny_openclip_name, tmp_path, mode):
     """open_clip's Hugging Face tokenizer (a local word-level one here), in its standard mode (start + tokens
     + end) and in 'clips' mode (tokens cut at the window less 3, then start, end and a class token): the
     count is over the window exactly where the tokenizer's own output starts to lose content tokens."""
     from open_clip.tokenizer import HFTokenizer
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
-    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[CLS]": 3, "[UNK]": 4, "a": 5, "red": 6, "fox": 7}
-    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    t.pre_tokenizer = pre_tokenizers.Whitespace()
-    t.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", 1), ("[EOS]", 2)])
-    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
-                            cls_token="[CLS]", unk_token="[UNK]").save_pretrained(tmp_path)
+    word_tokenizer(tmp_path, ["a", "red", "fox"])   # ids 5, 6, 7
     enc = build_encoder({"name": "openclip", "model": tiny_openclip_name, "device": "cpu"})
     enc.tokenizer = HFTokenizer(str(tmp_path), context_length=8, tokenizer_mode=mode)
     extra = 3 if mode == "clips" else 2

@@ -12,6 +12,8 @@ from ushash.data.extract import extract
 from ushash.data.rows import Row
 from ushash.encoders import build_encoder
 
+from test_encoders import word_tokenizer
+
 SVG = b'<svg xmlns="http://www.w3.org/2000/svg" width="20" height="20"><rect width="20" height="10" fill="red"/></svg>'
 
 
@@ -215,19 +217,6 @@ def test_a_store_replaced_by_a_run_killed_midway_is_found_whole(tmp_path, monkey
     assert store.stores_named(out.with_name("tiny-000000000000")) == [out]   # not the one set aside
 
 
-def _word_tokenizer(folder, words):
-    """A word-level Hugging Face tokenizer saved in `folder`: `words` take ids 5, 6, ... in the order given."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[CLS]": 3, "[UNK]": 4, **{w: 5 + i for i, w in enumerate(words)}}
-    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    t.pre_tokenizer = pre_tokenizers.Whitespace()
-    t.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", 1), ("[EOS]", 2)])
-    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
-                            cls_token="[CLS]", unk_token="[UNK]").save_pretrained(folder)
-
-
 def _tokenized_clip(tmp_path):
     """A tiny CLIP saved in a folder with a word-level tokenizer: (the folder, the tokenizer's words, a function
     that builds the encoder from the folder)."""
@@ -241,7 +230,7 @@ def _tokenized_clip(tmp_path):
     tiny.model.save_pretrained(model)
     tiny.image_processor.save_pretrained(model)
     words = ["caption", "number", "0", "1", "2", "3"]
-    _word_tokenizer(model, words)
+    word_tokenizer(model, words)
     return model, words, lambda: build_encoder({"name": "hf_clip", "model": str(model), "device": "cpu"})
 
 
@@ -259,12 +248,12 @@ def test_a_store_made_with_other_tokenizer_files_under_the_same_path_is_checked_
     digest = first.meta["libraries"]["text tokenizer"]
     assert digest == enc().tokenizer_digests()["text tokenizer"]
     assert _extract(rows, tmp_path / "feat", enc()).path == first.path      # the same files: reused
-    _word_tokenizer(model, list(reversed(words)))                           # other ids for the same words
+    word_tokenizer(model, list(reversed(words)))                           # other ids for the same words
     swapped = enc()
     assert swapped.fingerprint == enc().fingerprint and swapped.tokenizer_digests()["text tokenizer"] != digest
     with pytest.raises(FeatureStoreError, match=rf"made with text tokenizer {digest} -> \w+, .*extract again"):
         _extract(rows, tmp_path / "feat", swapped)
-    _word_tokenizer(model, words)                                            # back: reused, unchecked
+    word_tokenizer(model, words)                                            # back: reused, unchecked
     back = _extract(rows, tmp_path / "feat", enc())
     assert back.path == first.path and back.tokenizers == {"text tokenizer": digest}
     # a store made before stores recorded the digest: checked once, then known to be of these files (what the
@@ -301,7 +290,7 @@ def test_an_export_refuses_raw_text_through_other_tokenizer_files_than_its_featu
     head = load_export(out)
     assert head.manifest["encoder"]["tokenizers"] == made.tokenizer_digests() != {}
     assert QueryEncoder(head).features("text", "caption number 1").shape == (16,)
-    _word_tokenizer(model, list(reversed(words)))
+    word_tokenizer(model, list(reversed(words)))
     with pytest.raises(RequestError, match=r"reads other tokenizer files .* than the export's features were made with"):
         QueryEncoder(head).features("text", "caption number 1")
 
