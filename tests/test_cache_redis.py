@@ -544,12 +544,66 @@ def test_a_chosen_entry_that_changes_before_its_answer_is_read_is_passed_over(re
     assert refused(b) == refused(plain)
 
 
+def test_a_traced_choice_made_again_is_traced_and_counted_once(redis_server):
+    """With a tracer, the choice made again after the chosen entry is found gone is an `ushash.verify` span of
+    its own (it was made by the untraced check), and the rejections are still counted once."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from ushash.serving.cache.telemetry import configure_tracing
+
+    z = np.random.default_rng(8).normal(size=32).astype(np.float32)
+    z /= np.linalg.norm(z)
+    q, answers = _crowd(redis_server, z=z)
+    first, second = sorted(answers)[:2]
+    b = _cache(redis_server, cross_modal=False)
+    exporter = InMemorySpanExporter()
+    b.trace(configure_tracing(exporter=exporter))
+    fetch, asked = b.l2._fetch, []
+
+    def dropping(tenant, fields):
+        asked.append(set(fields))
+        if len(asked) == 2:
+            redis_server.client.delete(b.l2.entry_key(tenant, first))
+        return fetch(tenant, fields)
+
+    b.l2._fetch = dropping
+    assert b.lookup(b.query_from_code("text", q, z)).value == answers[second]
+    verify = [s for s in exporter.get_finished_spans() if s.name == "ushash.verify"]
+    assert [s.attributes["cache.hit"] for s in verify] == [True, True]   # the first choice, then the second
+    assert b.metrics.value("cache_rejections_total", reason="payload") == 1
+    b.trace(None)
+
+
 def test_top_k_from_the_l2_reads_each_served_entrys_answer(redis_server):
     """check / store's top-k: every entry of the k served from the L2 comes with its answer, by (distance, id)."""
     q, answers = _crowd(redis_server)
     b = _cache(redis_server, cross_modal=False)
     hits = b.lookup_top(b.query_from_code("text", q), k=4)
     assert [h.value for h in hits] == [answers[i] for i in sorted(answers)[:4]]
+
+
+def test_top_k_keeps_what_it_read_when_its_choices_keep_vanishing(redis_server):
+    """Top-k from the L2 where every answer read after the candidates is gone by then (each round's choice
+    deleted as it is fetched, through all FETCH_ROUNDS): the entries of the last choice whose answers came with
+    the candidates are served, by (distance, id), not nothing (the query was dropped whole)."""
+    from ushash.serving.cache.redis_store import FETCH_ROUNDS
+
+    q, answers = _crowd(redis_server)
+    b = _cache(redis_server, cross_modal=False)
+    fetch, asked = b.l2._fetch, []
+
+    def vanishing(tenant, fields):
+        asked.append(set(fields))
+        if len(asked) > 1:   # after the candidates: each answer asked for is deleted first
+            for eid in fields:
+                redis_server.client.delete(b.l2.entry_key(tenant, eid))
+        return fetch(tenant, fields)
+
+    b.l2._fetch = vanishing
+    hits = b.lookup_top(b.query_from_code("text", q), k=4)
+    ids = sorted(answers)
+    assert asked[1:] == [{i} for i in ids[3:3 + FETCH_ROUNDS]]   # the 4th, then each next in line, vanishes
+    assert [h.value for h in hits] == [answers[i] for i in ids[:3]]
 
 
 def test_the_l2_fetch_benchmark_serves_the_same_entry_both_ways(monkeypatch):

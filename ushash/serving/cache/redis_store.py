@@ -185,6 +185,17 @@ def _filled(f: Found, read: dict) -> Found:
                                more=tuple((read.get(e.id) or e, d, c, ref) for e, d, c, ref in f.more))
 
 
+def _readable(f: Found, read: dict) -> Found:
+    """`f` with the entries `read` found gone, expired or unreadable (None) left out and the others filled (a
+    top-k choice keeps the rest of its k); a miss when none is left."""
+    kept = [(e, d, c, ref) for e, d, c, ref in ((f.entry, f.distance, f.cosine, f.ref), *f.more)
+            if read.get(e.id, e) is not None]
+    if not kept:
+        return Found(nearest=f.nearest)
+    (e, d, c, ref), *more = [(read.get(e.id) or e, d, c, ref) for e, d, c, ref in kept]
+    return dataclasses.replace(f, entry=e, distance=d, cosine=c, ref=ref, more=tuple(more))
+
+
 class L2Unavailable(Exception):
     """Internal: the L2 call failed or was skipped (the cache treats it as a miss)."""
 
@@ -439,7 +450,7 @@ class RedisStore:
         todo = list(range(len(queries)))
         for round_ in range(FETCH_ROUNDS):
             need: dict[str, str] = {}   # entry id -> its code (hex), first-seen order
-            choosing = check if round_ == 0 or not hasattr(check, "uncounted") else check.uncounted()
+            choosing = check if round_ == 0 else check.uncounted()
             for i in todo:
                 out[i] = self._choose(queries[i], *cands[i], revision, choosing, now, k)
                 need.update((e.id, e.code.hex()) for e in _served_entries(out[i]) if e.value is None)
@@ -465,8 +476,8 @@ class RedisStore:
                 else:
                     out[i] = _filled(out[i], read)
             todo = again
-        for i in todo:   # still choosing entries that vanish as they are read: served none
-            out[i] = MISS
+        for i in todo:   # still choosing entries that vanish as they are read: served what was read of its choice
+            out[i] = _readable(out[i], read)
         return out
 
     def _fits(self, entries: list[Entry], dists: list[int], codec) -> tuple[list[Entry], list[int]]:

@@ -418,6 +418,10 @@ class TracedCheck:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def uncounted(self) -> "TracedCheck":
+        """`HitCheck.uncounted`, still traced: a choice made again is a span of its own."""
+        return TracedCheck(self.inner.uncounted(), self.tracer)
+
     def choose(self, q, c, revision, now, trusted):
         with self.tracer.start_as_current_span("ushash.verify", attributes={"cache.candidates": len(c)}) as span:
             out = self.inner.choose(q, c, revision, now, trusted)
