@@ -15,9 +15,7 @@ the bytes Redis sent per lookup are from its `total_net_output_bytes`, less what
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,32 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ushash.serving.cache import SemanticCache  # noqa: E402
 from ushash.serving.cache.lsh import LSHHead  # noqa: E402
-from ushash.serving.localhost import free_port  # noqa: E402
+from ushash.serving.localhost import LocalRedis  # noqa: E402
 
 CANDIDATES = (1, 8, 32)
 SIZES = (1 << 10, 64 << 10)
 TENANT, REVISION, RADIUS = "default", "bench", 3
-
-
-def start_redis():
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("l2_fetch: redis-server not found on PATH (./run test installs it; or apt-get install "
-                         "redis-server)")
-    import redis
-
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(250):
-        try:
-            if client.ping():
-                return proc, client, f"redis://127.0.0.1:{port}/0"
-        except redis.ConnectionError:
-            time.sleep(0.02)
-    proc.terminate()
-    raise SystemExit("l2_fetch: redis-server did not start")
 
 
 def flip(code: np.ndarray, bit: int) -> np.ndarray:
@@ -91,9 +68,13 @@ def served_answer(cache, q):
 
 
 def measure(repeats: int) -> list[dict]:
-    proc, client, url = start_redis()
-    sent = lambda: client.info("stats")["total_net_output_bytes"]   # noqa: E731
     try:
+        srv = LocalRedis()
+    except FileNotFoundError as e:
+        raise SystemExit(f"l2_fetch: {e}") from None
+    url = srv.url
+    sent = lambda: srv.client.info("stats")["total_net_output_bytes"]   # noqa: E731
+    with srv:
         a = sent()
         info_cost = sent() - a   # the counter's own reply, which a reading between two counters adds
         rows = []
@@ -123,9 +104,6 @@ def measure(repeats: int) -> list[dict]:
                                  **{f"{name} us": statistics.median(v) * 1e6 for name, v in times.items()},
                                  **{f"{name} bytes": moved[name] for name in ways}})
         return rows
-    finally:
-        proc.terminate()
-        proc.wait(5)
 
 
 def markdown(rows: list[dict], repeats: int) -> str:

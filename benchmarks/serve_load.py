@@ -189,24 +189,19 @@ def main() -> None:
     import httpx
 
     workers = [int(w) for w in args.workers.split(",")] if args.workers else [1]
-    redis = bool(args.workers)
-    if redis and not shutil.which("redis-server"):
+    if args.workers and not shutil.which("redis-server"):
         raise SystemExit("--workers needs redis-server (the workers' shared L2)")
-    from ushash.serving.localhost import free_port, wait_until_up
+    from ushash.serving.localhost import LocalRedis, free_port, wait_until_up
 
     with tempfile.TemporaryDirectory(prefix="ushash-serve-load-") as tmp:
         root = Path(tmp)
         export = _export(root)
-        procs, servers, sv_procs = [], [], []
+        procs, servers, sv_procs, redis = [], [], [], None
         try:
-            l2 = []
-            if redis:
-                rport = free_port(HOST)
-                procs.append(subprocess.Popen(["redis-server", "--port", str(rport), "--bind", HOST, "--save", "",
-                                               "--appendonly", "no"], stdout=subprocess.DEVNULL))
+            l2, redis = [], LocalRedis(host=HOST) if args.workers else None
             for k, w in enumerate(workers):
                 if redis:   # one database each: the servers do not share entries
-                    l2 = ["cache=redis", f"cache.l2.url=redis://{HOST}:{rport}/{k}"]
+                    l2 = ["cache=redis", f"cache.l2.url=redis://{HOST}:{redis.port}/{k}"]
                 port = free_port(HOST)
                 proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export}", f"host={HOST}",
                                          f"port={port}", f"workers={w}", f"threads={args.server_threads}", *l2, "log_level=error",
@@ -244,6 +239,8 @@ def main() -> None:
             for proc in reversed(procs):
                 proc.terminate()
                 proc.wait(30)
+            if redis:
+                redis.stop()
     print(f"# serve_load  {time.strftime('%Y-%m-%d %H:%M')}  {machine_summary()}, load average "
           f"{os.getloadavg()[0]:.1f}; server and load generator on the same machine, loopback, "
           f"{args.concurrency} connections (batch: 2), <= {args.requests} requests / {args.seconds:.0f} s per phase in "

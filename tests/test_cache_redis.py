@@ -14,7 +14,7 @@ import pytest
 
 from ushash.serving.cache import SemanticCache
 from ushash.serving.cache.lsh import LSHHead
-from ushash.serving.localhost import free_port
+from ushash.serving.localhost import LocalRedis
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed (./run test installs it)")
@@ -34,32 +34,9 @@ def _free_cluster_port(start: int) -> int:
     raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
-class RedisServer:
-    def __init__(self, extra=()):
-        self.port = free_port()
-        self.proc = subprocess.Popen([REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--protected-mode", "yes", "--enable-debug-command", "local", *extra],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        self.client = redis.Redis(port=self.port)
-        for _ in range(200):
-            try:
-                if self.client.ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(5)
+def RedisServer():
+    """A throwaway redis-server (ushash.serving.localhost.LocalRedis) that allows DEBUG from the loopback."""
+    return LocalRedis("--protected-mode", "yes", "--enable-debug-command", "local")
 
 
 @pytest.fixture
@@ -320,22 +297,9 @@ def test_redis_cluster_layout(tmp_path):
             d = tmp_path / f"n{i}"
             d.mkdir()
             port = _free_cluster_port(nodes[-1][0] + 1 if nodes else 20000 + os.getpid() % 20000)
-            p = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                  "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
-                                  "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            nodes.append((port, p))
-        for port, p in nodes:
-            deadline = time.monotonic() + 10
-            while True:
-                if p.poll() is not None:
-                    pytest.fail(f"redis-server on port {port} exited: {p.stderr.read().decode(errors='replace')[-500:]}")
-                try:
-                    redis.Redis(port=port, socket_connect_timeout=0.2, retry_on_error=[]).ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        pytest.fail(f"redis-server on port {port} did not answer within 10 s")
-                    time.sleep(0.02)
+            node = LocalRedis("--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"), "--dir",
+                              str(d), port=port)
+            nodes.append((port, node))
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p, _ in nodes],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
         for _ in range(300):
@@ -382,9 +346,8 @@ def test_redis_cluster_layout(tmp_path):
                 owners.add(port)
         assert len(owners) >= 2
     finally:
-        for _, p in nodes:
-            p.terminate()
-            p.wait(5)
+        for _, node in nodes:
+            node.stop()
 
 
 def test_a_traced_l2_lookup_has_its_own_span(redis_server):
@@ -623,3 +586,22 @@ def test_the_l2_fetch_benchmark_serves_the_same_entry_both_ways(monkeypatch):
     eight = rows[1]
     assert eight["served answer bytes"] < 0.5 * eight["every answer bytes"]
     assert "| 8 | 1 KB | the nearest |" in bench.markdown(rows, 2)
+
+
+def test_local_redis_answers_when_started_and_says_why_it_did_not_start(monkeypatch):
+    """The tests' and benchmarks' throwaway Redis (ushash.serving.localhost.LocalRedis) answers PING once
+    constructed and is gone once stopped; a server that exits at start (a bad argument) is a RuntimeError with
+    its own message, and no redis-server on PATH a FileNotFoundError saying how to install it."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    with LocalRedis() as srv:
+        assert srv.client.ping() and srv.url == f"redis://127.0.0.1:{srv.port}/0"
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=srv.port, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)).ping()
+    with pytest.raises(RuntimeError, match="exited with code"):
+        LocalRedis("--no-such-option", "yes")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="apt-get install redis-server"):
+        LocalRedis()

@@ -18,7 +18,7 @@ from PIL import Image
 
 from ushash.serving import connection
 from ushash.serving.cache import SemanticCache
-from ushash.serving.localhost import free_port, wait_until_up
+from ushash.serving.localhost import LocalRedis, free_port, wait_until_up
 from ushash.serving.service import check_binding, create_app, is_loopback, json_values_bound
 
 TOKEN = "s3cret-token-0123456789"
@@ -503,11 +503,9 @@ def test_several_workers_start_share_the_l2_and_answer(export_dir, tmp_path):
     one is found through the other (from the L2), over fresh connections that the kernel spreads across them."""
     import httpx
 
-    rport, port = free_port(), free_port()
-    redis = subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port, redis = free_port(), LocalRedis()
     proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", f"export={export_dir}", f"port={port}", "workers=2",
-                             "cache=redis", f"cache.l2.url=redis://127.0.0.1:{rport}/0", f"hydra.run.dir={tmp_path}"],
+                             "cache=redis", f"cache.l2.url={redis.url}", f"hydra.run.dir={tmp_path}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -536,8 +534,7 @@ def test_several_workers_start_share_the_l2_and_answer(export_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(60)
-        redis.terminate()
-        redis.wait(10)
+        redis.stop()
 
 
 def test_workers_set_tcp_nodelay_on_each_connection():

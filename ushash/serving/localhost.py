@@ -1,17 +1,21 @@
 """Servers started as child processes on the loopback (the tests' and benchmarks' servers, a model
-service under the proxy): a free port to give one, waiting until it answers, and a bare keep-alive
-connection that sends it prepared request bytes (the benchmarks' load generator).
+service under the proxy, a throwaway Redis): a free port to give one, waiting until it answers, and a bare
+keep-alive connection that sends it prepared request bytes (the benchmarks' load generator).
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ushash.serve", "export=...", f"port={port}"])
     wait_until_up(f"http://127.0.0.1:{port}/healthz", proc)
     conn = await Connection.open(f"http://127.0.0.1:{port}")
     status, head, body = await conn.request(request_bytes("GET", "/healthz"))
+
+    with LocalRedis() as srv:          # redis-server on a free port, answering PING
+        cache = SemanticCache(head, {"l2": {"url": srv.url}})
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import subprocess
 import time
@@ -43,6 +47,60 @@ def wait_until_up(url: str, proc: subprocess.Popen | None = None, seconds: float
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not answer within {seconds:g} s")
+
+
+class LocalRedis:
+    """A redis-server child process on the loopback for tests and benchmarks: no persistence, on a free port
+    (or `port`), answering PING when the constructor returns. `extra`: more server arguments (a cluster
+    node's, a debug command). `url` (database 0), `client` (redis-py), `stop()`; a context manager. A
+    FileNotFoundError when redis-server is not on PATH; a RuntimeError when it exits (with its stderr: its log
+    is discarded) or does not answer within `seconds`."""
+
+    def __init__(self, *extra: str, port: int | None = None, host: str = "127.0.0.1", seconds: float = 10.0):
+        import redis
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise FileNotFoundError("redis-server not found on PATH (apt-get install redis-server; ./run test "
+                                    "installs it)")
+        self.host, self.port = host, int(port) if port else free_port(host)
+        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", host, "--save", "", "--appendonly",
+                                      "no", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.client = redis.Redis(host=host, port=self.port)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # one try per probe: redis-py's default retries a refused connection with backoff for seconds
+        probe = redis.Redis(host=host, port=self.port, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+        deadline = time.monotonic() + float(seconds)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server on port {self.port} exited with code {self.proc.returncode}: "
+                                   f"{self.proc.stderr.read().decode(errors='replace')[-500:]}")
+            try:
+                if probe.ping():
+                    break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer within {seconds:g} s")
+                time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(5)
+        self.proc.stderr.close()
+
+    def __enter__(self) -> "LocalRedis":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 class Connection:
