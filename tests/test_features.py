@@ -155,6 +155,40 @@ def test_rows_that_failed_are_tried_again_when_the_extraction_resumes(tmp_path, 
     np.testing.assert_array_equal(split.tables["image"].x, fresh.tables["image"].x)
 
 
+@pytest.mark.parametrize("fails", [1, 2, 99])
+def test_a_file_the_system_fails_to_read_is_read_again_before_it_counts(tmp_path, monkeypatch, fails):
+    """An image whose reads fail with EIO `fails` times (a flaky disk, a network file system): it is read
+    again after each pause of READ_RETRY_PAUSES, so a passing failure leaves no row out of the finished store
+    (it was recorded as undecodable and left out for good); one that keeps failing is counted once, as
+    unreadable. A file whose content is bad is not read again."""
+    import errno
+
+    from ushash.data import media
+
+    monkeypatch.setattr(extraction, "READ_RETRY_PAUSES", (0.0, 0.0))
+    rows = _rows(tmp_path, n=6, corrupt=(3,), empty_caption=())
+    real_open, tries = media.Image.open, {"img2.png": 0, "img3.png": 0}
+
+    def flaky(fp, *a, **k):
+        name = str(fp).rsplit("/", 1)[-1]
+        if name in tries:
+            tries[name] += 1
+            if name == "img2.png" and tries[name] <= fails:
+                raise OSError(errno.EIO, "Input/output error", str(fp))
+        return real_open(fp, *a, **k)
+
+    monkeypatch.setattr(media.Image, "open", flaky)
+    split = extract(rows, CountingEncoder(), tmp_path / "feat", "toy", "train", batch_size=4, num_workers=0,
+                    progress=False)
+    codes = {f["id"]: f["code"] for f in split.report["failed"]}
+    assert tries["img3.png"] == 1 and codes["i3"] == "undecodable"   # its content: tried once
+    if fails <= len(extraction.READ_RETRY_PAUSES):
+        assert tries["img2.png"] == fails + 1 and "i2" in split.tables["image"].ids and "i2" not in codes
+    else:
+        assert tries["img2.png"] == 1 + len(extraction.READ_RETRY_PAUSES) and codes["i2"] == "unreadable"
+        assert "i2" not in split.tables["image"].ids
+
+
 def test_a_kill_while_failed_rows_are_retried_loses_none_of_them(tmp_path, monkeypatch):
     """Killed while retrying: each row is still either encoded or recorded as failed, never neither."""
     from ushash.data import media

@@ -335,6 +335,52 @@ def test_media_error_carries_source_reason_and_code(tmp_path):
     assert all(isinstance(v, str) and v for v in media.CODES.values())
 
 
+def test_a_read_the_system_fails_is_unreadable_not_undecodable(tmp_path, monkeypatch):
+    """An OSError with an errno (EIO from a flaky disk, EACCES) while a file is opened, statted or read is the
+    system's failure (UNREADABLE: the extraction reads it again), not its content's (UNDECODABLE: Pillow's and
+    libsndfile's own errors); a path under a file is not found, as before."""
+    import errno
+
+    png = tmp_path / "a.png"
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(png)
+    real_open = media.Image.open
+
+    def eio(fp, *a, **k):
+        raise OSError(errno.EIO, "Input/output error", str(fp))
+
+    monkeypatch.setattr(media.Image, "open", eio)
+    with pytest.raises(MediaError) as e:
+        load_image(png)
+    assert e.value.code == media.UNREADABLE and "Input/output error" in e.value.reason
+    monkeypatch.setattr(media.Image, "open", real_open)
+    (tmp_path / "t.png").write_bytes(png.read_bytes()[:40])   # truncated: Pillow's OSError has no errno
+    with pytest.raises(MediaError) as e:
+        load_image(tmp_path / "t.png")
+    assert e.value.code == media.UNDECODABLE
+    with pytest.raises(MediaError) as e:
+        load_image(png / "b.png")
+    assert e.value.code == media.NOT_FOUND
+    monkeypatch.setattr(media.Path, "stat", lambda self, **k: eio(self))
+    with pytest.raises(MediaError) as e:
+        load_image(png)
+    assert e.value.code == media.UNREADABLE
+    monkeypatch.undo()
+    # audio: libsndfile reads the file itself and calls the system's errors its own; the file is read through
+    # Python to tell them apart
+    wav = tmp_path / "a.wav"
+    sf.write(wav, tone(16000, 0.1), 16000)
+    wav.write_bytes(wav.read_bytes()[:30])   # a header cut short: libsndfile's error, the file reads fine
+    with pytest.raises(MediaError) as e:
+        load_audio(wav, 16000)
+    assert e.value.code == media.UNDECODABLE
+    monkeypatch.setattr(media, "open", eio, raising=False)
+    monkeypatch.setattr(media, "_decode_audio", lambda *a, **k: (_ for _ in ()).throw(
+        MediaError(wav, "cannot decode audio (LibsndfileError: System error.)")))
+    with pytest.raises(MediaError) as e:
+        load_audio(wav, 16000)
+    assert e.value.code == media.UNREADABLE
+
+
 def test_media_error_pickles_with_its_fields():
     import pickle
 

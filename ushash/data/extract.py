@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 NON_FINITE_FEATURES = "non_finite_features"
 DECODER_ERROR = "decoder_error"
 UNKNOWN = "unknown"  # a failure recorded before failures had codes (an older partial extraction)
+#: Seconds waited before each new try of the rows whose files the system failed to read (media.UNREADABLE)
+#: in an extraction, before they are counted as failed.
+READ_RETRY_PAUSES = (2.0, 10.0)
 REASONS = {**media.CODES,
            NON_FINITE_FEATURES: "non-finite features (NaN/inf) from the encoder",
            DECODER_ERROR: "decoder error",
@@ -454,11 +458,31 @@ def _extract_modality(rows: list[Row], encoder, work: Path, modality: str, batch
         return prog
     arr = np.load(arr_file, mmap_mode="r+")
     ok = set(prog["ok"])
+    bar = tqdm(total=len(rows) + len(retry), initial=prog["done"], desc=f"extract {modality}", unit="item",
+               disable=not progress, dynamic_ncols=True)
+    _encode_rows(rows, encoder, modality, todo, arr, ok, prog, prog_file, batch_size, num_workers, flush_every, bar)
+    bar.close()
+    # A file the system failed to read (an I/O error, EIO on a flaky disk or a network file system: not its
+    # content) is read again after a pause, READ_RETRY_PAUSES times, before it is counted as failed in a store
+    # that, once finished, is reused as it is.
+    for pause in READ_RETRY_PAUSES:
+        again = [i for i, r in enumerate(rows) if prog["failed"].get(r.id, {}).get("code") == media.UNREADABLE]
+        if not again:
+            break
+        log.warning("%s: %d %s rows could not be read (%s); reading them again in %g s", work, len(again),
+                    modality, prog["failed"][rows[again[0]].id]["reason"], pause)
+        time.sleep(pause)
+        _encode_rows(rows, encoder, modality, again, arr, ok, prog, prog_file, batch_size, 0, flush_every, None)
+    return prog
+
+
+def _encode_rows(rows: list[Row], encoder, modality: str, todo: list[int], arr, ok: set, prog: dict, prog_file: Path,
+                 batch_size: int, num_workers: int, flush_every: int, bar) -> None:
+    """Decode and encode rows[todo] into `arr`, recording each in `ok` or `prog["failed"]`, and `prog` (with
+    the array flushed first) every `flush_every` batches and at the end."""
     loader = DataLoader(_Decode(rows, encoder, todo), batch_size=batch_size, num_workers=num_workers,
                         collate_fn=collate_list, shuffle=False,
                         persistent_workers=False, prefetch_factor=4 if num_workers else None)
-    bar = tqdm(total=len(rows) + len(retry), initial=prog["done"], desc=f"extract {modality}", unit="item",
-               disable=not progress, dynamic_ncols=True)
     for step, batch in enumerate(loader):
         good = [(i, x) for i, x, fail in batch if fail is None]
         for i, _, fail in batch:
@@ -474,16 +498,15 @@ def _extract_modality(rows: list[Row], encoder, work: Path, modality: str, batch
                     ok.add(i)
                     prog["failed"].pop(rows[i].id, None)
         prog["done"] = max(prog["done"], batch[-1][0] + 1)
-        bar.update(len(batch))
+        if bar is not None:
+            bar.update(len(batch))
         if (step + 1) % flush_every == 0 or prog["done"] >= len(rows):
             arr.flush()
             prog["ok"] = sorted(ok)
             write_json(prog_file, prog)
-    bar.close()
     arr.flush()
     prog["ok"] = sorted(ok)
     write_json(prog_file, prog)
-    return prog
 
 
 def _extract_locked(rows, encoder, out: Path, identity: dict, batch_size, num_workers, progress, max_bad_frac,

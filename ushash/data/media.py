@@ -33,6 +33,7 @@ import math
 import mmap
 import os
 import re
+import stat
 import threading
 import time
 import zlib
@@ -65,6 +66,7 @@ NOT_TEXT = "not_text"
 NOT_IN_CONTAINER = "not_in_container"
 UNREADABLE_CONTAINER = "unreadable_container"
 OVER_LIMIT = "over_limit"
+UNREADABLE = "unreadable"
 CODES = {
     NOT_FOUND: "file not found",
     NOT_A_FILE: "not a regular file",
@@ -76,13 +78,29 @@ CODES = {
     NOT_IN_CONTAINER: "not found in its container",   # a tar member or dataset cell that is not there
     UNREADABLE_CONTAINER: "unreadable container",     # a truncated tar: its remaining members
     OVER_LIMIT: "over a size or cost limit",          # MediaLimits: pixels, aspect, SVG cost, audio length
+    UNREADABLE: "cannot read file (an I/O error)",    # the system failed a read (EIO, EACCES, a stale NFS
+                                                      # handle ...): not the file's content; may pass
 }
+
+
+def _failure_code(e: BaseException) -> str:
+    """The code of a failure while reading and decoding a file: UNREADABLE for an error of the system (an
+    OSError with an errno: EIO, EACCES, ESTALE ...), UNDECODABLE for one of the content (a decoder's errors,
+    Pillow's OSErrors among them, carry no errno)."""
+    return UNREADABLE if isinstance(e, OSError) and e.errno is not None else UNDECODABLE
+
 
 #: Raster formats Pillow may open (Image.open(formats=...)): what datasets and clients send. Anything else
 #: (EPS and PDF, which Pillow hands to Ghostscript; PSD, ICNS, TIFF, ...) is refused as undecodable.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 #: libsndfile container formats accepted (checked from the header, before any sample is read).
 AUDIO_FORMATS = ("WAV", "WAVEX", "RF64", "W64", "FLAC", "OGG", "MP3", "AIFF")
+
+
+def _unreadable(source, e: Exception) -> "MediaError":
+    """The failure to read a file (`e` from the system, or a ValueError of mmap): UNREADABLE when `e` carries
+    an errno (`_failure_code`)."""
+    return MediaError(source, f"cannot read file ({type(e).__name__}: {e})", _failure_code(e))
 
 
 @dataclass
@@ -179,7 +197,7 @@ def load_image(path: str | os.PathLike, svg_size: int = SVG_SIZE, limits: MediaL
             with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 check_image_segments(mapped, p, limits)
         except (OSError, ValueError) as e:
-            raise MediaError(p, f"cannot read file ({type(e).__name__}: {e})") from e
+            raise _unreadable(p, e) from e
     return _decode_image(p, p, limits)
 
 
@@ -298,8 +316,8 @@ def _open_raster(fp, source, limits: MediaLimits) -> Image.Image:
     except Image.UnidentifiedImageError as e:  # its message names a temporary path or a BytesIO address
         raise MediaError(source, f"cannot decode image (not one of the accepted formats: {', '.join(IMAGE_FORMATS)}, "
                                  f"SVG)") from e
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...
-        raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})") from e
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...; the system an OSError with an errno
+        raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})", _failure_code(e)) from e
     reducible = img.format == "JPEG" and bool(limits.decode_side)
     reduce = limits.reduce_large_jpeg if limits.reduce_large_jpeg is not None else limits.max_aspect is None
     if not reducible or not reduce:  # a service's limits refuse a large JPEG before any work
@@ -318,8 +336,8 @@ def _decode_image(fp, source, limits: MediaLimits = FILE_LIMITS) -> Image.Image:
     try:
         img.load()  # force a full decode: truncated data fails here, not later in a worker
         img = ImageOps.exif_transpose(img)
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...
-        raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})") from e
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...; the system an OSError with an errno
+        raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})", _failure_code(e)) from e
     if limits.decode_side and min(img.size) > limits.decode_side:
         img = _keyed_to_alpha(img)  # before resampling blends a colour key into its neighbours
         s = limits.decode_side / min(img.size)
@@ -606,7 +624,23 @@ def load_audio(path: str | os.PathLike, sample_rate: int, seconds: float | None 
     _check_audio_args(sample_rate, seconds)
     p = Path(path)
     _check_file(p)
-    return _decode_audio(str(p), p, sample_rate, seconds, limits)
+    try:
+        return _decode_audio(str(p), p, sample_rate, seconds, limits)
+    except MediaError as e:
+        if e.code == UNDECODABLE:   # libsndfile reads the file itself and reports the system's errors as its own
+            _read_through(p)
+        raise
+
+
+def _read_through(p: Path) -> None:
+    """Read the file `p` to its end, a block at a time, and drop what was read: a MediaError (UNREADABLE) if
+    the system fails the read."""
+    try:
+        with open(p, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    except OSError as e:
+        raise _unreadable(p, e) from e
 
 
 def _check_audio_args(sample_rate, seconds) -> None:
@@ -752,13 +786,17 @@ def _read(p: Path) -> bytes:
     try:
         return p.read_bytes()
     except OSError as e:
-        raise MediaError(p, f"cannot read file ({type(e).__name__}: {e})") from e
+        raise _unreadable(p, e) from e
 
 
 def _check_file(p: Path) -> None:
-    if not p.exists():
-        raise MediaError(p, "file not found", NOT_FOUND)
-    if not p.is_file():
+    try:
+        st = p.stat()
+    except (FileNotFoundError, NotADirectoryError):   # (what Path.exists said False for)
+        raise MediaError(p, "file not found", NOT_FOUND) from None
+    except OSError as e:   # EACCES on a folder above it, EIO, ELOOP ...: the system's, not the file's content
+        raise _unreadable(p, e) from e
+    if not stat.S_ISREG(st.st_mode):
         raise MediaError(p, "not a regular file", NOT_A_FILE)
-    if p.stat().st_size == 0:
+    if st.st_size == 0:
         raise MediaError(p, "empty file (0 bytes)", EMPTY)
