@@ -94,7 +94,7 @@ def test_emulation_records_what_it_served(compare):
 
 def test_gains_count_each_caches_own_answers_by_pair_and_distance(compare):
     """`gains`: the requests only one cache answered, the other's by (pair, Hamming distance of the codes)
-    with their z cosines, checked against a hand count."""
+    with their z cosines and the cosines ushash's check reads, checked against a hand count."""
     class Enc:
         modality = np.array(["text", "text", "image", "image"])
         codes = np.zeros((4, 8), np.uint8)     # 64-bit codes, the bits in their first byte
@@ -105,11 +105,15 @@ def test_gains_count_each_caches_own_answers_by_pair_and_distance(compare):
     stream = np.array([0, 1, 2, 3, 1, 3])
     ours = [-1, -1, -1, -1, 1, 2]        # ushash: a repeat of 1, and 3 answered by 2
     theirs = [-1, 0, -1, 2, 0, -1]       # GPTCache: 1 by 0 (d=3), 3 by 2 (d=1), the repeat of 1 by 0
-    g = compare.gains(Enc, stream, ours, theirs)
+    check = np.full((4, 4), np.nan)
+    check[1, 0], check[3, 2] = 0.55, 0.78   # what the hit check reads: the request's z against the entry's payload
+    g = compare.gains(Enc, check, stream, ours, theirs)
     assert (g["theirs_only"], g["ours_only"]) == (2, 1)
     assert g["by_pair_distance"] == [
-        {"pair": "image>image", "distance": 1, "requests": 1, "cos_min": pytest.approx(0.8), "cos_max": pytest.approx(0.8)},
-        {"pair": "text>text", "distance": 3, "requests": 1, "cos_min": pytest.approx(0.6), "cos_max": pytest.approx(0.6)}]
+        {"pair": "image>image", "distance": 1, "requests": 1, "cos_min": pytest.approx(0.8), "cos_max": pytest.approx(0.8),
+         "check_min": pytest.approx(0.78), "check_max": pytest.approx(0.78)},
+        {"pair": "text>text", "distance": 3, "requests": 1, "cos_min": pytest.approx(0.6), "cos_max": pytest.approx(0.6),
+         "check_min": pytest.approx(0.55), "check_max": pytest.approx(0.55)}]
 
 
 def test_threshold_is_chosen_on_val_within_the_bound(compare):

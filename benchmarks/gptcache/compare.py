@@ -132,22 +132,27 @@ def select_on_val(val_rows: list[dict], budget: float) -> dict | None:
     return max(ok, key=lambda r: (r["hit_rate"], r["cosine"])) if ok else None
 
 
-def gains(enc, stream: np.ndarray, ours: list[int], theirs: list[int]) -> dict:
+def gains(enc, payload_cos: np.ndarray, stream: np.ndarray, ours: list[int], theirs: list[int]) -> dict:
     """Request by request on the same stream: how many requests each cache serves that the other does not,
     and GPTCache's gains by (request modality > entry modality, Hamming distance between the request's code
-    and the entry's): count and the range of their z cosines (what a payload threshold would have to admit)."""
+    and the entry's): count, the range of their z cosines (what GPTCache compared) and of the cosines ushash's
+    check reads (`payload_cos`: the request's z against the entry's decoded payload,
+    ushash.sim.calibrate.payload_cosines), which its pair's payload threshold would have to admit."""
     from ushash.core.codes import hamming
 
     ours, theirs = np.asarray(ours), np.asarray(theirs)
     only = np.flatnonzero((theirs >= 0) & (ours < 0))
-    rows: dict[tuple, list[float]] = {}
+    rows: dict[tuple, list[tuple[float, float]]] = {}
     for i in only.tolist():
         q, e = int(stream[i]), int(theirs[i])
         d = int(hamming(enc.codes[[q]], enc.codes[[e]])[0, 0])
-        rows.setdefault((f"{enc.modality[q]}>{enc.modality[e]}", d), []).append(float(enc.z[q] @ enc.z[e]))
+        rows.setdefault((f"{enc.modality[q]}>{enc.modality[e]}", d), []).append(
+            (float(enc.z[q] @ enc.z[e]), float(payload_cos[q, e])))
     return {"theirs_only": int(len(only)), "ours_only": int(((ours >= 0) & (theirs < 0)).sum()),
-            "by_pair_distance": [{"pair": k[0], "distance": k[1], "requests": len(v), "cos_min": min(v),
-                                  "cos_max": max(v)} for k, v in sorted(rows.items())]}
+            "by_pair_distance": [{"pair": k[0], "distance": k[1], "requests": len(v),
+                                  "cos_min": min(c for c, _ in v), "cos_max": max(c for c, _ in v),
+                                  "check_min": min(c for _, c in v), "check_max": max(c for _, c in v)}
+                                 for k, v in sorted(rows.items())]}
 
 
 def json_lines(cmd: list[str]) -> list[dict]:
@@ -208,7 +213,7 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
     from false_hit_budget import pools_and_streams
     from ushash.serving.artifact import load_export
     from ushash.serving.calibration import Calibration, clopper_pearson_upper
-    from ushash.sim.calibrate import encode_pool, headroom, measure
+    from ushash.sim.calibrate import encode_pool, headroom, measure, payload_cosines
 
     head = load_export(export)
     ds, val, test, sv, st = pools_and_streams(head, features_dir, n_val, n_test)
@@ -269,7 +274,8 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
                 if like is not None:   # GPTCache's answers at that one threshold, request by request
                     theirs = {like["cosine"]: []}
                     emulate(xt, gt, test.cls, st, [like["cosine"]], et.src, served=theirs)
-                    entry["gains_at_ushash_false_rate"] = gains(et, st, ours[str(b)], theirs[like["cosine"]])
+                    entry["gains_at_ushash_false_rate"] = gains(et, payload_cosines(head, et), st, ours[str(b)],
+                                                                theirs[like["cosine"]])
             res["budgets"][str(b)] = entry
         res["seconds"] = round(time.perf_counter() - t0, 1)
         out["embeddings"][kind] = res
@@ -321,12 +327,14 @@ def markdown(results: list[dict], meta: dict) -> str:
     if gained:
         lines += ["", "Request by request on the test stream, GPTCache at its like-for-like threshold (the last column above) "
                   "against ushash: the requests each serves that the other does not, and GPTCache's gains by pair and "
-                  "by the Hamming distance between the request's code and the entry's (with their z cosines):", "",
-                  "| data | budget | cache | served by GPTCache only | by ushash only | GPTCache's gains: pair, distance: requests (cos) |",
+                  "by the Hamming distance between the request's code and the entry's, with the range of their z "
+                  "cosines (what GPTCache compares) and of the cosine ushash's hit check reads (the request's z against "
+                  "the entry's decoded payload, which its pair's payload threshold must admit):", "",
+                  "| data | budget | cache | served by GPTCache only | by ushash only | GPTCache's gains: pair, distance: requests (z cos; ushash's check) |",
                   "|---|---|---|---|---|---|"]
         for ds, b, kind, like, g in gained:
-            parts = "; ".join(f"{x['pair']} d={x['distance']}: {x['requests']} ({x['cos_min']:.3f}-{x['cos_max']:.3f})"
-                              for x in g["by_pair_distance"]) or "-"
+            parts = "; ".join(f"{x['pair']} d={x['distance']}: {x['requests']} ({x['cos_min']:.3f}-{x['cos_max']:.3f}; "
+                              f"{x['check_min']:.3f}-{x['check_max']:.3f})" for x in g["by_pair_distance"]) or "-"
             lines.append(f"| {ds} | {b} | GPTCache, {'export z' if kind == 'z' else 'raw encoder features'}, "
                          f"cos >= {like['cosine']:.3f} | {g['theirs_only']} | {g['ours_only']} | {parts} |")
     lines += cost_lines(results)
