@@ -187,3 +187,53 @@ def test_radius_curves_match_a_naive_loop():
     p2 = [sum(rel[i, j] for j in range(n) if dist[i, j] <= 2) / max(1, sum(dist[i] <= 2)) for i in range(m)]
     assert got["p_h2"] == pytest.approx(np.mean(p2), abs=1e-12)
     assert got["p_h2_retrieved"] == pytest.approx(np.mean([(dist[i] <= 2).any() for i in range(m)]), abs=1e-12)
+
+
+def test_mean_curves_average_each_radius_over_the_directions_where_it_is_defined():
+    """The sweep's PR curve over directions and seeds (`sweep._mean_curves`): at each radius, the mean of the
+    directions whose precision is defined there (some query retrieves something within r) and, for recall,
+    of those with a query that has a relevant item. A direction that retrieves nothing within r counted as
+    precision 0, halving here a curve that is 1 at every radius in every direction that retrieves."""
+    from ushash.core.metrics import radius_counts, radius_curves
+    from ushash.evaluation.sweep import _mean_curves
+
+    bits = 8
+    exact = np.array([[0, 5, 6, 7], [5, 0, 6, 7], [5, 6, 0, 7], [5, 6, 7, 0]])   # each query's own item at 0
+    far = exact + 3 * np.eye(4, dtype=int)                                        # ... at 3: nothing within 0-2
+    none = np.zeros((4, 4), bool)                                                 # no query has a relevant item
+    curves = []
+    for direction, dist, rel in (("I→T", exact, np.eye(4, dtype=bool)), ("T→I", far, np.eye(4, dtype=bool)),
+                                 ("I→A", exact, none)):
+        c = radius_curves(*radius_counts(*hamming_blocks(dist, rel, bits)))
+        curves.append({"method": "m", "bits": bits, "direction": direction, "protocol": "paired", "n_queries": 4,
+                       "n_no_relevant": int((~rel.any(1)).sum()), "p_at_k": {"1": 0.5},
+                       "pr": {k: c[k] for k in ("precision", "recall", "retrieved")}})
+    pr = _mean_curves([{"bits": bits, "curves": curves}], "m", bits, "paired")["pr"]
+    # precision: I→T is 1 everywhere, T→I undefined below 3 then 1, I→A 0 everywhere (it retrieves, wrongly)
+    assert pr["precision"][:4] == [0.5, 0.5, 0.5, pytest.approx(2 / 3, abs=1e-4)]
+    # recall: I→A has no relevant item anywhere and is left out; I→T 1 everywhere, T→I 0 below radius 3
+    assert pr["recall"][:4] == [0.5, 0.5, 0.5, 1.0]
+    assert pr["retrieved"][:4] == [pytest.approx(2 / 3, abs=1e-4)] * 3 + [1.0]
+
+
+def test_group_ids_compare_exactly_across_int_types_and_never_int_with_str():
+    """Paired relevance with int64 query groups and uint64 database groups (64-bit hash ids): numpy compared
+    them through float64 in `relevance`'s count, so ids above 2**53 counted no relevant item (n_rel 0 beside
+    relevant hits); and `relevance_matrix` (the tie-aware path) scored int against str groups as all
+    irrelevant where `relevance` refuses them."""
+    from ushash.core.metrics import relevance
+
+    big = 2 ** 60
+    qg = np.array([big + 1, big + 3], np.int64)
+    dg = np.array([big, big + 1, big + 2, big + 3, big + 3], np.uint64)
+    I = np.array([[0, 1, 2, 3, 4]] * 2)
+    rel, n_rel = relevance(I, qg, dg)
+    assert rel.astype(int).tolist() == [[0, 1, 0, 0, 0], [0, 0, 0, 1, 1]] and n_rel.tolist() == [1, 2]
+    np.testing.assert_array_equal(relevance_matrix(qg, dg), relevance_matrix(qg, dg.astype(np.int64)))
+    huge = np.array([2 ** 63 + 5, 7], np.uint64)
+    assert relevance(np.array([[0, 1]]), np.array([7], np.int64), huge)[1].tolist() == [1]   # as uint64
+    with pytest.raises(ValueError, match="negative ids"):
+        relevance(np.array([[0, 1]]), np.array([-1], np.int64), huge)
+    for fn in (lambda: relevance(np.array([[0, 1]]), [1], ["1", "2"]), lambda: relevance_matrix([1, 2], ["1", "2"])):
+        with pytest.raises(ValueError, match="both be int or both be str"):
+            fn()

@@ -137,6 +137,33 @@ def test_fitted_baseline_never_sees_the_test_split(tmp_path, monkeypatch):
     assert not tr & te
 
 
+@pytest.mark.parametrize("method", ["itq", "pairwise"])
+def test_what_a_sweeper_optimises_is_the_runs_score_on_val_not_test(tmp_path, method):
+    """`python -m ushash.sweep` returns `primary_metric` for a Hydra sweeper (Optuna) to optimise: the run's
+    selection score on val (a trained method's kept checkpoint's, a fitted one's codes'), recomputed here; it
+    was the test split's mean paired mAP@10, so a sweeper chose settings on test."""
+    from ushash.evaluation import retrieval
+    from ushash.hashing.module import load_checkpoint
+
+    cfg = _cfg(tmp_path, f"method={method}", "bits=16", "seed=0", "trainer.max_epochs=2")
+    res = sweep.run_one(cfg)
+    val = sweep.open_splits(cfg)["val"]
+    if method == "pairwise":
+        run_dir = sweep.run_path(tmp_path / "experiments" / "synthetic", "pairwise-16b-s0", res["digest"])
+        fn = load_checkpoint(run_dir / "best.ckpt").code_method()
+    else:   # the run's fit again (seeded: the same model)
+        from ushash.hashing import methods
+
+        settings = sweep.run_settings(cfg)
+        splits = sweep.open_splits(cfg)
+        fn = methods.build(method, bits=16, seed=0, **settings["method"]["args"])
+        fn.fit(splits["train"], splits["val"])
+    assert sweep.primary_metric(res) == res["val_score"]
+    assert res["val_score"] == pytest.approx(retrieval.selection_score(val, fn), abs=1e-6)
+    test_map = np.mean([r["tie_map@10"] for r in res["rows"] if r["protocol"] == "paired" and r["method"] == method])
+    assert abs(res["val_score"] - test_map) > 1e-3
+
+
 def test_trained_run_resumes_from_its_checkpoint(tmp_path, caplog):
     caplog.set_level("INFO", logger="ushash")
     cfg = _cfg(tmp_path, "method=pairwise", "bits=16", "seed=0", "trainer.max_epochs=2")

@@ -1,5 +1,5 @@
 """python -m ushash.sweep -m experiment=sweep_tuxpaint: methods x bits x seeds with Hydra multirun
-(ushash/evaluation/sweep.py); returns the run's mean tie-aware paired mAP@10."""
+(ushash/evaluation/sweep.py); returns the run's selection score on val (what a Hydra sweeper optimises)."""
 
 from __future__ import annotations
 

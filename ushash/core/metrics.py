@@ -90,6 +90,28 @@ def _check_ks(ks) -> tuple[int, ...]:
     return tuple(int(x) for x in ks)
 
 
+def _paired_groups(q_groups, db_groups, m: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(q_groups, db_groups) checked and of one comparable dtype: both int or both str (a ValueError
+    otherwise: an int never equals a str, so every item would be irrelevant); signed and unsigned ints brought
+    to one exact type (numpy compares int64 with uint64 through float64, where ids above 2**53 collide)."""
+    qg = _check_groups(q_groups, "q_groups", m)
+    dg = _check_groups(db_groups, "db_groups", None)
+    kind = {"i": "int", "u": "int", "U": "str", "S": "bytes"}
+    if kind[qg.dtype.kind] != kind[dg.dtype.kind]:
+        raise ValueError(f"q_groups and db_groups must both be int or both be str; got {qg.dtype} and {dg.dtype}")
+    if {qg.dtype.kind, dg.dtype.kind} == {"i", "u"}:
+        big = max((int(a.max()) for a in (qg, dg) if a.dtype.kind == "u" and a.size), default=0)
+        neg = min((int(a.min()) for a in (qg, dg) if a.dtype.kind == "i" and a.size), default=0)
+        if big <= np.iinfo(np.int64).max:
+            qg, dg = qg.astype(np.int64), dg.astype(np.int64)
+        elif neg >= 0:
+            qg, dg = qg.astype(np.uint64), dg.astype(np.uint64)
+        else:
+            raise ValueError("q_groups and db_groups mix negative ids with unsigned ids above 2**63; give both "
+                             "one integer type")
+    return qg, dg
+
+
 def relevance(I, q_groups, db_groups, protocol="paired", q_labels=None, db_labels=None):
     """Relevance of each returned item and the number of relevant items per query.
 
@@ -100,12 +122,8 @@ def relevance(I, q_groups, db_groups, protocol="paired", q_labels=None, db_label
     I = _check_I(I)
     m = I.shape[0]
     if protocol == "paired":
-        qg = _check_groups(q_groups, "q_groups", m)
-        dg = _check_groups(db_groups, "db_groups", None)
+        qg, dg = _paired_groups(q_groups, db_groups, m)
         n = len(dg)
-        kind = {"i": "int", "u": "int", "U": "str", "S": "bytes"}
-        if kind[qg.dtype.kind] != kind[dg.dtype.kind]:
-            raise ValueError(f"q_groups and db_groups must both be int or both be str; got {qg.dtype} and {dg.dtype}")
     elif protocol == "label":
         if db_labels is None:
             raise ValueError("db_labels is required for protocol='label' (multi-hot bool [N, L])")
@@ -218,8 +236,7 @@ TIE_DOC = ("tie-aware: the expected value over every ordering of tied items (McS
 def relevance_matrix(q_groups, db_groups, protocol="paired", q_labels=None, db_labels=None) -> np.ndarray:
     """bool [M, N]: is database item j relevant to query i (the protocols of `relevance`, every item)."""
     if protocol == "paired":
-        qg = _check_groups(q_groups, "q_groups", None)
-        dg = _check_groups(db_groups, "db_groups", None)
+        qg, dg = _paired_groups(q_groups, db_groups, None)
         return qg[:, None] == dg[None, :]
     if protocol == "label":
         if db_labels is None:
@@ -358,6 +375,7 @@ CURVES_DOC = (
     "share of queries); recall(r) = relevant within r / all relevant, averaged over queries with a relevant item. "
     "P@H<=2 is precision within radius 2 averaged over all queries, a query that retrieves nothing scoring 0 "
     "(the HashNet/DCH convention). A radius includes every item at that distance, so no tie rule is involved. "
+    "Over directions and seeds, precision(r) and recall(r) are the mean of those where they are defined. "
     "P@K: relevant in the top K / K, tie-aware.")
 
 

@@ -190,6 +190,7 @@ def _make_run(cfg: DictConfig, spec, s: dict, key: str, settings: dict, dg: str,
             log.info(f"{key}: not applicable: {e}")
             return result
         entries = {spec.name: (spec.title, model)}
+        extra["val_score"] = round(retrieval.selection_score(splits["val"], model), 6)   # what a sweeper optimises
         extra["space"] = model.describe()
         extra["space_choice"] = {k: v for k, v in model.space.choice.items() if k != "candidates"}
         if getattr(model.space, "shared_axes", None) is not None:
@@ -220,7 +221,7 @@ def _make_run(cfg: DictConfig, spec, s: dict, key: str, settings: dict, dg: str,
             curve = {key: r.pop(key) for key in CURVE_KEYS if key in r}
             rows.append(r)
             curves.append({key: r[key] for key in ("method", "kind", "bits", "direction", "protocol", "n_queries",
-                                                   "n_database")} | curve)
+                                                   "n_no_relevant", "n_database")} | curve)
         outputs[name] = {"title": title, "kind": next(iter(reps.values()))[0]}
     result = {"key": key, "method": spec.name, "kind": spec.kind, "bits": int(cfg.bits), "seed": int(cfg.seed),
               "digest": dg, "stores": stores, "entries": outputs, "dataset": test.meta["dataset"], "split": "test",
@@ -294,10 +295,20 @@ def _mean_curves(results: list[dict], name: str, bits: int, protocol: str) -> di
     # of directions would zig-zag
     ks = sorted(set.intersection(*(set(c["p_at_k"]) for c in cs)), key=int)
     out["p_at_k"] = {k: round(float(np.mean([c["p_at_k"][k] for c in cs])), 5) for k in ks}
-    pr = [c["pr"] for c in cs if "pr" in c]
+    pr = [c for c in cs if "pr" in c]
     if pr:
-        out["pr"] = {k: [round(float(v), 4) for v in np.mean([p[k] for p in pr], axis=0)]
-                     for k in ("precision", "recall", "retrieved")}
+        # per radius, the mean over the directions (and seeds) where the value is defined: precision where some
+        # query retrieves something within r, recall where some query has a relevant item (a direction without
+        # used to count as 0, pulling the curve down where few queries retrieve anything)
+        defined = {"precision": [np.asarray(c["pr"]["retrieved"]) > 0 for c in pr],
+                   "recall": [np.full(len(c["pr"]["recall"]), c.get("n_no_relevant", 0) < c["n_queries"]) for c in pr],
+                   "retrieved": [np.ones(len(c["pr"]["retrieved"]), bool) for c in pr]}
+        out["pr"] = {}
+        for k, ok in defined.items():
+            v, ok = np.array([c["pr"][k] for c in pr], float), np.array(ok, bool)
+            n = ok.sum(0)
+            out["pr"][k] = [round(float(x), 4) for x in np.divide((v * ok).sum(0), n, out=np.zeros(v.shape[1]),
+                                                                 where=n > 0)]
     return out
 
 
@@ -484,9 +495,10 @@ def command_line() -> str:
 
 
 def primary_metric(result: dict) -> float | None:
-    """A run's mean tie-aware paired mAP@10 of its own method (what a Hydra sweeper optimises)."""
-    rows = [r for r in result.get("rows", []) if r["method"] == result.get("method")]
-    return retrieval.mean_map(rows, "paired", key="tie_map@10") if rows else None
+    """What a Hydra sweeper optimises over runs: the run's selection score on val (`retrieval.SELECTION_DOC`,
+    what every choice on val maximises; a trained method's kept checkpoint's), never a test number (it was the
+    test split's mean paired mAP@10, so a sweeper tuned on test)."""
+    return result.get("val_score")
 
 
 def run_sweep(cfg: DictConfig) -> dict | None:
