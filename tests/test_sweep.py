@@ -267,6 +267,19 @@ def test_aggregate_tables_and_plots(tmp_path):
     assert len(digests) == 2
     with pytest.raises(ValueError, match=r"different settings; a multirun's table keys its runs by method, bits"):
         sweep.aggregate(exp, digests=digests, out_dir=tmp_path / "variant")
+    # with no grid recorded, a run of other settings is refused even where its key is new: a variant's run of
+    # another seed was averaged into the table as one more seed
+    other = sweep.run_one(_cfg(tmp_path, "method=lsh", "bits=16", "seed=0", "sweep.synthetic.noise=0.9"))
+    sweep.set_aside(sweep.run_path(exp, "lsh-16b-s0", other["digest"]), tmp_path / "aside")
+    sweep.run_one(_cfg(tmp_path, "method=lsh", "bits=16", "seed=7", "sweep.synthetic.noise=0.9"))
+    with pytest.raises(ValueError, match=r"more than one grid: float-16b-s0 and lsh-16b-s7 differ in stores, synthetic"):
+        sweep.aggregate(exp)
+    sweep.set_aside(next((exp / "runs").glob("lsh-16b-s7-*")), tmp_path / "aside")
+    sweep.run_one(_cfg(tmp_path, "method=itq", "bits=16", "seed=7", "method.args.common_dim=64"))
+    with pytest.raises(ValueError, match=r"more than one grid of itq: itq-16b-s0 and itq-16b-s7 differ in method"):
+        sweep.aggregate(exp)
+    sweep.set_aside(next((exp / "runs").glob("itq-16b-s7-*")), tmp_path / "aside")
+    assert sweep.aggregate(exp)["n_runs"] == 12   # the grid alone again
 
 
 def test_a_seed_cell_is_rounded_once_where_it_is_printed():

@@ -254,6 +254,35 @@ def load_results(exp: Path, unreadable: list | None = None) -> list[dict]:
     return out
 
 
+#: What a grid's runs may differ in: method x bits x seed (and a trained method's own network and training).
+_GRID_AXES = ("method", "bits", "seed", "model", "max_epochs", "training")
+
+
+def _check_one_grid(exp: Path, results: list[dict]) -> None:
+    """Every stored run, aggregated with no grid recorded, must be of one grid: the same features, data,
+    evaluation, code and packages for all, and the same settings for the runs of one method but for bits
+    and seed (its `settings.json`). A ValueError names what differs: a variant's run (another setting, other
+    features) of another seed was averaged into the table as one more seed."""
+    def differ(runs: list[tuple[str, dict]], what: str) -> None:
+        first_key, first = runs[0]
+        for key, st in runs[1:]:
+            if st != first:
+                keys = sorted(k for k in set(st) | set(first) if st.get(k) != first.get(k))
+                raise ValueError(f"{exp / 'runs'} holds runs of more than one grid{what}: {first_key} and {key} "
+                                 f"differ in {', '.join(keys)}; aggregate one grid by running the sweep (python -m "
+                                 "ushash.sweep -m experiment=...), which records its runs, or move the others out")
+
+    settings = []
+    for r in results:
+        f = run_path(exp, r["key"], r["digest"]) / "settings.json"
+        st = read_record(f) if r.get("digest") else None
+        settings.append((r["key"], st if st is not None else {"unrecorded": r["key"]}))
+    differ([(k, {a: v for a, v in st.items() if a not in _GRID_AXES}) for k, st in settings], "")
+    for name in sorted({r["method"] for r in results}):
+        differ([(k, {a: v for a, v in st.items() if a not in ("bits", "seed")}) for (k, st), r in
+                zip(settings, results) if r["method"] == name], f" of {name}")
+
+
 def seed_cell(vals) -> list:
     """[mean, sample std (ddof=1; 0 with one seed), n_seeds] of one table cell over seeds, unrounded: the tables
     round once, where they print (rounded to 5 decimals first, a mean of 0.4484994 printed as 0.449)."""
@@ -354,6 +383,8 @@ def aggregate(exp: str | Path, command: str | None = None, wall_s: float | None 
                             "multiruns of their own (one variant folder each)" if digests is not None else
                             "; aggregate one grid by running the sweep (python -m ushash.sweep -m experiment=...), "
                             "which records its runs"))
+    if digests is None:
+        _check_one_grid(exp, results)
     not_applicable = [{"key": r["key"], "reason": r["reason"], "digest": r.get("digest")}
                       for r in results if r.get("status") == "not_applicable"]
     results = [r for r in results if r.get("status") != "not_applicable"]
