@@ -175,6 +175,30 @@ def test_a_run_over_other_features_trains_afresh_and_keeps_the_old_one(tmp_path,
     assert "resuming from" in caplog.text
 
 
+def test_a_run_of_other_code_or_packages_trains_afresh_and_keeps_the_old_one(tmp_path, caplog, monkeypatch):
+    """Rerun under the same name after the code (or a numerical package) changed: a finished run was returned
+    as it was, byte for byte, and a longer one continued the old code's weights under the new. The old run is
+    moved to checkpoints/stale/ and the head trained from its start; the same code resumes as before."""
+    import torch
+
+    from ushash.hashing import training
+
+    caplog.set_level("INFO", logger="ushash")
+    splits = synthetic.write_synthetic(tmp_path / "features", sizes={"train": 120, "val": 40, "test": 40},
+                                       n_classes=4, dims={"image": 8, "text": 8})
+    first = run_train(_cfg(tmp_path, "trainer.max_epochs=2"), splits=splits)
+    made = torch.load(first["last"], weights_only=True)["hyper_parameters"]["provenance"]["made_by"]
+    assert made == training.trained_by() and set(made) == {"code", "versions"}
+    monkeypatch.setattr(training, "trained_by", lambda: {**made, "code": "0" * 16})
+    second = run_train(_cfg(tmp_path, "trainer.max_epochs=2"), splits=splits)
+    assert "resuming from" not in caplog.text and "trained by other code or packages" in caplog.text
+    run_dir = Path(first["run_dir"])
+    assert (run_dir.parent / "stale" / run_dir.name / "last.ckpt").exists()
+    assert len(second["val_scores"]) == 3   # trained from its start: the initial weights and two epochs
+    run_train(_cfg(tmp_path, "trainer.max_epochs=3"), splits=splits)
+    assert "resuming from" in caplog.text
+
+
 def test_resume_takes_a_setting_the_checkpoint_predates_as_its_default(tmp_path):
     """A checkpoint written before an option existed (no such hyper-parameter in it) resumes under that
     option's default, and is refused under another value."""

@@ -164,12 +164,20 @@ def test_a_wrong_code_length_is_refused_before_any_extraction(tmp_path, monkeypa
     ("model.loss.distill=-1", "model.loss.distill=-1.0"), ("model.beta_start=0", "model.beta_start"),
     ("model.relax=sgn", "model.relax='sgn'"), ("seed=-1", "seed=-1"), ("model.dropout=1.5", "model.dropout"),
     ("model.init=random model.dim=0", "model.dim=0"), ("model.init=random model.layers=0", "model.layers=0"),
-    ("model.init=xavier", "model.init='xavier'")])
+    ("model.init=xavier", "model.init='xavier'"), ("trainer.max_epochs=-1", "trainer.max_epochs=-1"),
+    ("+trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches=2"),
+    ("+trainer.val_check_interval=0.5", "trainer.val_check_interval=0.5"),
+    ("+trainer.val_check_interval=1", "trainer.val_check_interval=1"),
+    ("trainer.precision=bf16-true", "trainer.precision='bf16-true'"),
+    ("trainer.precision=64-true", "trainer.precision='64-true'")])
 def test_a_bad_training_setting_is_refused_by_name_before_any_extraction(tmp_path, monkeypatch, override, named):
     """These failed deep in torch after the extraction and the closed-form fit (a negative lr, a batch of 0,
-    beta_start=0 a ZeroDivisionError traceback), or trained without a word: a negative head lr or loss weight
-    (gradient ascent), a 0-d or 0-layer head, patience 0 read as "never stop" and a negative one as
-    "already stopped". Each is one line naming the setting, status 2, before anything is extracted."""
+    beta_start=0 a ZeroDivisionError traceback, bf16-true or 64-true heads fed float32), or trained without a
+    word: a negative head lr or loss weight (gradient ascent), a 0-d or 0-layer head, patience 0 read as "never
+    stop" and a negative one as "already stopped", max_epochs=-1 (schedules constant or cycling each epoch),
+    accumulated batches (the beta schedule ended at a quarter of its span), validation within an epoch (a
+    resumed run drew another order). Each is one line naming the setting, status 2, before anything is
+    extracted."""
     from ushash.config import compose
     from ushash.hashing import training
 

@@ -4,8 +4,9 @@ Trains US-HASH heads on cached features (extracting them first if needed). With 
 default) the heads start from the closed-form shared space chosen on the validation split and the ITQ
 rotation of it (ushash/hashing/methods/ushash.py: closed_form_start). Checkpoints go to checkpoints/<run>/:
 `best.ckpt` holds the weights with the best validation score seen (retrieval.SELECTION_DOC), the initial
-weights included, and `last.ckpt` is what a rerun resumes from; training stops early after
-`early_stop.patience` epochs without a better validation score.
+weights included, and `last.ckpt` is what a rerun resumes from (a run of other settings is refused; one of
+other features, code or packages set aside to checkpoints/stale/ and trained afresh); training stops early
+after `early_stop.patience` epochs without a better validation score.
 """
 
 from __future__ import annotations
@@ -81,8 +82,37 @@ def check_settings(cfg: DictConfig) -> None:
     if not (isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1):
         raise ValueError(f"model.batch_size={bs!r}: expected a number of groups per batch >= 1")
     check_patience((cfg.get("early_stop") or {}).get("patience"))
+    check_trainer(to_dict(cfg.trainer) or {})
     kw = module_kwargs(cfg, {}, {})
     check_module(**{k: v for k, v in kw.items() if k in _CHECKED})
+
+
+#: trainer.precision values training runs (Lightning's names; "bf16-true", "16-true" and "64-true" cast the
+#: heads while the val scoring and the closed-form start feed them float32)
+PRECISIONS = (32, "32", "32-true", "16-mixed", "bf16-mixed", "16", "bf16")
+
+
+def check_trainer(trainer: dict) -> None:
+    """The trainer settings the training's schedules and bookkeeping assume, refused in one line before the
+    extraction: a finite number of epochs (the beta and learning-rate schedules span max_epochs; -1, Lightning's
+    "no limit", made them constant or cycle each epoch), one batch per optimizer step (the schedules and the
+    weight average count batches), validation once per epoch (the best epoch, patience and resume count
+    epochs; a run resumed after a mid-epoch validation drew another order), a precision the heads run in."""
+    me = trainer.get("max_epochs")
+    if not (isinstance(me, int) and not isinstance(me, bool) and me >= 1):
+        raise ValueError(f"trainer.max_epochs={me!r}: expected a number of epochs >= 1 (the schedules span it; "
+                         "early_stop.patience stops a run earlier)")
+    acc = trainer.get("accumulate_grad_batches", 1)
+    if acc != 1:
+        raise ValueError(f"trainer.accumulate_grad_batches={acc!r}: not supported (the beta and weight-average "
+                         "schedules count batches); raise model.batch_size instead")
+    vci = trainer.get("val_check_interval")
+    if vci is not None and not (isinstance(vci, float) and vci == 1.0):   # an int is a number of batches
+        raise ValueError(f"trainer.val_check_interval={vci!r}: not supported (the checkpoint is chosen, and a run "
+                         "resumed, once per epoch); use trainer.check_val_every_n_epoch")
+    prec = trainer.get("precision", "32-true")
+    if prec not in PRECISIONS:
+        raise ValueError(f"trainer.precision={prec!r}: expected one of {', '.join(map(str, PRECISIONS))}")
 
 
 def check_patience(patience) -> None:
@@ -280,6 +310,14 @@ def _trained_on_other_features(hp: dict, provenance: dict) -> bool:
     return theirs.get(key) != provenance.get(key)
 
 
+def trained_by() -> dict:
+    """The code and package versions that train a run (`provenance.made_by` but the CPU): a checkpoint is
+    resumed, or a finished run kept, only under the same (it was reused as it was after a code change)."""
+    from ushash.core.provenance import code_digest, package_versions
+
+    return {"code": code_digest(), "versions": package_versions()}
+
+
 def _plain(v):
     """Compare hyper-parameters as plain data (tuples and lists alike)."""
     import json
@@ -314,7 +352,8 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
                   "stores": {sp: s.meta.get("rows_fingerprint") for sp, s in (("train", train), ("val", val))},
                   "content": {sp: s.content for sp, s in (("train", train), ("val", val))},
                   "run_name": str(cfg.run_name), "seed": int(cfg.seed), "data": data_cfg if made_here else None,
-                  "method": method_config(cfg), "space": _space_record(space), "training": training_settings(cfg)}
+                  "method": method_config(cfg), "space": _space_record(space), "training": training_settings(cfg),
+                  "made_by": trained_by()}
     dm = FeatureDataModule(str(train.path), str(val.path), mods, batch_size=int(cfg.model.batch_size), seed=int(cfg.seed))
     dm.setup("fit")
     n_groups = len(dm.train_set.groups)  # the batcher's vocabulary (ushash.core.groups): the one count
@@ -332,6 +371,12 @@ def run_train(cfg: DictConfig, splits: dict | None = None) -> dict:
         aside = set_aside(run_dir, run_dir.parent / "stale")
         log.warning("%s was trained on other features than the stores now hold (a store made again); training "
                     "afresh, the old run kept in %s", run_dir, aside)
+        saved = None
+    elif saved is not None and (saved.get("provenance") or {}).get("made_by") != provenance["made_by"]:
+        aside = set_aside(run_dir, run_dir.parent / "stale")
+        log.warning("%s was trained by other code or packages (%s, here %s); training afresh, the old run kept "
+                    "in %s", run_dir, (saved.get("provenance") or {}).get("made_by") or "not recorded",
+                    provenance["made_by"], aside)
         saved = None
     run_dir.mkdir(parents=True, exist_ok=True)
     best = BestOnVal(run_dir / "best.ckpt", patience=(cfg.get("early_stop") or {}).get("patience"))
