@@ -333,8 +333,8 @@ def markdown(results: list[dict], meta: dict) -> str:
                   "| data | budget | cache | served by GPTCache only | by ushash only | GPTCache's gains: pair, distance: requests (z cos; ushash's check) |",
                   "|---|---|---|---|---|---|"]
         for ds, b, kind, like, g in gained:
-            parts = "; ".join(f"{x['pair']} d={x['distance']}: {x['requests']} ({x['cos_min']:.3f}-{x['cos_max']:.3f}; "
-                              f"{x['check_min']:.3f}-{x['check_max']:.3f})" for x in g["by_pair_distance"]) or "-"
+            parts = "; ".join(f"{x['pair']} d={x['distance']}: {x['requests']} ({x['cos_min']:.4f}-{x['cos_max']:.4f}; "
+                              f"{x['check_min']:.4f}-{x['check_max']:.4f})" for x in g["by_pair_distance"]) or "-"
             lines.append(f"| {ds} | {b} | GPTCache, {'export z' if kind == 'z' else 'raw encoder features'}, "
                          f"cos >= {like['cosine']:.3f} | {g['theirs_only']} | {g['ours_only']} | {parts} |")
     lines += cost_lines(results)
