@@ -468,6 +468,25 @@ def test_a_lookup_reads_the_answer_it_serves_not_every_candidates(redis_server):
     assert b.lookup(b.query_from_code("text", q)).value == hit.value   # promoted into L1 with its answer
 
 
+def _unit_z(seed: int = 8) -> np.ndarray:
+    z = np.random.default_rng(seed).normal(size=32).astype(np.float32)
+    return z / np.linalg.norm(z)
+
+
+def _on_fetch(cache, act) -> list[set]:
+    """Wrap `cache`'s L2 entry reads (`RedisStore._fetch`): before each, `act(n, tenant, ids)` with n the
+    read's number (1: the candidates; later: the answers of chosen entries). Returns the ids each read asked for."""
+    fetch, asked = cache.l2._fetch, []
+
+    def wrapped(tenant, fields):
+        asked.append(set(fields))
+        act(len(asked), tenant, fields)
+        return fetch(tenant, fields)
+
+    cache.l2._fetch = wrapped
+    return asked
+
+
 @pytest.mark.parametrize("change", ["corrupt", "gone", "expired"])
 def test_a_chosen_entry_that_changes_before_its_answer_is_read_is_passed_over(redis_server, change):
     """Between reading the candidates and reading the chosen one's answer, the entry is made unreadable,
@@ -475,8 +494,7 @@ def test_a_chosen_entry_that_changes_before_its_answer_is_read_is_passed_over(re
     trip), an unreadable entry counted as corrupt, and nothing of the changed entry is served or promoted. The
     nearest candidate's refusal is counted once, as in a lookup where nothing changes (choosing again counted
     it again)."""
-    z = np.random.default_rng(8).normal(size=32).astype(np.float32)
-    z /= np.linalg.norm(z)
+    z = _unit_z()
     q, answers = _crowd(redis_server, z=z)
     first, second = sorted(answers)[:2]
 
@@ -489,17 +507,14 @@ def test_a_chosen_entry_that_changes_before_its_answer_is_read_is_passed_over(re
     assert refused(plain) == {"payload": 1.0}   # the nearest entry, its payload far from the request's z
     b = _cache(redis_server, cross_modal=False)
     key = b.l2.entry_key("default", first)
-    fetch, asked = b.l2._fetch, []
 
-    def changing(tenant, fields):
-        asked.append(set(fields))
-        if len(asked) == 2:   # the chosen entry's answer, after the candidates were read
+    def changing(n, tenant, fields):
+        if n == 2:   # the chosen entry's answer, after the candidates were read
             {"corrupt": lambda: redis_server.client.hset(key, "k", b"zz"),
              "gone": lambda: redis_server.client.delete(key),
              "expired": lambda: redis_server.client.hset(key, "x", repr(b.l2.clock() - 1.0))}[change]()
-        return fetch(tenant, fields)
 
-    b.l2._fetch = changing
+    asked = _on_fetch(b, changing)
     hit = b.lookup(b.query_from_code("text", q, z))
     assert hit is not None and hit.value == answers[second]
     assert asked[1:] == [{first}, {second}]
@@ -514,22 +529,13 @@ def test_a_traced_choice_made_again_is_traced_and_counted_once(redis_server):
 
     from ushash.serving.cache.telemetry import configure_tracing
 
-    z = np.random.default_rng(8).normal(size=32).astype(np.float32)
-    z /= np.linalg.norm(z)
+    z = _unit_z()
     q, answers = _crowd(redis_server, z=z)
     first, second = sorted(answers)[:2]
     b = _cache(redis_server, cross_modal=False)
     exporter = InMemorySpanExporter()
     b.trace(configure_tracing(exporter=exporter))
-    fetch, asked = b.l2._fetch, []
-
-    def dropping(tenant, fields):
-        asked.append(set(fields))
-        if len(asked) == 2:
-            redis_server.client.delete(b.l2.entry_key(tenant, first))
-        return fetch(tenant, fields)
-
-    b.l2._fetch = dropping
+    _on_fetch(b, lambda n, tenant, fields: n == 2 and redis_server.client.delete(b.l2.entry_key(tenant, first)))
     assert b.lookup(b.query_from_code("text", q, z)).value == answers[second]
     verify = [s for s in exporter.get_finished_spans() if s.name == "ushash.verify"]
     assert [s.attributes["cache.hit"] for s in verify] == [True, True]   # the first choice, then the second
@@ -553,16 +559,13 @@ def test_top_k_keeps_what_it_read_when_its_choices_keep_vanishing(redis_server):
 
     q, answers = _crowd(redis_server)
     b = _cache(redis_server, cross_modal=False)
-    fetch, asked = b.l2._fetch, []
 
-    def vanishing(tenant, fields):
-        asked.append(set(fields))
-        if len(asked) > 1:   # after the candidates: each answer asked for is deleted first
+    def vanishing(n, tenant, fields):
+        if n > 1:   # after the candidates: each answer asked for is deleted first
             for eid in fields:
                 redis_server.client.delete(b.l2.entry_key(tenant, eid))
-        return fetch(tenant, fields)
 
-    b.l2._fetch = vanishing
+    asked = _on_fetch(b, vanishing)
     hits = b.lookup_top(b.query_from_code("text", q), k=4)
     ids = sorted(answers)
     assert asked[1:] == [{i} for i in ids[3:3 + FETCH_ROUNDS]]   # the 4th, then each next in line, vanishes

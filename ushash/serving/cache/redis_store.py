@@ -178,21 +178,16 @@ def _served_entries(f: Found) -> list[Entry]:
 
 
 def _filled(f: Found, read: dict) -> Found:
-    """`f` with its entries that were read without their value replaced by the ones `read` (id -> Entry)."""
+    """`f` with its entries that were read without their value replaced by the ones `read` (id -> Entry), and
+    those `read` found gone, expired or unreadable (None) left out (a top-k choice keeps the rest of its k); a
+    miss when none is left."""
     if f.entry is None or not read:
         return f
-    return dataclasses.replace(f, entry=read.get(f.entry.id) or f.entry,
-                               more=tuple((read.get(e.id) or e, d, c, ref) for e, d, c, ref in f.more))
-
-
-def _readable(f: Found, read: dict) -> Found:
-    """`f` with the entries `read` found gone, expired or unreadable (None) left out and the others filled (a
-    top-k choice keeps the rest of its k); a miss when none is left."""
-    kept = [(e, d, c, ref) for e, d, c, ref in ((f.entry, f.distance, f.cosine, f.ref), *f.more)
+    kept = [(read.get(e.id) or e, d, c, ref) for e, d, c, ref in ((f.entry, f.distance, f.cosine, f.ref), *f.more)
             if read.get(e.id, e) is not None]
     if not kept:
         return Found(nearest=f.nearest)
-    (e, d, c, ref), *more = [(read.get(e.id) or e, d, c, ref) for e, d, c, ref in kept]
+    (e, d, c, ref), *more = kept
     return dataclasses.replace(f, entry=e, distance=d, cosine=c, ref=ref, more=tuple(more))
 
 
@@ -477,7 +472,7 @@ class RedisStore:
                     out[i] = _filled(out[i], read)
             todo = again
         for i in todo:   # still choosing entries that vanish as they are read: served what was read of its choice
-            out[i] = _readable(out[i], read)
+            out[i] = _filled(out[i], read)
         return out
 
     def _fits(self, entries: list[Entry], dists: list[int], codec) -> tuple[list[Entry], list[int]]:
