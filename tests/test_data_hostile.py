@@ -66,10 +66,13 @@ def test_a_row_of_a_non_string_field_is_a_clear_error():
     ("m.tsv", 'image\ttext\nb.jpg\t"Stop sign\nc.jpg\tA dog"\nd.jpg\tTwo cats\n',
      r"m\.tsv:\d: a value runs over several lines"),
     ("m.csv", "image,text,image\nfront.jpg,a car,back.jpg\n", r"m\.csv:1: column 'image' appears more than once"),
+    ("m.csv", "id,image,text,labels,split\n1,a.jpg,a cat,cat,train\n2,b.jpg,a dog,test\n",
+     r"m\.csv:3: 4 fields where the header has 5 \(no value for 'split'\): write an empty field"),
 ])
 def test_a_csv_record_read_otherwise_than_written_is_refused(tmp_path, name, body, match):
-    """An unquoted comma in a caption, a TSV value opened with a quote, a column named twice: DictReader cut the
-    caption (or took its words as a label), swallowed the next records, or kept one of the two columns."""
+    """An unquoted comma in a caption, a TSV value opened with a quote, a column named twice, a record with a
+    field left out: DictReader cut the caption (or took its words as a label), swallowed the next records, kept
+    one of the two columns, or read the record's split as its labels (a test item in training)."""
     p = tmp_path / name
     p.write_text(body)
     with pytest.raises(ValueError, match=match):

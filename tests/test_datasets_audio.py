@@ -134,6 +134,27 @@ def test_clotho_extract_train_eval(clotho, tmp_path):
     assert len(set(a.groups)) == len(a)  # one clip per group: n_rel is 1 for every answerable caption
 
 
+@pytest.mark.parametrize("body, match", [
+    ("file_name,caption_1,caption_2\nb.wav,an unquoted, comma caption,c2\n",
+     r"clotho_captions_development\.csv:2: 4 fields where the header has 3"),
+    ('file_name,caption_1,caption_2\nb.wav,"an unclosed quote,c2\nc.wav,x,y"\nd.wav,x,y\n',
+     r"clotho_captions_development\.csv:\d: a value runs over several lines"),
+    ('file_name,caption_1,caption_2\nb.wav,"an unclosed quote,c2\nc.wav,x,y\nd.wav,x,y\n',
+     r"clotho_captions_development\.csv: unreadable CSV after line \d .*starts with a double quote"),
+    ("file_name,caption_1,caption_2\nb.wav,a caption\n", r"csv:2: 2 fields where the header has 3"),
+    ("file_name,caption_1\nb.wav,caf\xe9\n".encode("latin-1"),
+     r"clotho_captions_development\.csv:2: not UTF-8 text .*save the file as UTF-8"),
+])
+def test_a_clotho_csv_read_otherwise_than_written_is_refused(tmp_path, body, match):
+    """An unquoted comma shifted every caption of the clip one column on and dropped the last; an unclosed quote
+    swallowed the next clips into one caption; a Latin-1 file raised a bare UnicodeDecodeError."""
+    (tmp_path / "development").mkdir()
+    f = tmp_path / "clotho_captions_development.csv"
+    f.write_bytes(body) if isinstance(body, bytes) else f.write_text(body)
+    with pytest.raises(ValueError, match=match):
+        load_rows("clotho", "train", root=str(tmp_path))
+
+
 # ------------------------------------------------------------------------------------------ AudioCaps
 def make_audiocaps(root):
     per_clip = {"train": 1, "val": 2, "test": 5}
@@ -171,3 +192,13 @@ def test_audiocaps_rows_and_end_to_end(tmp_path):
     assert "file not found" in rep["failed"][0]["reason"] and rep["failed"][0]["id"] == "ytte000-_x_0"
     t2a = next(r for r in res["rows"] if r["direction"] == "T→A" and r["kind"] == "codes")
     assert t2a["n_queries"] == 65 and t2a["n_no_relevant"] == 5
+
+
+def test_an_audiocaps_caption_with_an_unquoted_comma_is_refused(tmp_path):
+    """"A man speaks, then a dog barks" unquoted was stored as "A man speaks" (the rest dropped unseen)."""
+    (tmp_path / "audio" / "train").mkdir(parents=True)
+    (tmp_path / "train.csv").write_text("audiocap_id,youtube_id,start_time,caption\n1,abc,30,A man speaks, then a "
+                                        "dog barks\n")
+    with pytest.raises(ValueError, match=r"train\.csv:2: 5 fields where the header has 4 .*quote values that hold a "
+                                         r"comma"):
+        load_rows("audiocaps", "train", root=str(tmp_path))

@@ -131,6 +131,11 @@ def test_wrong_roots_say_what_was_expected(root, tmp_path):
     (bad / "dataset_coco.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="cocoid 39 appears twice"):
         load_rows("coco", "test", root=str(bad))
+    latin = tmp_path / "latin"
+    latin.mkdir()
+    (latin / "dataset_coco.json").write_bytes('{"images": [\n{"raw": "caf\u00e9"}]}'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"dataset_coco\.json:2: not UTF-8 text .*save the file as UTF-8"):
+        load_rows("coco", "test", root=str(latin))
 
 
 # -------------------------------------------------------------------------------------- hashing protocol

@@ -189,17 +189,39 @@ def test_records_sharing_a_file_without_group_are_one_item(tmp_path):
 def test_groups_by_file_join_through_other_files(tmp_path):
     """A record naming an image and a sound joins the items of both; the group is named by the earliest record."""
     recs = [{"id": "x", "audio": "b.wav"}, {"id": "y", "image": "a.png"}, {"id": "z", "image": "a.png", "audio": "b.wav"},
-            {"id": "w", "text": "alone"}, {"id": "v", "image": "a.png", "group": "mine"}]
+            {"id": "w", "text": "alone"}, {"id": "v", "image": "c.png", "group": "mine"}]
     m = write_jsonl(tmp_path / "m.jsonl", [dict(r, split="train") for r in recs])
     got = {(r.modality, r.id): r.group for r in rows(m, "train")}
     assert got == {("audio", "x"): "x", ("image", "y"): "x", ("text", "w"): "w", ("image", "v"): "mine"}
 
 
-def test_one_file_in_two_splits_is_refused(tmp_path):
+def test_an_ungrouped_items_split_stays_when_lines_move(tmp_path):
+    """Without id and group columns an item was named and split by its line number: the same records reordered,
+    or after one blank line more, put other items in test (a test item of one version in training in the next)."""
+    recs = [{"image": f"img{i}.jpg", "text": f"caption {i}"} for i in range(40)] + \
+           [{"text": f"a caption alone {i}"} for i in range(10)]
+
+    def split_of(path):
+        return {r.source.rsplit("/", 1)[-1] if r.modality == "image" else r.source: s
+                for s, rs in all_splits(path).items() for r in rs}
+
+    a = split_of(write_jsonl(tmp_path / "a.jsonl", recs))
+    b = split_of(write_jsonl(tmp_path / "b.jsonl", recs[::-1]))
+    c = tmp_path / "c.jsonl"
+    c.write_text("\n" + (tmp_path / "a.jsonl").read_text())
+    assert a == b == split_of(c)
+    assert set(a.values()) == {"train", "val", "test"}
+
+
+@pytest.mark.parametrize("second", [{"group": "g2", "split": "test"}, {"group": "g2", "split": "train"}, {}])
+def test_one_file_in_two_groups_is_refused(tmp_path, second):
+    """One image in two groups was two items: in two splits (a test image in training), or in one split two
+    database rows of one file, each counted irrelevant to the other's captions; a record without a group
+    sharing the file of a grouped one was its own item too."""
     m = write_jsonl(tmp_path / "m.jsonl", [{"image": "a.png", "text": "t", "group": "g1", "split": "train"},
-                                           {"image": "a.png", "text": "u", "group": "g2", "split": "test"}])
-    with pytest.raises(ValueError, match=r"m\.jsonl:2: file '.*a\.png' is in split 'test' here but 'train' on line 1"):
-        rows(m, "val")
+                                           {"image": "a.png", "text": "u", **second}])
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: file '.*a\.png' is in group '(g2|2)' here but 'g1' on line 1"):
+        rows(m, "train")
 
 
 def test_one_file_linked_under_two_names_is_one_file(tmp_path):
@@ -218,7 +240,7 @@ def test_one_file_linked_under_two_names_is_one_file(tmp_path):
     assert sorted(x[1:] for x in mine) == [("image", "r0", "r0"), ("text", "r0", "r0"), ("text", "r1", "r0")]
     assert len({x[0] for x in mine}) == 1   # one item, one split, one image row
     both = [dict(recs[0], split="train"), dict(recs[-1], group="other", split="test")]
-    with pytest.raises(ValueError, match=r"file '.*a\.png' is in split 'test' here but 'train'"):
+    with pytest.raises(ValueError, match=r"file '.*a\.png' is in group 'other' here but 'r0'"):
         rows(write_jsonl(tmp_path / "two.jsonl", both), "train")
 
 

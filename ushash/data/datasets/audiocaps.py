@@ -16,12 +16,12 @@ named in the report and skipped, while their captions stay (a text query without
 
 from __future__ import annotations
 
-import csv
 import os
 from pathlib import Path
 
 from ushash.data.datasets import SPLITS, listing, probe_files, register, resolve_path
 from ushash.data.rows import Row
+from ushash.data.textfiles import read_csv
 
 AUDIO_EXTS = (".wav", ".flac", ".ogg", ".mp3")
 COLUMNS = ("audiocap_id", "youtube_id", "start_time", "caption")
@@ -58,27 +58,24 @@ def rows(root: str | os.PathLike, split: str, csv_name: str = "{split}.csv", aud
     clips: dict[str, int] = {}
     caps: dict[str, int] = {}
     paths: list[str] = []
-    with open(csv_path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f)
-        cols = [c.strip() for c in reader.fieldnames or []]
-        reader.fieldnames = cols
-        if not set(COLUMNS) <= set(cols):
-            raise ValueError(f"{csv_path}: expected columns {list(COLUMNS)}; found {cols}")
-        for rec in reader:
-            rec = {k: (v or "").strip() if k != "caption" else (v or "") for k, v in rec.items() if k}
-            cid = rec["audiocap_id"]
-            if cid in caps:
-                raise ValueError(f"{csv_path}: audiocap_id {cid!r} is listed twice (lines {caps[cid]} and "
-                                 f"{reader.line_num}); ids must be unique")
-            caps[cid] = reader.line_num
-            clip = f"{rec['youtube_id']}_{rec['start_time']}"
-            if clip not in clips:
-                clips[clip] = reader.line_num
-                stem = audio_name.format(**rec)
-                path = stems.get(stem, str(audio / (stem + ".wav")))
-                paths.append(path)
-                out.append(Row("audio", clip, clip, path))
-            out.append(Row("text", cid, clip, rec["caption"]))
+    cols, records = read_csv(csv_path)
+    if not set(COLUMNS) <= set(cols):
+        raise ValueError(f"{csv_path}: expected columns {list(COLUMNS)}; found {cols}")
+    for ln, rec in records:
+        rec = {k: (v or "").strip() if k != "caption" else (v or "") for k, v in rec.items()}
+        cid = rec["audiocap_id"]
+        if cid in caps:
+            raise ValueError(f"{csv_path}: audiocap_id {cid!r} is listed twice (lines {caps[cid]} and {ln}); ids "
+                             f"must be unique")
+        caps[cid] = ln
+        clip = f"{rec['youtube_id']}_{rec['start_time']}"
+        if clip not in clips:
+            clips[clip] = ln
+            stem = audio_name.format(**rec)
+            path = stems.get(stem, str(audio / (stem + ".wav")))
+            paths.append(path)
+            out.append(Row("audio", clip, clip, path))
+        out.append(Row("text", cid, clip, rec["caption"]))
     probe_files(paths, f"audiocaps/{split}", layout, "audio files", "audio folder")
     return out
 

@@ -7,7 +7,11 @@ Layout (`img2dataset --output_format webdataset`, one run per TSV; see docs/data
     <root>/validation/00000.tar    the same, from Validation_GCC-1.1.0-Validation.tsv
 
 One item per sample, id = group = its key ("000120034": img2dataset's key is the sample's line in the
-TSV, so it is stable across re-downloads and restarts). The image row's source is the member inside
+TSV, so it is stable across re-downloads and restarts); in the test split (the validation run) it is
+"<test_dir>/<key>" ("validation/000000000"): each img2dataset run numbers its samples from 000000000, so
+the bare keys of the two runs name different samples alike, and an evaluation of test queries against a
+train or val database (`python -m ushash.eval database=train`) would count them as each other's pairs.
+The image row's source is the member inside
 its tar, `tar:<abs path>#<key>.jpg`: it is never unpacked, and ushash.data.shards streams each tar once
 (one extraction unit per tar). The text row is the caption from `{key}.txt`.
 
@@ -128,10 +132,11 @@ def rows(root: str | os.PathLike, split: str, train_dir: str = "train", test_dir
             where[key] = tar
             if split != "test" and hash_split(key, seed, val_frac, 0.0) != split:
                 continue
+            item = f"{test_dir}/{key}" if split == "test" else key
             if member is not None:
-                out.append(Row("image", key, key, tar_source(tar, member)))
+                out.append(Row("image", item, item, tar_source(tar, member)))
             if caption is not None:
-                out.append(Row("text", key, key, caption))
+                out.append(Row("text", item, item, caption))
     if dups:
         raise ValueError(f"cc3m: {len(dups)} keys occur in more than one shard under {tars[0].parent}, e.g. "
                          f"{', '.join(dups[:5])}; mixing two img2dataset runs in one folder gives duplicate keys")

@@ -18,13 +18,13 @@ mono and resampled to the encoder's rate, then cropped/padded to its clip length
 
 from __future__ import annotations
 
-import csv
 import os
 import re
 from pathlib import Path
 
 from ushash.data.datasets import SPLITS, listing, probe_files, register, resolve_path
 from ushash.data.rows import Row
+from ushash.data.textfiles import read_csv
 
 PARTS = {"train": "development", "val": "validation", "test": "evaluation"}
 CAPTION_COL = re.compile(r"caption_(\d+)$")
@@ -45,31 +45,28 @@ def rows(root: str | os.PathLike, split: str, captions_csv: str = "clotho_captio
     audio = root / audio_dir.format(part=part, split=split)
     if not audio.is_dir():
         raise FileNotFoundError(f"no audio folder {audio}; {layout}. {listing(root)}")
-    with open(csv_path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f)
-        cols = [c.strip() for c in reader.fieldnames or []]
-        reader.fieldnames = cols
-        caps = sorted((c for c in cols if CAPTION_COL.match(c)), key=lambda c: int(CAPTION_COL.match(c).group(1)))
-        if "file_name" not in cols or not caps:
-            raise ValueError(f"{csv_path}: expected columns file_name, caption_1 ... caption_5; found {cols}")
-        out: list[Row] = []
-        seen: dict[str, int] = {}
-        paths: list[str] = []
-        for rec in reader:
-            name = (rec.get("file_name") or "").strip()
-            if not name:
-                raise ValueError(f"{csv_path}:{reader.line_num}: empty file_name")
-            if name in seen:
-                raise ValueError(f"{csv_path}: clip {name!r} is listed twice (lines {seen[name]} and "
-                                 f"{reader.line_num}); ids must be unique")
-            seen[name] = reader.line_num
-            path = str(audio / name)
-            paths.append(path)
-            out.append(Row("audio", name, name, path))
-            for c in caps[: captions_per_clip or None]:
-                text = rec.get(c)
-                if text is not None:  # an empty cell stays: extraction names it as an empty caption
-                    out.append(Row("text", f"{name}#{CAPTION_COL.match(c).group(1)}", name, text))
+    cols, records = read_csv(csv_path)
+    caps = sorted((c for c in cols if CAPTION_COL.match(c)), key=lambda c: int(CAPTION_COL.match(c).group(1)))
+    if "file_name" not in cols or not caps:
+        raise ValueError(f"{csv_path}: expected columns file_name, caption_1 ... caption_5; found {cols}")
+    out: list[Row] = []
+    seen: dict[str, int] = {}
+    paths: list[str] = []
+    for ln, rec in records:
+        name = (rec.get("file_name") or "").strip()
+        if not name:
+            raise ValueError(f"{csv_path}:{ln}: empty file_name")
+        if name in seen:
+            raise ValueError(f"{csv_path}: clip {name!r} is listed twice (lines {seen[name]} and {ln}); ids must be "
+                             f"unique")
+        seen[name] = ln
+        path = str(audio / name)
+        paths.append(path)
+        out.append(Row("audio", name, name, path))
+        for c in caps[: captions_per_clip or None]:
+            text = rec.get(c)
+            if text is not None:  # an empty cell stays: extraction names it as an empty caption
+                out.append(Row("text", f"{name}#{CAPTION_COL.match(c).group(1)}", name, text))
     probe_files(paths, f"clotho/{split}", layout, "audio files", "audio folder")
     return out
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from ushash.data.datasets import SPLITS, listing, probe_files, register, resolve_path
 from ushash.data.rows import Row
+from ushash.data.textfiles import read_json
 
 KARPATHY_FILE = "dataset_coco.json"
 KARPATHY_SPLITS = {"train": ("train", "restval"), "val": ("val",), "test": ("test",)}
@@ -61,7 +62,7 @@ def _file_key(p: Path) -> tuple[str, int, float]:
 @functools.lru_cache(maxsize=4)
 def _karpathy(path: str, size: int, mtime: float) -> tuple:
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = read_json(Path(path))
         images = data["images"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a Karpathy split file (a JSON object with an 'images' list): {e}") from e
@@ -127,7 +128,7 @@ ANNOTATION_SETS = ("train2017", "val2017")
 def _instances(path: str, size: int, mtime: float) -> tuple[dict, dict]:
     """image id -> sorted category names, and image id -> file_name, from one instances_*.json."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = read_json(Path(path))
         cats = {c["id"]: c["name"] for c in data["categories"]}
         names = {str(im["id"]): im["file_name"] for im in data["images"]}
         labs: dict[str, set] = {}
@@ -142,7 +143,7 @@ def _instances(path: str, size: int, mtime: float) -> tuple[dict, dict]:
 def _captions(path: str, size: int, mtime: float) -> dict[str, tuple[tuple[int, str], ...]]:
     """image id -> ((caption id, caption), ...) sorted by caption id, from one captions_*.json."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = read_json(Path(path))
         caps: dict[str, list] = {str(im["id"]): [] for im in data["images"]}
         seen: set[int] = set()
         for a in data["annotations"]:

@@ -19,24 +19,27 @@ each other's pairs, without a group column; a group column value that is also th
 refused (the two items would be one). A file is the file its path names with symbolic links resolved (one
 file under two names is one file). Records with an empty split value, and all records when the manifest has no split column,
 are split by a hash of their group (`val_frac`, `test_frac`, `seed`), so a group never straddles
-splits; a group given explicit splits that disagree is an error, and so is one image or audio file in two
-splits (it would put test items into training). Paths are not checked here: a file
+splits; an ungrouped item named by a line number is hashed by its smallest file path (relative to the
+manifest's folder), or its caption when it has no file, so adding or reordering lines moves no item to
+another split. A group given explicit splits that disagree is an error, and so is one image or audio file
+in two groups (two items of one file: each irrelevant to the other's pairs, or in two splits, a test item
+in training). Paths are not checked here: a file
 that is missing or fails to decode is dropped (and counted) at extraction, like any bad row. So is an
 empty caption: a `text` that is only whitespace, or `""` in JSONL, is a text row that extraction
 reports as "empty caption" (in CSV an empty cell means the record has no caption).
 
 CSV/TSV values that hold the separator or start with a double quote must be quoted ("...", quotes inside
-doubled): a record with more fields than the header, a value that runs over several lines (a quote opened
-and read on through the next records) and a column named twice are refused with their line, since the csv
-reader would otherwise cut the caption, swallow records or keep one of the two columns.
+doubled): a record with more or fewer fields than the header, a value that runs over several lines (a quote
+opened and read on through the next records) and a column named twice are refused with their line, since
+the csv reader would otherwise cut the caption, shift values into other columns, swallow records or keep one
+of the two columns (ushash/data/textfiles.py).
 
 Give an `id` column if the file will be edited: line-number ids move when lines are inserted, and
-ids key resumable feature extraction.
+ids key resumable feature extraction (a store of other ids is extracted again, not reused).
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
@@ -45,6 +48,7 @@ from pathlib import Path
 from ushash import MODALITIES
 from ushash.data.datasets import SPLITS, check_fracs, hash_split, register, resolve_path
 from ushash.data.rows import Row
+from ushash.data.textfiles import not_utf8, read_csv
 
 SPLIT_ALIASES = {"validation": "val", "valid": "val", "dev": "val"}
 FILE_MODALITIES = ("image", "audio")
@@ -80,53 +84,10 @@ def read_records(path: Path) -> tuple[list[tuple[int, dict]], list[str]]:
                     columns.update(dict.fromkeys(rec))
                     records.append((ln, rec))
             except UnicodeDecodeError as e:
-                raise _not_utf8(path, e) from None
+                raise not_utf8(path, e, "manifest") from None
         return records, list(columns)
-    sep = "\t" if fmt == "tsv" else ","
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f, delimiter=sep, strict=True)
-        try:
-            header = [c.strip() for c in (reader.fieldnames or [])]
-            twice = sorted({c for c in header if header.count(c) > 1})
-            if twice:   # DictReader keeps the last of two columns of one name: the other would be lost unseen
-                raise ValueError(f"manifest {path}:1: column {twice[0]!r} appears more than once in the header; "
-                                 f"give each column its own name")
-            reader.fieldnames = header
-            for rec in reader:
-                last = reader.line_num
-                extra = [v for v in rec.get(None) or () if v.strip()]
-                if extra:   # an unquoted separator inside a value: DictReader would drop what follows it
-                    raise ValueError(f"manifest {path}:{last}: {len(header) + len(extra)} fields where the header "
-                                     f"has {len(header)} (extra {extra[0]!r:.40}): quote values that hold "
-                                     f"{'a tab' if fmt == 'tsv' else 'a comma'} (\"...\"), or use JSONL")
-                if any("\n" in v or "\r" in v for k, v in rec.items() if k is not None and v):
-                    # a value opened with a quote is read on, through the next records, to the next quote
-                    raise ValueError(f"manifest {path}:{last}: a value runs over several lines (one that starts "
-                                     f"with a double quote is read as quoted up to the next one): quote such "
-                                     f"values and double their quotes (\"\"), or use JSONL")
-                if all(v in (None, "") for k, v in rec.items() if k is not None):
-                    continue
-                records.append((last, {k: v for k, v in rec.items() if k is not None}))
-        except UnicodeDecodeError as e:
-            raise _not_utf8(path, e) from None
-        except csv.Error as e:  # a field over csv.field_size_limit(), a NUL byte in older Pythons ...
-            raise ValueError(f"manifest {path}: unreadable {fmt.upper()} after line {reader.line_num} ({e}; a value "
-                             f"that starts with a double quote is read as quoted: quote such values and double "
-                             f"their quotes, or use JSONL)") from None
+    header, records = read_csv(path, "\t" if fmt == "tsv" else ",", what="manifest", hint=", or use JSONL")
     return records, header
-
-
-def _not_utf8(path: Path, e: UnicodeDecodeError) -> ValueError:
-    """The error for a manifest that is not UTF-8, naming the first line that is not (the decoder fails on a
-    block of the file, not a line)."""
-    with open(path, "rb") as f:
-        for ln, line in enumerate(f, 1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as bad:
-                return ValueError(f"manifest {path}:{ln}: not UTF-8 text ({bad.reason} at byte {bad.start + 1} of "
-                                  f"the line); save the manifest as UTF-8")
-    return ValueError(f"manifest {path}: not UTF-8 text ({e.reason}); save the manifest as UTF-8")
 
 
 def _text(value, path: Path, ln: int, col: str) -> str | None:
@@ -182,12 +143,13 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
     ids: dict[str, int] = {}
     dups: list[str] = []
     group_split: dict[str, tuple[str, int]] = {}
-    file_split: dict[str, tuple[str, int]] = {}
     seen: dict[tuple[str, str, str], int] = {}   # a row's key -> its position in out
     out: list[Row] = []
     keyed = []
+    given_ids: set[str] = set()
     for ln, rec in records:
         rid = _text(str(rec["id"]) if isinstance(rec.get("id"), int) else rec.get("id"), path, ln, "id")
+        explicit = rid is not None
         rid = rid or str(ln)
         if rid in ids:
             dups.append(f"{rid!r} (lines {ids[rid]} and {ln})")
@@ -196,6 +158,8 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
         values = {m: _text(rec.get(m), path, ln, m) for m in MODALITIES}  # validated in every split
         paths = {m: os.path.normpath(base / Path(values[m]).expanduser()) for m in FILE_MODALITIES if values[m]}
         keyed.append((ln, rec, rid, group, values, paths))
+        if explicit:
+            given_ids.add(rid)
     named = {rid: ln for ln, _, rid, group, _, _ in keyed if group is None}
     clash = next(((ln, g) for ln, _, _, g, _, _ in keyed if g is not None and g in named), None)
     if clash:   # an ungrouped record's group is named by its id (or its file's first record's): one namespace
@@ -205,14 +169,33 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
     real = _real_paths()
     file_group = _groups_by_file([(rid, [real(p) for p in paths.values()]) for _, _, rid, group, _, paths in keyed
                                   if group is None])
+    # an ungrouped item named by a line number is split by a hash of its smallest file path (relative to the
+    # manifest's folder) or its caption: a line number moves when lines are added or reordered, and with it the
+    # item's split (a test item of one version of the manifest in training in the next)
+    home = os.path.realpath(base)
+    by_files: dict[str, str] = {}
+    for f, g in file_group.items():
+        by_files[g] = min(by_files.get(g, f"file:{os.path.relpath(f, home)}"), f"file:{os.path.relpath(f, home)}")
+    file_owner: dict[str, tuple[str, int]] = {}
     for ln, rec, rid, group, values, paths in keyed:
         files = [real(p) for p in paths.values()]   # a file linked under two names is one file
-        group = group or (file_group[files[0]] if files else rid)
+        split_key = group
+        if group is None:
+            group = file_group[files[0]] if files else rid
+            split_key = group if group in given_ids else by_files.get(group, f"text:{values['text'] or ''}")
+        for f in files:
+            owner = file_owner.setdefault(f, (group, ln))
+            if owner[0] != group:
+                raise ValueError(
+                    f"manifest {path}:{ln}: file {f!r} is in group {group!r} here but {owner[0]!r} on line {owner[1]}; "
+                    "one file is one item (as two, each would count as irrelevant to the other's pairs, or sit in "
+                    "two splits): give its records one group, or none (records sharing a file are one item)"
+                )
         labels = parse_labels(rec.get("labels"), path, ln)
 
         s = _text(rec.get(split_col), path, ln, split_col) if use_split_col else None
         if s is None:
-            s = hash_split(group, seed, val_frac, test_frac)
+            s = hash_split(split_key, seed, val_frac, test_frac)
         else:
             s = SPLIT_ALIASES.get(s.lower(), s.lower())
             if s not in SPLITS:
@@ -225,13 +208,6 @@ def rows(path: str | os.PathLike, split: str, split_col: str | None = "split", v
                 f"manifest {path}:{ln}: group {group!r} is in split {s!r} here but {prev[0]!r} on line {prev[1]}; "
                 "a group's pairs must share a split"
             )
-        for f in files:
-            other = file_split.setdefault(f, (s, ln))
-            if other[0] != s:
-                raise ValueError(
-                    f"manifest {path}:{ln}: file {f!r} is in split {s!r} here but {other[0]!r} on line {other[1]}; "
-                    "one file in two splits puts test items into training: give its records one group or one split"
-                )
         if s != split:
             continue
         raw_text = rec.get("text")
