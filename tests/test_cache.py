@@ -407,6 +407,12 @@ def test_bloom_and_redis_probe_the_same_pigeonhole_chunks():
     want = [store.bucket_key("t", rtag, j, v ^ m) for j, v in enumerate(values) for m in masks[j]]
     assert store.probe_keys("t", "r", code, 5) == want
     assert bloom._masks == masks
+    # a chunking that would probe millions of values a lookup is refused before the masks are built (one chunk
+    # of 64 bits within 6: 83 million Python ints, the process killed for memory)
+    with pytest.raises(ValueError, match=r"probes 83,278,001 chunk values .*over 65,536: cut codes into more chunks"):
+        BloomGuard(64, radius=6, chunks=1)
+    with pytest.raises(ValueError, match=r"cut codes into more chunks \(cache.bloom_chunks, cache.l2.chunks"):
+        RedisStore(bits=64, chunks=1, radius=6, client=Client())
     # every code within the radius shares a probed chunk value
     bloom.add(0, code)
     for _ in range(50):

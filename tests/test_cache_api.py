@@ -75,6 +75,10 @@ def test_the_same_request_under_other_metadata_is_another_entry(cache):
     cache.store(None, "m3 b", features=x, metadata={"user": "u", "model": "m3"})
     assert sorted(h["response"] for h in cache.check(features=x, num_results=8)) == \
         ["answer of m2", "m3 b", "newer answer of m1", "plain"]
+    # numbers equal as JSON (what filters compare by) are one scope: 1.0 then 1 is a refresh, not two answers
+    cache.store(None, "v old", features=0.5 * x, metadata={"v": 1.0, "w": [-0.0, 1e2]})
+    cache.store(None, "v new", features=0.5 * x, metadata={"v": 1, "w": [0, 100]})
+    assert [h["response"] for h in cache.check(features=0.5 * x, num_results=8, filters={"v": 1})] == ["v new"]
     # a batch: the same request twice in one scope keeps the later, in two scopes keeps both
     cache.store_batch(None, ["b1", "b2", "b3"], features=np.stack([-x, -x, -x]),
                       metadata=[{"k": 1}, {"k": 1}, {"k": 2}])

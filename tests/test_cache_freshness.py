@@ -190,6 +190,41 @@ def test_a_running_new_replica_restores_the_watermark_after_data_loss(redis_srv,
     assert redis_srv.client.zrevrange(new.l2.rev_key(), 0, 0) == [NEW[0].encode()]
 
 
+def test_a_head_without_a_creation_time_keeps_its_first_rank_after_data_loss(redis_srv):
+    """A head without `created` (an LSH head) is ranked by its first announcement; after the L2 lost the set,
+    the old replica announced its own revision again at the time of that check, above the newer one: the old
+    model served again and the new one went stale."""
+    redis_srv.client.flushall()
+    old = _replica(redis_srv, ("rev-a", None))
+    time.sleep(0.01)
+    new = _replica(redis_srv, ("rev-b", None))
+    assert new.watermark.current and not old.watermark.current
+    time.sleep(0.01)
+    redis_srv.client.delete(new.l2.rev_key())
+    assert not old.watermark.current   # the old replica checks first: it announces the newer one, and itself below
+    assert new.watermark.current and not old.watermark.current
+    assert redis_srv.client.zrevrange(new.l2.rev_key(), 0, 0) == [b"rev-b"]
+
+
+def test_a_rollback_raises_the_older_revisions_rank(redis_srv):
+    """The documented rollback: the older revision's rank raised above the newer one's (ZADD with the time now),
+    then the newer replicas reloaded to the older export. Removing the newer revision (ZREM) instead is undone
+    by every replica that knew it, as it undoes a loss of the set."""
+    redis_srv.client.flushall()
+    new, other = _replica(redis_srv, NEW), _replica(redis_srv, NEW)
+    key = new.l2.rev_key()
+    redis_srv.client.zadd(key, {OLD[0]: time.time() * 1000})
+    assert not new.watermark.current and not other.watermark.current   # rolled back: the newer model stops serving
+    new.reload(_head(*OLD))
+    fresh = _replica(redis_srv, OLD)
+    assert new.watermark.current and fresh.watermark.current and not other.watermark.current
+    redis_srv.client.delete(key)   # and a loss of the set after it keeps the rollback
+    assert not other.watermark.current and new.watermark.current
+    assert _replica(redis_srv, NEW).watermark.current is False
+    x = np.ones(16, np.float32)
+    assert new.put("text", features=x, value="answer of the older model")
+
+
 def test_old_replica_that_started_first_goes_stale_when_the_new_one_checks(redis_srv):
     redis_srv.client.flushall()
     new = _replica(redis_srv, NEW)

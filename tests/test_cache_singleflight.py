@@ -159,3 +159,68 @@ def test_another_key_inside_a_compute_is_fine():
         return "outer+" + cache.get_or_compute("text", features=y, compute=lambda: "inner").value
 
     assert cache.get_or_compute("text", features=X, compute=compute).value == "outer+inner"
+
+
+def test_followers_are_counted_once_as_hot_keys():
+    """A follower's second look after its wait recorded the request again: 8 requests read as 15."""
+    cache = _cache()
+    cache.track_hot_keys(window_s=600)
+    compute_for, calls = _compute(lambda i, calls: (0.2, "v"))
+    run_threads(cache, compute_for)
+    assert len(calls) == 1 and list(cache.hotkeys.counts().values()) == [N]
+
+
+def test_a_cancelled_async_leader_leaves_its_followers_to_compute():
+    """The leader's task cancelled (its client went away) raised CancelledError in every follower."""
+    cache = _cache()
+
+    async def compute():
+        await asyncio.sleep(0.3)
+        return "v"
+
+    async def main():
+        leader = asyncio.create_task(cache.aget_or_compute("text", features=X, compute=compute))
+        await asyncio.sleep(0.01)
+        followers = [asyncio.create_task(cache.aget_or_compute("text", features=X, compute=compute)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        leader.cancel()
+        return await asyncio.gather(*followers, return_exceptions=True)
+
+    out = asyncio.run(main())
+    assert [getattr(r, "value", r) for r in out] == ["v"] * 3
+
+
+def test_one_async_single_flight_table_per_live_event_loop():
+    """Tables were kept by id(loop) for ever: one per asyncio.run, and a new loop could inherit a dead one's."""
+    import gc
+
+    cache = _cache()
+    for _ in range(20):
+        asyncio.run(cache.aget_or_compute("text", features=X, compute=lambda: asyncio.sleep(0, "v")))
+    gc.collect()
+    assert len(cache._asf) <= 1
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("during", ["refresh", "shadow"])
+def test_a_failed_refresh_or_shadow_check_serves_the_fresh_cached_answer(runner, during):
+    """An early refresh (XFetch) or a shadow check whose compute failed raised the backend's error where the
+    entry was still fresh and servable."""
+    import random
+
+    class Clock:
+        t = 1000.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Clock()
+    cfg = {"ttl_s": 100, "ttl_jitter": 0.0, "xfetch_beta": 1.0} if during == "refresh" else {"shadow": {"fraction": 1.0}}
+    cache = SemanticCache(LSHHead({"text": 8}, bits=64, dim=16), cfg, clock=clock, rng=random.Random(0))
+    cache.put("text", None, "cached answer", features=X, compute_s=60.0)
+    clock.t = 1099.0 if during == "refresh" else 1000.0   # 1 s of life left: XFetch refreshes early
+    compute_for, calls = _compute(lambda i, calls: (0.0, Boom("backend down")))
+    out = RUNNERS[runner](cache, compute_for)
+    assert [getattr(r, "value", r) for r in out] == ["cached answer"] * N and calls
+    assert cache.metrics.value("cache_compute_failures_total", during=during) == len(calls)
+    assert cache.get("text", features=X).value == "cached answer"

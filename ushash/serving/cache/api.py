@@ -67,8 +67,20 @@ def metadata_scope(metadata: Mapping) -> bytes:
     `filters` to choose from."""
     if not metadata:
         return b""
-    text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr)
+    text = json.dumps(_one_number(metadata), sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr)
     return hashlib.sha256(text.encode()).digest()[:16]
+
+
+def _one_number(value):
+    """`value` with each integral float an int (1.0, 1e2, -0.0 as 1, 100, 0): metadata equal as JSON
+    (`json_equal`, what `filters` compare by) is one scope, so storing {"v": 1} replaces what {"v": 1.0} stored."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_one_number(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _one_number(v) for k, v in value.items()}
+    return value
 
 
 def json_equal(a, b) -> bool:

@@ -22,10 +22,12 @@ Thread-safe: L1 has its lock; encoding and the L2 round trips run outside it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import random
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,6 +45,8 @@ from ushash.serving.cache.protection import AsyncSingleFlight, SingleFlight, lea
 from ushash.serving.cache.redis_store import RedisStore
 from ushash.serving.cache.request import Query, QueryEncoder, RequestError
 from ushash.serving.cache.telemetry import CacheMetrics, TracedCheck, key_hash
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 _NO_VALUE = object()
@@ -110,7 +114,9 @@ class SemanticCache(CheckStore):
         self.metrics.capacity_bytes.set(c.capacity_bytes)
         self.freshness = Freshness(c.ttl_s, c.ttl_jitter, c.xfetch_beta, rng=self.rng)
         self._sf = SingleFlight()
-        self._asf: dict[int, AsyncSingleFlight] = {}
+        # one async single-flight table per event loop, dropped with its loop (an id() key outlived it, and a
+        # later loop given the same id found the old loop's events)
+        self._asf: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._l2_client = l2_client
         self.l2: RedisStore | None = None
         self.tracer = None      # OpenTelemetry spans when set (`trace`); None: no span is opened
@@ -377,10 +383,10 @@ class SemanticCache(CheckStore):
                 if dropped:
                     self.metrics.rejections.labels(reason="query_revision").inc(dropped)
                 hits = [None] * n
-        if self.hotkeys is not None:
-            for q in queries:
-                self.hotkeys.record((tenant, q.code))
         if count:
+            if self.hotkeys is not None:   # a follower's second look (count=False) is the same request once more
+                for q in queries:
+                    self.hotkeys.record((tenant, q.code))
             # nearest: the hit's distance; on a miss the nearest candidate seen, or bits + 1 (the +Inf
             # bucket) when nothing was within observe_radius
             dt = (time.perf_counter() - t0) / max(1, n)
@@ -645,7 +651,10 @@ class SemanticCache(CheckStore):
         if res is not None:
             if res.hit is not None and self._shadow_due():
                 t0 = self.clock()
-                value = compute()
+                try:
+                    value = compute()
+                except Exception as e:   # noqa: BLE001 (the cached answer is still servable)
+                    return self._kept(res, e, "shadow")
                 return self._shadow_result(q, res.hit, value, tenant, ttl_s, equivalent, max(0.0, self.clock() - t0))
             return res
         if role == "follow":
@@ -658,11 +667,21 @@ class SemanticCache(CheckStore):
             value = self._compute_store(q, compute, tenant, ttl_s)
         except BaseException as e:
             self._sf.done(fkey, fl, e)
+            if hit is not None and isinstance(e, Exception):   # an early refresh: the entry is still fresh
+                return self._kept(Result(hit.value, hit, computed=False), e, "refresh")
             raise
         finally:
             leading.reset(token)
         self._sf.done(fkey, fl)
         return Result(value, None, computed=True)
+
+    def _kept(self, res: Result, error: Exception, during: str) -> Result:
+        """The cached answer `res`, served when an early refresh or a shadow check of it failed: the entry
+        is still fresh, and a backend's failure must not turn a hit into an error (counted, logged)."""
+        self.metrics.compute_failures.labels(during=during).inc()
+        log.warning("the %s of a cached answer failed (%s: %s); the cached answer was served", during,
+                    type(error).__name__, error)
+        return res
 
     def _compute_store(self, q: Query, compute, tenant, ttl_s):
         t0 = self.clock()  # the cache's clock: XFetch compares compute time with expiries on it
@@ -687,13 +706,18 @@ class SemanticCache(CheckStore):
 
         tenant = self.check_tenant(tenant)
         loop = asyncio.get_running_loop()
-        sf = self._asf.setdefault(id(loop), AsyncSingleFlight())
+        sf = self._asf.get(loop)
+        if sf is None:
+            sf = self._asf[loop] = AsyncSingleFlight()
         q = self.query(modality, data, features)
         res, role, (fkey, fl, hit) = self._flight(q, tenant, sf)
         if res is not None:
             if res.hit is not None and self._shadow_due():
                 t0 = self.clock()
-                value = await compute()
+                try:
+                    value = await compute()
+                except Exception as e:   # noqa: BLE001 (the cached answer is still servable)
+                    return self._kept(res, e, "shadow")
                 return self._shadow_result(q, res.hit, value, tenant, ttl_s, equivalent, max(0.0, self.clock() - t0))
             return res
 
@@ -718,6 +742,8 @@ class SemanticCache(CheckStore):
             value = await compute_store()
         except BaseException as e:
             sf.done(fkey, fl, e)
+            if hit is not None and isinstance(e, Exception):   # an early refresh: the entry is still fresh
+                return self._kept(Result(hit.value, hit, computed=False), e, "refresh")
             raise
         finally:
             leading.reset(token)

@@ -243,9 +243,14 @@ class RevisionWatermark:
         self._announce_own()
         self.refresh(force=True)
 
-    def _announce_own(self) -> None:
-        told = self.announce(self.revision, self.rank if self.rank is not None else float(int(self.wall() * 1000)))
-        self._announced = told is not False
+    def _announce_own(self, below: float | None = None) -> None:
+        """Announce this cache's revision: at its rank, for a head without one the time of its first announcement
+        (remembered, not taken again); `below` (the rank of a newer revision this replica knows) caps it: an
+        older revision announced again after the L2 lost the set must not outrank the newer one."""
+        if self.rank is None:
+            self.rank = float(int(self.wall() * 1000))
+        rank = self.rank if below is None else min(self.rank, math.nextafter(below, -math.inf))
+        self._announced = self.announce(self.revision, rank) is not False
 
     def refresh(self, force: bool = False) -> None:
         if self.fetch is None:
@@ -264,7 +269,9 @@ class RevisionWatermark:
             # the L2 lost what this replica knows: announce it again (its own revision too, if older)
             if math.isfinite(self.newest_rank):
                 self.announce(self.newest, self.newest_rank)
-            if self.newest != self.revision or not math.isfinite(self.newest_rank):
+            if self.newest != self.revision:
+                self._announce_own(below=self.newest_rank if math.isfinite(self.newest_rank) else None)
+            elif not math.isfinite(self.newest_rank):
                 self._announce_own()
             return
         if rev != self.newest == self.revision:

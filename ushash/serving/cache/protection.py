@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import math
 import threading
 from itertools import combinations
 from typing import Iterable
@@ -58,10 +59,13 @@ class SingleFlight:
             return True, fl
 
     def done(self, key, fl: Flight, error: BaseException | None = None) -> None:
+        """The flight is over; its followers get `error` when it is an Exception (the computation failed). A
+        cancelled or interrupted leader (asyncio.CancelledError, KeyboardInterrupt) is the leader's own end: its
+        followers, whom no one cancelled, look up again and compute for themselves."""
         with self._lock:
             if self._calls.get(key) is fl:
                 del self._calls[key]
-        fl.error = error
+        fl.error = error if isinstance(error, Exception) else None
         fl.event.set()
 
     def __len__(self) -> int:
@@ -93,10 +97,20 @@ def chunk_values(code_int: int, bounds) -> list[int]:
     return [(code_int >> s) & ((1 << w) - 1) for s, w in bounds]
 
 
+#: The most chunk values a lookup may probe: a chunk of w bits probed within f flipped bits is sum C(w, i),
+#: i <= f, values (one chunk of 64 bits within 6: 83 million, built as Python ints before the first lookup)
+MAX_PROBES = 1 << 16
+
+
 @functools.lru_cache(maxsize=64)
 def probe_masks(bounds: tuple[tuple[int, int], ...], flips: int) -> tuple[tuple[int, ...], ...]:
     """Per chunk, the XOR masks (chunk-local bits) of every way to flip up to `flips` of its bits, 0 first:
-    chunk j's probes are value_j ^ mask for each of its masks."""
+    chunk j's probes are value_j ^ mask for each of its masks. More than MAX_PROBES in all: ValueError."""
+    n = sum(math.comb(w, i) for _, w in bounds for i in range(flips + 1))
+    if n > MAX_PROBES:
+        raise ValueError(f"a lookup within this radius probes {n:,} chunk values ({len(bounds)} code chunks, up to "
+                         f"{flips} bits flipped in each), over {MAX_PROBES:,}: cut codes into more chunks "
+                         f"(cache.bloom_chunks, cache.l2.chunks; the defaults probe few) or search a smaller radius")
     out = []
     for _, width in bounds:
         masks = [0]

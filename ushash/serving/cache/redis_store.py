@@ -236,6 +236,7 @@ class RedisStore:
         self.chunks = int(chunks) if chunks else max(1, self.bits // 16)
         self.bounds = chunk_bounds(self.bits, self.chunks)
         self.max_candidates, self.radius = int(max_candidates), int(radius)
+        probe_masks(self.bounds, self.radius // self.chunks)   # refused now when a lookup would probe too many
         self.max_bucket_read = int(max_bucket_read)
         if self.max_bucket_read < 1:
             raise ValueError(f"max_bucket_read must be >= 1; got {max_bucket_read}")

@@ -18,6 +18,8 @@ Names follow docs/cache.md and the "Semantic cache evaluation" notes:
     cache_bloom_skips_total                       lookups answered "miss" by the Bloom filter alone
     cache_singleflight_waits_total                callers that waited for another caller's computation
     cache_early_refresh_total                     XFetch early recomputations
+    cache_compute_failures_total{during}          early refreshes (refresh) and shadow checks (shadow) that failed:
+                                                  the cached answer, still fresh, was served
     cache_hit_ratio, cache_stale_ratio, cache_disruption_index, cache_p99_jitter_rate,
     cache_hidden_memory_growth_rate               the design's SLO series (SLOWindow, below)
     cache_hot_key_requests{rank}, cache_hot_keys_share   when hot keys are tracked (hotkeys.py)
@@ -64,6 +66,8 @@ class CacheMetrics:
         self.singleflight_waits = Counter("cache_singleflight_waits", "Callers that waited on another's compute",
                                           registry=r)
         self.early_refresh = Counter("cache_early_refresh", "XFetch early recomputations", registry=r)
+        self.compute_failures = Counter("cache_compute_failures", "Early refreshes and shadow checks that failed "
+                                        "while their cached answer was served", ["during"], registry=r)
         # the design's SLO series (hit / stale ratio, CDI, P99 jitter, hidden memory growth), per-second buckets
         self.slo = SLOWindow()
         self._hot.slo = self.slo
