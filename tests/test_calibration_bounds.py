@@ -61,3 +61,27 @@ def test_a_breach_at_min_checks_is_acted_on_whichever_way_the_check_went():
     acts = [m.record("text>text", False) for _ in range(10)]
     assert "tighten" in acts and acts.index("tighten") == next(
         i for i in range(10) if clopper_pearson_upper(i + 1, 31 + i, 0.05) > 0.05)
+
+
+@pytest.mark.parametrize("kw, field", [(dict(threshold_step=0.0), "threshold_step"),
+                                       (dict(threshold_step=-0.01), "threshold_step"),
+                                       (dict(threshold_min=0.9, threshold_max=0.8), "threshold_min"),
+                                       (dict(threshold_max=1.5), "threshold_max"),
+                                       (dict(threshold_min=-1.5), "threshold_min"),
+                                       (dict(max_radius=-1), "max_radius"), (dict(path_points=0), "path_points")])
+def test_calibration_grid_settings_that_cannot_make_a_grid_are_refused(kw, field):
+    # they crashed with ZeroDivisionError or numpy's "zero-size array", or (path_points 0) turned every pair
+    # off as if the stream had too few hits
+    with pytest.raises(ValueError, match=f"^calibration .*{field}") as e:
+        CalibrationSettings(**kw)
+    assert "\n" not in str(e.value)
+
+
+def test_the_threshold_grid_never_goes_below_threshold_min():
+    from ushash.sim.calibrate import _path
+
+    grid = _path(CalibrationSettings(threshold_step=0.03))   # 0.5 / 0.03 is not whole: it ended at 0.49
+    assert grid[0] == 1.0 and grid.min() >= 0.5 and grid.min() == pytest.approx(0.52)
+    default = _path(CalibrationSettings())                     # a step that divides the range: unchanged
+    assert len(default) == 51 and default[0] == 1.0 and default[-1] == 0.5
+    assert list(_path(CalibrationSettings(threshold_step=0.02, threshold_min=0.9))) == [1.0, 0.98, 0.96, 0.94, 0.92, 0.9]

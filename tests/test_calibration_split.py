@@ -158,3 +158,20 @@ def test_settings_refuse_unknown_paths_and_units():
         CalibrationSettings(count="requests")
     with pytest.raises(ValueError, match="split_frac"):
         CalibrationSettings(split_frac=1.0)
+
+
+def test_an_untested_pair_is_off_with_the_hits_of_its_own_path():
+    """The test half's path was chosen on the path half; where none of its points has min_trials hits the
+    reason quoted the most hits anywhere on the grid (1000 at looser points) instead of the path's 50."""
+    from ushash.sim.calibrate import _path, offline_paths
+
+    radii, thr = np.arange(3), _path(CalibrationSettings())
+    n = np.zeros((3, len(thr)), np.int64)
+    n[:, thr <= 0.9] = 1000
+    n[:, thr == 0.99] = 50
+    chosen = [(0, 0.99), (1, 0.99), (2, 0.99)]
+    _, points = offline_paths({"text>text": (n, np.zeros_like(n))}, lambda k, n_: chosen, radii, thr, 0.05, 0.01, 299)
+    assert points["text>text"].reason == "at most 50 hits at the points of its path on the calibration stream, 299 needed"
+    _, points = offline_paths({"text>text": (n * 0 + 66, np.zeros_like(n))}, lambda k, n_: [], radii, thr, 0.05,
+                              0.01, 299)   # no path at all (no grid point had enough): the grid's most, as before
+    assert points["text>text"].reason == "at most 66 hits on the calibration stream, 299 needed"

@@ -45,6 +45,16 @@ def test_downstream_queues_behind_its_workers_and_refuses_beyond_the_queue():
     assert ds.calls == 3 and ds.refused == 1 and ds.over_s == pytest.approx(1.0)  # 2 in flight for 1 s of 2
 
 
+def test_the_peak_per_second_counts_the_calls_carried_over_from_earlier_seconds():
+    loop = EventLoop()
+    ds = Downstream(loop, workers=8, queue_limit=10, sigma=0.0)
+    for _ in range(5):
+        ds.submit(3.0, lambda ok: None)  # in service from 0 s to exactly 3 s: no submission in seconds 1 and 2
+    loop.at(3.5, ds.submit, 1.0, lambda ok: None)
+    loop.run()
+    assert [ds.peak_per_bin.get(b, 0) for b in range(5)] == [5, 5, 5, 1, 1] and ds.peak == 5
+
+
 def test_compute_breaker_opens_half_opens_on_the_callers_clock_and_closes():
     now = [0.0]
     b = ComputeBreaker(fail_max=3, reset_s=2.0, clock=lambda: now[0])
@@ -162,4 +172,31 @@ def test_a_policy_run_refuses_the_settings_it_does_not_take(tmp_path, scenario):
         cfg = compose("cachesim", [f"paths.root={tmp_path}", f"scenario={scenario}", override])
         with pytest.raises(ValueError, match=f"scenario={scenario} takes no failures"):
             run_cachesim(cfg)
+    assert not (tmp_path / "experiments").exists()
+
+
+@pytest.mark.parametrize("override", [dict(rate=0.0), dict(duration_s=0.0), dict(n_keys=0), dict(hot_share=1.5),
+                                      dict(hot_share=-0.1), dict(workers=0), dict(queue_limit=-1), dict(retries=-1),
+                                      dict(zipf_s=-1.0)])
+def test_meaningless_failure_settings_are_refused_in_one_line_naming_them(override):
+    """They crashed deep in numpy (rate 0, duration 0, no keys, a hot share above 1) or ran silently (no workers)."""
+    (name,) = override
+    f = FailuresConfig(**{**SMALL.__dict__, **override})
+    for scenario in ("penetration", "breakdown", "avalanche"):
+        with pytest.raises(ValueError, match=f"^failures.{name} ") as e:
+            FailureSim(scenario, f, defences("defaults")).run()
+        assert "\n" not in str(e.value)
+
+
+def test_a_flood_running_past_the_end_of_the_run_is_refused_before_anything_runs(tmp_path):
+    """Its requests were simulated past duration_s and counted in the last second."""
+    from ushash.sim.replay import run_cachesim
+
+    f = FailuresConfig(**{**SMALL.__dict__, "trigger_s": 30.0})  # 30 + 15 s of flood > 40 s
+    with pytest.raises(ValueError, match=r"^failures.trigger_s \+ failures.flood_s .* failures.duration_s"):
+        FailureSim("penetration", f, defences("defaults")).run()
+    FailureSim("avalanche", f, defences("defaults"))  # no flood there
+    cfg = compose("cachesim", [f"paths.root={tmp_path}", "scenario=all", "failures.trigger_s=80"])
+    with pytest.raises(ValueError, match="failures.flood_s"):
+        run_cachesim(cfg)
     assert not (tmp_path / "experiments").exists()

@@ -70,3 +70,20 @@ def test_revision_change_index_and_clock():
     clock = SimClock(5.0)
     clock.t += 1
     assert clock() == 6.0
+
+
+def test_a_pool_with_no_request_is_refused_in_one_line_saying_why(tmp_path):
+    """Every row's media failing to decode left an empty pool, and make_stream crashed in numpy ("a must be a
+    positive integer unless no samples are taken")."""
+    from types import SimpleNamespace as NS
+
+    from ushash.sim.pool import pool_from_media
+
+    rows = [NS(modality="image", source=str(tmp_path / f"missing{i}.png"), group=f"g{i}") for i in range(3)]
+    enc = NS(sample_rate=16000, audio_seconds=5.0, modalities=("image", "text"))
+    with pytest.raises(ValueError, match=r"^no request can be made from emoji split test: every one of its 3 rows "
+                                         r"failed to decode \(first: .*missing0.png") as e:
+        pool_from_media(rows, enc, name="emoji split test")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="^make_stream: the pool is empty .*no request can be made"):
+        make_stream(Pool(), 10)

@@ -130,3 +130,51 @@ def test_replay_puts_the_clock_back_and_the_progress_bar_changes_nothing():
                    desc="test")
     assert _untimed(quiet) == _untimed(shown) and clock.t == 100.0
     assert 0 < quiet["hit_rate"] < quiet["oracle_hit_rate"] + 1e-9  # TTL misses, yet the oracle bounds it
+
+
+def _distinct_pool(n: int) -> Pool:
+    pool = Pool()
+    for c in range(n):
+        pool.add("text", np.zeros(2), c, "original", c.to_bytes(4, "big"))  # n distinct exact keys
+    return pool
+
+
+def test_peak_bytes_counts_the_live_entries_on_the_replays_clock_not_after_it_is_put_back():
+    pool = _distinct_pool(100)
+    clock = SimClock()
+    # 100 distinct requests 1 s apart, TTL 10 s: never more than 10 live entries (40 bytes each)
+    res = replay(ExactKeyCache(pool, clock, ttl_s=10), np.arange(100), pool, clock)
+    assert res["peak_bytes"] == 10 * 40  # not every entry ever stored, as at the restored clock
+
+
+class _DroppedOnRevision:
+    """Every store kept (8 bytes) until a new revision drops them all, as the code caches' reload does."""
+    name = "drops"
+
+    def reset(self, **settings):
+        self.n = 0
+
+    def new_revision(self):
+        self.n = 0
+
+    def lookup(self, i):
+        from ushash.sim.adapters import Outcome
+        return Outcome(False)
+
+    def store(self, i, value):
+        self.n += 1
+
+    def nearest_value(self, i):
+        return None
+
+    @property
+    def nbytes(self):
+        return 8 * self.n
+
+
+def test_peak_bytes_includes_the_entries_just_before_a_revision_change_drops_them():
+    pool = _distinct_pool(200)
+    cache = _DroppedOnRevision()
+    cache.reset()
+    res = replay(cache, np.arange(200), pool, SimClock(), revision_change_at=0.75)
+    assert res["peak_bytes"] == 150 * 8  # 150 stored before the change, 50 after

@@ -20,8 +20,30 @@ from ushash.sim.replay import run_cachesim
     ("split=train", "split=train: the heads were trained on it"),  # flattering hit rates, reported as a replay
     ("split=tset", "split=tset: unknown split"),
     ("cache.calibration=cal.json", "cache.calibration: the replay sweeps"),   # every swept point the same one
+    ("methods=[]", "methods is empty"),                     # an empty report
+    ("sweep.thresholds=[1.5,-3]", "sweep.thresholds"),     # cosines that cannot be, swept as if they were
+    ("sweep.payload_thresholds=[2.0]", "sweep.payload_thresholds"),  # was refused as cache.payload_threshold
+    ("sweep.radii=[-2]", "sweep.radii"),                   # was refused as cache.radius
+    ("variants.perturb=-1", "variants.perturb"),           # no variants, reported as "-1 copies"
+    ("stream.revision_change_at=0.00001", "stream.revision_change_at"),  # before the first request: no change
 ])
 def test_meaningless_replay_settings_are_refused(override, field):
     cfg = compose("cachesim", ["export=nowhere", override])
     with pytest.raises(ValueError, match=field):
         run_cachesim(cfg)
+
+
+def test_the_report_header_says_when_there_is_no_revision_change_and_no_ttl():
+    """It said "revision change at 0% of the stream" and "TTL 0 s" / "TTL None s", where 0 and None mean none."""
+    from ushash.sim.report import markdown
+
+    info = {"stream": {"n_requests": 100, "zipf_s": 1.0, "revision_change_at": 0.0, "seconds_per_request": 1.0},
+            "classes": 5, "dataset": "d", "split": "test", "pool": 10, "pool_kinds": {}, "variants": "v",
+            "cache": {"ttl_s": 0.0}}
+    for ttl in (0.0, None):
+        head = markdown({**info, "cache": {"ttl_s": ttl}}, []).splitlines()[0]
+        assert "no revision change, no TTL (entries never expire) at 1.0 s/request" in head
+        assert "0%" not in head and "TTL 0" not in head and "None" not in head
+    head = markdown({**info, "stream": {**info["stream"], "revision_change_at": 0.5}, "cache": {"ttl_s": 7200.0}},
+                    []).splitlines()[0]
+    assert "revision change at 50% of the stream, TTL 7200 s at 1.0 s/request" in head   # as before

@@ -159,6 +159,15 @@ class CalibrationSettings:
             raise ValueError(f"calibration split_by must be item or request; got {self.split_by!r}")
         if not 0.0 < float(self.split_frac) < 1.0:
             raise ValueError(f"calibration split_frac must be in (0, 1); got {self.split_frac}")
+        if int(self.max_radius) < 0:
+            raise ValueError(f"calibration max_radius must be >= 0; got {self.max_radius}")
+        if not float(self.threshold_step) > 0:
+            raise ValueError(f"calibration threshold_step must be > 0; got {self.threshold_step}")
+        if not -1.0 <= float(self.threshold_min) <= float(self.threshold_max) <= 1.0:
+            raise ValueError(f"calibration needs -1 <= threshold_min <= threshold_max <= 1 (cosines); got "
+                             f"threshold_min {self.threshold_min}, threshold_max {self.threshold_max}")
+        if int(self.path_points) < 1:
+            raise ValueError(f"calibration path_points must be >= 1; got {self.path_points}")
         self.tight_thresholds = tuple(float(t) for t in self.tight_thresholds)
 
 

@@ -150,8 +150,10 @@ def repeat_floor(head, enc: Encoded) -> dict[str, float]:
 
 
 def _path(settings: CalibrationSettings) -> np.ndarray:
+    """The grid's thresholds: threshold_max down to threshold_min in threshold_step, never below threshold_min
+    (a step that does not divide the range ends the grid above it)."""
     s = settings
-    n = int(round((float(s.threshold_max) - float(s.threshold_min)) / float(s.threshold_step))) + 1
+    n = int(np.floor((float(s.threshold_max) - float(s.threshold_min)) / float(s.threshold_step) + 1e-9)) + 1
     return np.round(float(s.threshold_max) - np.arange(n) * float(s.threshold_step), 6)
 
 
@@ -281,7 +283,10 @@ def offline_paths(counts: dict, candidates, radii: np.ndarray, thresholds: np.nd
             kept.append((r, t))
         if not kept:
             tested = [(r, t) for r, t in path if n[ri[r], ti[t]] >= need]
-            why = (f"at most {int(n.max())} hits on the calibration stream, {need} needed" if not tested
+            # the most hits at its path's points (an empty path: no grid point had enough; the grid's most)
+            most = (f"{max(int(n[ri[r], ti[t]]) for r, t in path)} hits at the points of its path" if path
+                    else f"{int(n.max())} hits")
+            why = (f"at most {most} on the calibration stream, {need} needed" if not tested
                    else f"bound {clopper_pearson_upper(int(bad[ri[tested[0][0]], ti[tested[0][1]]]), int(n[ri[tested[0][0]], ti[tested[0][1]]]), delta):.4f} > {target} "
                         "at its tightest point")
             points[k] = PairPoint(False, reason=why)

@@ -124,6 +124,8 @@ def check_replay_settings(cfg) -> None:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"methods: unknown method(s) {unknown}; choose from {list(METHODS)}")
+    if not methods:
+        raise ValueError(f"methods is empty: nothing to replay; name at least one of {list(METHODS)}")
     if "ushash_codes_only" in methods and "ushash" not in methods:
         raise ValueError("methods: ushash_codes_only runs only with ushash; add ushash to methods")
     if str(cfg.split) not in ("val", "test"):
@@ -139,14 +141,44 @@ def check_replay_settings(cfg) -> None:
     if not 0.0 <= float(st.revision_change_at) < 1.0:
         raise ValueError(f"stream.revision_change_at is a fraction of the stream in [0, 1) (0: never); "
                          f"got {st.revision_change_at}")
+    if float(st.revision_change_at) and int(float(st.revision_change_at) * int(st.n_requests)) == 0:
+        raise ValueError(f"stream.revision_change_at={st.revision_change_at} puts the change before the first of "
+                         f"{st.n_requests} requests (no change at all); raise it or use 0 for none")
+    if int(cfg.variants.perturb) < 0:
+        raise ValueError(f"variants.perturb is a number of copies, >= 0; got {cfg.variants.perturb}")
     if not -1.0 <= float(cfg.cosine_threshold) <= 1.0:
         raise ValueError(f"cosine_threshold is a cosine in [-1, 1]; got {cfg.cosine_threshold}")
+    for name in ("thresholds", "payload_thresholds"):
+        bad = [float(x) for x in cfg.sweep.get(name) or [] if not -1.0 <= float(x) <= 1.0]
+        if bad:
+            raise ValueError(f"sweep.{name} are cosines in [-1, 1]; got {bad}")
+    if any(int(r) < 0 for r in cfg.sweep.radii):
+        raise ValueError(f"sweep.radii are Hamming radii >= 0; got {list(cfg.sweep.radii)}")
     if cfg.get("cache") is not None and cfg.cache.get("calibration"):
         # a calibration sets every pair's radius and threshold: the sweeps over both would replay one point
         # under many labels (and the LSH cache is not the head it was made for)
         raise ValueError("cache.calibration: the replay sweeps the radius and the payload threshold, which a "
                          "calibration fixes; measure a calibration with benchmarks/false_hit_budget.py (or "
                          "ushash.sim.calibrate.measure)")
+
+
+def check_failures_settings(f: FailuresConfig, scenario: str) -> None:
+    """Refuse, with one line naming the field and the fix, the failure-scenario settings that would crash the
+    simulation or run something else than they say (`scenario`: the one about to run)."""
+    for name in ("duration_s", "rate"):
+        if not float(getattr(f, name)) > 0:
+            raise ValueError(f"failures.{name} must be > 0; got {getattr(f, name)}")
+    for name, low in (("n_keys", 1), ("workers", 1), ("queue_limit", 0), ("retries", 0)):
+        if int(getattr(f, name)) < low:
+            raise ValueError(f"failures.{name} must be >= {low}; got {getattr(f, name)}")
+    if float(f.zipf_s) < 0:
+        raise ValueError(f"failures.zipf_s must be >= 0 (0: uniform); got {f.zipf_s}")
+    for name in ("hot_share", "novel_frac"):
+        if not 0.0 <= float(getattr(f, name)) <= 1.0:
+            raise ValueError(f"failures.{name} is a share of the traffic in [0, 1]; got {getattr(f, name)}")
+    if scenario == "penetration" and float(f.trigger_s) + float(f.flood_s) > float(f.duration_s):
+        raise ValueError(f"failures.trigger_s + failures.flood_s ({f.trigger_s:g} + {f.flood_s:g} s) runs past "
+                         f"failures.duration_s ({f.duration_s:g} s); shorten the flood or lengthen the run")
 
 
 def register_schema() -> None:

@@ -8,7 +8,8 @@ of traffic takes about a second.
   most `queue_limit` calls behind them (a call arriving to a full queue is refused at once), service
   times lognormal (a median and a log-space sigma per call). A call whose caller gave up is still served
   (the service does not know): wasted work, which is how retries feed back. `in_flight` (in service +
-  queued) is tracked over time: its peak, the time spent above `workers` (queueing) and the peak per second.
+  queued) is tracked over time: its peak, the time spent above `workers` (queueing) and the peak per second
+  (the most in flight at any time during that second, calls carried over from earlier seconds included).
 - `EventLoop`: a heap of (time, seq, callback, args).
 """
 
@@ -91,9 +92,14 @@ class Downstream:
         return self.busy + len(self.queue)
 
     def _account(self) -> None:
-        now = self.loop.now
-        if self.in_flight > self.workers:
+        """Called before every change of in_flight: the calls in flight since the last change were in flight
+        in every second from then to now (carried into the seconds without a change of their own)."""
+        now, n = self.loop.now, self.in_flight
+        if n > self.workers:
             self.over_s += now - self._last
+        if n:
+            for b in range(int(self._last // self.bin_s) + 1, math.ceil(now / self.bin_s)):
+                self.peak_per_bin[b] = max(self.peak_per_bin.get(b, 0), n)
         self._last = now
 
     def _mark(self) -> None:

@@ -39,7 +39,7 @@ import numpy as np
 
 from ushash.serving.cache.freshness import Freshness
 from ushash.serving.cache.protection import ComputeBreaker, KeyFilter, StalePolicy
-from ushash.sim.config import DefencesConfig, FailuresConfig
+from ushash.sim.config import DefencesConfig, FailuresConfig, check_failures_settings
 from ushash.sim.downstream import Downstream, EventLoop, arrivals
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class FailureSim:
     def __init__(self, scenario: str, f: FailuresConfig, d: DefencesConfig, calm: bool = False):
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; choose one of {SCENARIOS}")
+        check_failures_settings(f, scenario)
         self.scenario, self.f, self.d, self.calm = scenario, f, d, calm
         seed = int(f.seed)
         self.rng = np.random.default_rng(seed)
@@ -424,6 +425,8 @@ def run_failures(cfg) -> dict:
     for n in names:
         if n not in SCENARIOS + POLICY_RUNS:
             raise ValueError(f"unknown scenario {n!r}; choose all or one of {SCENARIOS + POLICY_RUNS}")
+        if n in SCENARIOS:
+            check_failures_settings(f, n)  # before any run writes its results
     if cfg.scenario in POLICY_RUNS:
         # the policy runs are set in ushash/sim/policies.py: failures.* and defences.* (its seed too) changed
         # nothing of them, yet named another output folder

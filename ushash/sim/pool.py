@@ -125,9 +125,11 @@ def _media_members(modality, raw, cls, n_variants, rng, jpeg_quality, crop_frac,
 
 
 def pool_from_media(rows, encoder, n_variants: int = 1, jpeg_quality: int = 40, crop_frac: float = 0.8,
-                    snr_db: float = 20.0, seed: int = 0, batch: int = 32, captions=("recased",)) -> Pool:
+                    snr_db: float = 20.0, seed: int = 0, batch: int = 32, captions=("recased",),
+                    name: str = "the rows") -> Pool:
     """Classes = groups of dataset rows; members = the decoded media and real transformations of them,
-    all encoded with `encoder` (the export's frozen encoder). Rows whose media do not decode are skipped."""
+    all encoded with `encoder` (the export's frozen encoder). Rows whose media do not decode are skipped;
+    none left is a ValueError naming `name` (e.g. "tuxpaint split test") and why."""
     from ushash.data import media
 
     rng = np.random.default_rng(seed)
@@ -138,10 +140,12 @@ def pool_from_media(rows, encoder, n_variants: int = 1, jpeg_quality: int = 40, 
                                  f"{k} ({CAPTION_VARIANTS[k][1]}; {'changes' if CAPTION_VARIANTS[k][0] else 'keeps'} "
                                  f"the MiniLM encoding)" for k in captions) + f"; {n_variants} of each")
     items: list[tuple[str, object, int, str, bytes]] = []
+    failed: list[str] = []
     for r in rows:
         try:
             raw = media.load(r.modality, r.source, sample_rate=encoder.sample_rate, seconds=encoder.audio_seconds)
-        except media.MediaError:
+        except media.MediaError as e:
+            failed.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
             continue
         items += media_members(r.modality, raw, gid[r.group], n_variants, rng, jpeg_quality, crop_frac, snr_db,
                                captions)
@@ -155,6 +159,11 @@ def pool_from_media(rows, encoder, n_variants: int = 1, jpeg_quality: int = 40, 
             f = encoder.encode(m, xb).float().cpu().numpy()
             for it, fx in zip(chunk, f):
                 pool.add(m, fx, it[2], it[3], it[4], it[5])
+    if not len(pool):
+        why = ("it has no rows" if not rows else
+               f"every one of its {len(rows)} rows failed to decode (first: {failed[0]})" if len(failed) == len(rows)
+               else f"no row that decoded is of a modality the encoder reads ({', '.join(encoder.modalities)})")
+        raise ValueError(f"no request can be made from {name}: {why}")
     return pool
 
 
@@ -177,7 +186,8 @@ def build_pool(cfg, head) -> tuple[Pool, str]:
         encoder = QueryEncoder(head).encoder()
         return pool_from_media(rows, encoder, n_variants=int(v.perturb), jpeg_quality=int(v.jpeg_quality),
                                crop_frac=float(v.crop_frac), snr_db=float(v.snr_db), seed=int(cfg.stream.seed),
-                               captions=tuple(v.get("captions") or ("recased",))), dataset
+                               captions=tuple(v.get("captions") or ("recased",)),
+                               name=f"{dataset} split {cfg.split}"), dataset
     from ushash.data.extract import resolve_features_dir, stored_split
     from ushash.data.store import encoder_precision
     # the features of the precision the head was trained on (the export's source records it)

@@ -55,11 +55,24 @@ def output_dir(cfg, dataset: str, revision: str) -> Path:
     return out if out.is_absolute() else Path(cfg.paths.root) / out
 
 
+def revision_label(stream: dict, where: str = "") -> str:
+    """"revision change at 50%{where}", or "no revision change" (revision_change_at 0)."""
+    at = float(stream.get("revision_change_at") or 0)
+    return f"revision change at {at:.0%}{where}" if at else "no revision change"
+
+
+def ttl_label(ttl_s) -> str:
+    """"TTL 7200 s", or "no TTL (...)" where 0 or None means no expiry (the caches' rule, Freshness)."""
+    if not ttl_s:
+        return "no TTL (entries never expire)"
+    ttl = float(ttl_s)
+    return f"TTL {int(ttl) if ttl.is_integer() else ttl} s"   # the typed cache schema makes it a float
+
+
 def run_title(info: dict, name: str) -> str:
     """A plot title that names the run: data, head, variants, stream and the run's folder name."""
     st = info["stream"]
-    rev = (f"revision change at {float(st['revision_change_at']):.0%}" if float(st.get("revision_change_at") or 0)
-           else "no revision change")
+    rev = revision_label(st)
     media = "raw media" if info.get("raw_media") else "feature perturbations"
     return (f"{info['dataset']}/{info['split']}, {info['bits']}-bit head {info['revision']}, {media}, {rev}, "
             f"Zipf s={st['zipf_s']}, {st['n_requests']} requests\nrun {name}")
@@ -67,11 +80,9 @@ def run_title(info: dict, name: str) -> str:
 
 def markdown(info: dict, rows: list[dict]) -> str:
     st = info["stream"]
-    ttl = info["cache"].get("ttl_s")
-    ttl = int(ttl) if isinstance(ttl, float) and ttl.is_integer() else ttl  # the typed cache schema makes it a float
     lines = [f"Stream: {st['n_requests']} requests over {info['classes']} classes ({info['dataset']}/{info['split']}), "
              f"Zipf s={st['zipf_s']}, pool {info['pool']} requests {info['pool_kinds']}, "
-             f"revision change at {st['revision_change_at']:.0%} of the stream, TTL {ttl} s "
+             f"{revision_label(st, ' of the stream')}, {ttl_label(info['cache'].get('ttl_s'))} "
              f"at {st['seconds_per_request']} s/request. Variants: {info['variants']}.", "",
              "| method | setting | hit rate | correct, fresh hit rate | false hits / requests | false hits / hits | "
              "oracle hit rate | misses with a correct nearest entry | stale hits | lookup p50 µs | p99 µs | peak bytes |",

@@ -22,6 +22,8 @@ class SimClock:
 
 def make_stream(pool, n_requests: int, zipf_s: float = 1.0, seed: int = 0) -> np.ndarray:
     """Pool indices of the requests: class ~ Zipf(zipf_s) over a random ranking, member uniform."""
+    if not len(pool):
+        raise ValueError("make_stream: the pool is empty (no rows, or none whose media decoded): no request can be made")
     rng = np.random.default_rng(seed)
     cls = np.asarray(pool.cls)
     classes = np.unique(cls)
