@@ -608,3 +608,15 @@ def test_local_redis_answers_when_started_and_says_why_it_did_not_start(monkeypa
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(FileNotFoundError, match="apt-get install redis-server"):
         LocalRedis()
+
+
+def test_stats_name_the_l2_without_its_credentials():
+    """/v1/stats, which any token may read, showed a password given as ?password= (redis-py reads it there too):
+    only the part after '@' was cut."""
+    from ushash.serving.cache.cache import _url_host
+
+    assert _url_host("redis://127.0.0.1:6379/0?password=s3cret") == "redis://127.0.0.1:6379/0"
+    assert _url_host("rediss://user:s3cret@cache.internal:6380/2") == "rediss://cache.internal:6380/2"
+    assert _url_host("redis://:s3cret@[::1]:6379") == "redis://[::1]:6379"
+    assert _url_host("unix:///run/redis.sock?db=0&password=s3cret") == "unix:///run/redis.sock"
+    assert _url_host("redis://h:notaport/0") == "redis://h/0"

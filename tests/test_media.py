@@ -591,6 +591,52 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding():
     assert media.decode_bytes("image", bomb, None).size == (448, 448)   # FILE_LIMITS: no scan limit (reduced to decode_side)
 
 
+def test_a_jpeg_of_too_many_scans_inside_an_svg_is_refused_too():
+    """A raster image inside an SVG's data: URI was checked for its size only: the scan bomb refused on its own
+    decoded inside the SVG (2,000 scans of 2048 x 2048 pixels: 5 s of CPU; a 1 MiB SVG about 110 s)."""
+    import base64
+
+    bomb, n = _progressive_with_scans(60, side=64)
+    b64 = base64.b64encode(bomb).decode()
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink" width="64" '
+           f'height="64"><image width="64" height="64" xlink:href="data:image/jpeg;base64,{b64}"/></svg>').encode()
+    with pytest.raises(MediaError, match=f"JPEG of {n} scans is over max_jpeg_scans=32") as e:
+        media.decode_bytes("image", svg, None, limits=SERVICE)
+    assert e.value.code == media.OVER_LIMIT
+    plain, _ = _progressive_with_scans(0, side=64)
+    ok = svg.replace(b64.encode(), base64.b64encode(plain))
+    assert media.decode_bytes("image", ok, None, limits=SERVICE).size[0] > 0
+
+
+def _png_with_exif(n_values: int) -> bytes:
+    """A 1 x 1 PNG whose eXIf chunk says Orientation 6 and holds a tag of `n_values` RATIONALs."""
+    import struct
+    import zlib
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+
+    ifd = struct.pack(">H", 2) + struct.pack(">HHI", 0x0112, 3, 1) + struct.pack(">HH", 6, 0)
+    ifd += struct.pack(">HHII", 0xC6FF, 5, n_values, 8 + 2 + 24 + 4) + struct.pack(">I", 0)
+    exif = b"MM\x00\x2a" + struct.pack(">I", 8) + ifd + struct.pack(">II", 1, 1) * n_values
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+            + chunk(b"eXIf", exif) + chunk(b"IDAT", zlib.compress(b"\x00\x00\x00\x00")) + chunk(b"IEND", b""))
+
+
+def test_image_metadata_over_what_a_jpeg_holds_is_refused():
+    """A PNG's EXIF is one chunk of any size, which the orientation step parsed and wrote back in Python: 7 MB of
+    it in a 1 x 1 PNG cost 6 s of CPU and 300 MB, under every other limit."""
+    assert media.decode_bytes("image", _png_with_exif(16), None, limits=SERVICE).size == (1, 1)
+    big = _png_with_exif(9000)   # 72 KB of EXIF
+    with pytest.raises(MediaError, match=r"EXIF\) of 72044 bytes is over max_exif_bytes=65535") as e:
+        media.decode_bytes("image", big, None, limits=SERVICE)
+    assert e.value.code == media.OVER_LIMIT
+    from ushash.data.store import decode_identity
+
+    assert media.decode_bytes("image", big, None).size == (1, 1)   # FILE_LIMITS: a data set's files, no limit
+    assert media.FILE_LIMITS.max_exif_bytes is None and "max_exif_bytes" not in decode_identity()
+
+
 def test_a_file_is_counted_without_being_read_whole(tmp_path, monkeypatch):
     """Under a service's limits a file is mapped for the count, not read: the pixel limit still refuses a
     large image from its header alone."""

@@ -118,6 +118,8 @@ class MediaLimits:
                                                # first frame (Pillow reads each in Python; a photo holds tens)
     max_jpeg_scans: Optional[int] = 32         # a JPEG's scans: each is a pass over every block of the image (a
                                                # progressive photo holds about 10)
+    max_exif_bytes: Optional[int] = 65_535     # EXIF metadata (what a JPEG's APP1 holds): a PNG's or WebP's is one
+                                               # chunk of any size, parsed and written back in Python to orient it
     max_audio_seconds: Optional[float] = 600.0  # samples decoded when the encoder does not crop
     max_audio_channels: Optional[int] = 16
     max_sample_rate: Optional[int] = 384_000
@@ -132,7 +134,7 @@ class MediaLimits:
 
     def __post_init__(self):
         for name in ("max_pixels", "max_svg_bytes", "max_svg_elements", "max_svg_style_bytes", "max_svg_draws",
-                     "max_image_segments", "max_jpeg_scans", "max_audio_channels", "max_sample_rate", "max_text_chars",
+                     "max_image_segments", "max_jpeg_scans", "max_exif_bytes", "max_audio_channels", "max_sample_rate", "max_text_chars",
                      "decode_side"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
@@ -154,7 +156,8 @@ class MediaLimits:
 #: extraction); 256 is far beyond any data set image (Tux Paint's longest: 7) and bounds that to ~17M pixels.
 FILE_LIMITS = MediaLimits(max_pixels=Image.MAX_IMAGE_PIXELS, max_aspect=256.0, max_svg_bytes=16 << 20,
                           max_svg_elements=1_000_000, max_svg_style_bytes=4 << 20, max_svg_draws=5_000_000,
-                          max_svg_cpu_s=60.0, max_image_segments=None, max_jpeg_scans=None, max_audio_seconds=None,
+                          max_svg_cpu_s=60.0, max_image_segments=None, max_jpeg_scans=None, max_exif_bytes=None,
+                          max_audio_seconds=None,
                           max_audio_channels=64, max_sample_rate=768_000, max_text_chars=None, reduce_large_jpeg=True)
 
 
@@ -335,8 +338,15 @@ def _decode_image(fp, source, limits: MediaLimits = FILE_LIMITS) -> Image.Image:
     img = _open_raster(fp, source, limits)
     try:
         img.load()  # force a full decode: truncated data fails here, not later in a worker
-        img = ImageOps.exif_transpose(img)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError ...; the system an OSError with an errno
+        raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})", _failure_code(e)) from e
+    exif = img.info.get("exif") or b""   # orienting parses it and writes it back in Python: 7 MB of it in a
+    if limits.max_exif_bytes is not None and len(exif) > limits.max_exif_bytes:   # 1 x 1 PNG cost 6 s of CPU
+        raise MediaError(source, f"image metadata (EXIF) of {len(exif)} bytes is over max_exif_bytes="
+                                 f"{limits.max_exif_bytes}; strip the metadata", OVER_LIMIT)
+    try:
+        img = ImageOps.exif_transpose(img)
+    except Exception as e:  # a malformed EXIF block
         raise MediaError(source, f"cannot decode image ({type(e).__name__}: {e})", _failure_code(e)) from e
     if limits.decode_side and min(img.size) > limits.decode_side:
         img = _keyed_to_alpha(img)  # before resampling blends a colour key into its neighbours
@@ -475,6 +485,7 @@ def _data_url_fetcher(source, limits: MediaLimits):
         if data.startswith(b"\x1f\x8b"):
             raise MediaError(source, "SVG embeds a compressed data: URI (refused: no bound on its size)", OVER_LIMIT)
         if not (data.startswith((b"<svg ", b"<?xml", b"<!DOC")) or b"<svg" in data) and len(data) >= 5:
+            check_image_segments(data, source, limits)   # a JPEG of thousands of scans costs seconds in Pillow
             with _open_raster(io.BytesIO(data), source, limits):
                 pass
         else:  # an SVG inside: held to the outer document's limits (its stylesheet once cost 38 s of CPU)

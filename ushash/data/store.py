@@ -146,8 +146,8 @@ def decode_identity() -> str:
     from ushash.data import media
 
     limits = dataclasses.asdict(media.FILE_LIMITS)
-    for later in ("max_image_segments", "max_jpeg_scans"):   # limits added later: unset, they refuse nothing,
-        if limits[later] is None:                            # and the stores made before them keep their identity
+    for later in ("max_image_segments", "max_jpeg_scans", "max_exif_bytes"):   # limits added later: unset, they
+        if limits[later] is None:                    # refuse nothing, and the stores made before them keep their identity
             del limits[later]
     return json.dumps({"version": media.DECODE_VERSION, "file_limits": limits, "svg_size": media.SVG_SIZE},
                       sort_keys=True)

@@ -88,6 +88,20 @@ def _packed(codes) -> np.ndarray:
     return a.astype(np.uint8)
 
 
+def _url_host(url: str) -> str:
+    """A Redis URL without its credentials: scheme, host, port and database only (a password may be given as
+    user:password@ or as ?password=, which redis-py reads too; any token may read /v1/stats)."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(str(url))
+    try:
+        port = u.port
+    except ValueError:   # not a number: no port is shown
+        port = None
+    host = f"[{u.hostname}]" if u.hostname and ":" in u.hostname else (u.hostname or "")
+    return f"{u.scheme}://{host}{f':{port}' if port else ''}{u.path}"
+
+
 def _flight_key(hit: Hit | None, tenant: str, q: Query):
     """The single-flight key of a lookup's outcome: None when the hit is served as it is; a miss computes
     once per (tenant, code); an XFetch refresh once per ("refresh", tenant, code)."""
@@ -833,7 +847,7 @@ class SemanticCache(CheckStore):
                     "capacity_bytes": self.config.capacity_bytes, "tenants": self.l1.tenants,
                     "hits": m.value("cache_gets_total", result="hit"), "misses": m.value("cache_gets_total", result="miss"),
                     "revision": self.revision, "serving": self.watermark.current,
-                    "l2": None if self.l2 is None else {"url_host": self.config.l2.url.split("@")[-1],
+                    "l2": None if self.l2 is None else {"url_host": _url_host(self.config.l2.url),
                                                         "available": self.l2.available}}
 
     def __len__(self) -> int:
