@@ -53,6 +53,8 @@ STEPS = {
     "payload_speed": "python benchmarks/payload.py speed",
     # head training steps/s against the bare loop, and codes/s (docs/benchmarks.md)
     "heads_speed": "python benchmarks/heads.py --runs 7",
+    # the registry's ITQ (faiss's ITQTransform) against ITQ's own alternation in the same space (docs/baselines.md)
+    "itq_check": "python scripts/itq_check.py",
     "export_demo": "python -m ushash.export ckpt=checkpoints/demo-tuxpaint-offline-64b-s0/best.ckpt out=exports/demo-tux64 "
                    "overwrite=true",  # the export follows the demo checkpoint, which a reproduce may train again
     "cachesim_tuxpaint": "python -m ushash.cachesim export=exports/demo-tux64 out=experiments/cachesim/demo-tuxpaint64",
@@ -232,6 +234,7 @@ PRINTED_BLOCKS = {
     "payload_synthetic": ("docs/payloads.md", "payload-synthetic"),
     "payload_speed": ("docs/payloads.md", "payload-speed"),
     "heads_speed": ("docs/benchmarks.md", "heads-speed"),
+    "itq_check": ("docs/baselines.md", "itq-check"),
     "hostile_input": ("docs/cache.md", "hostile-input"),
     "offload": ("docs/benchmarks.md", "offload"),
     "json_body": ("docs/benchmarks.md", "json-body"),
