@@ -344,6 +344,28 @@ def test_a_request_asking_for_a_fresh_answer_skips_the_lookup(setup, headers):
     assert r.headers["x-cache"] == "hit"
 
 
+def test_a_request_max_age_refuses_an_older_hit_and_a_hit_states_its_age():
+    """A request's `Cache-Control: max-age=N` takes no stored answer older than N s (RFC 9111 5.2.1.1): only
+    max-age=0 was read, so an hour-old answer was served to a client that asked for one of at most 10 s; and
+    a hit said nothing of its age (`Age`, whole seconds since it was stored, on the cache's clock)."""
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"price": len(calls)})
+
+    client = _proxy_at(clock, up)
+    assert "age" not in client.post("/v1/chat/completions", json=chat("price of gold")).headers
+    clock[0] += 30.5
+    r = client.post("/v1/chat/completions", json=chat("price of gold"), headers={"Cache-Control": "max-age=60"})
+    assert r.headers["x-cache"] == "hit" and r.headers["age"] == "30" and len(calls) == 1
+    # too old for max-age=10: forwarded, and the fresh answer stored
+    r = client.post("/v1/chat/completions", json=chat("price of gold"), headers={"Cache-Control": "max-age=10"})
+    assert r.headers["x-cache"] == "miss" and r.json() == {"price": 2} and "age" not in r.headers
+    r = client.post("/v1/chat/completions", json=chat("price of gold"), headers={"Cache-Control": "max-age=10"})
+    assert r.headers["x-cache"] == "hit" and r.json() == {"price": 2} and r.headers["age"] == "0" and len(calls) == 2
+
+
 def test_a_stream_that_reports_an_error_inside_its_200_is_relayed_not_stored():
     """vLLM and OpenAI-compatible servers report a failure mid-generation as an event whose data holds an
     `error`, then end the stream as usual: that answer was stored and replayed to every later request."""
@@ -364,6 +386,78 @@ def test_a_stream_that_reports_an_error_inside_its_200_is_relayed_not_stored():
     assert second.headers["x-cache"] == "miss" and b"Paris" in second.content and len(calls) == 2
     third = client.post("/v1/chat/completions", json=body)
     assert third.headers["x-cache"] == "hit" and third.content == second.content and len(calls) == 2
+
+
+@pytest.mark.parametrize("ctype,answer,stored", [
+    # an OpenAI Responses error event, and a response.failed one with the error under response.error
+    ("text/event-stream", b'event: error\ndata: {"type":"error","code":"server_error","message":"failed"}\n\n', False),
+    ("text/event-stream", b'event: response.created\ndata: {"type":"response.created"}\n\nevent: response.failed\n'
+                          b'data: {"type":"response.failed","response":{"status":"failed","error":{"code":"x"}}}\n\n', False),
+    # one event's JSON over two data lines (joined with a line feed), CRLF line ends
+    ("text/event-stream", b'data: {"delta": "The"}\r\n\r\ndata: {"error":\r\ndata:  {"message": "CUDA OOM"}}\r\n\r\n', False),
+    ("text/event-stream", b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+                          b'"delta":"error","response":{"error":null}}\n\n', True),
+    # a JSON answer that is not streamed is read by the same rule
+    ("application/json", b'{"error": {"message": "rate limited upstream", "code": 429}}', False),
+    ("application/json", b'{"type": "error", "error": {"type": "overloaded_error"}}', False),
+    ("application/json", b'{"answer": "no error", "error": null}', True),
+], ids=["responses-error-event", "responses-failed", "split-data-lines", "delta-saying-error", "json-error",
+        "json-type-error", "json-error-null"])
+def test_an_answer_that_reports_an_error_inside_its_200_is_relayed_not_stored(ctype, answer, stored):
+    """Only a `data:` line whose own JSON held a top-level `error` was read: a Responses `error` or
+    `response.failed` event, or an error event's JSON split over data lines, was stored and replayed; so was a
+    200 JSON answer (not streamed) holding an `error`."""
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, headers={"content-type": ctype}, content=answer)
+
+    client = _proxy_at(clock, up)
+    body = chat("capital of France", stream=ctype == "text/event-stream")
+    first = client.post("/v1/chat/completions", json=body)
+    assert first.headers["x-cache"] == "miss" and first.content == answer
+    again = client.post("/v1/chat/completions", json=body)
+    assert again.headers["x-cache"] == ("hit" if stored else "miss") and again.content == answer
+    assert len(calls) == (1 if stored else 2)
+
+
+def test_headers_the_connection_header_names_are_not_forwarded_either_way():
+    """RFC 9110 7.6.1: the headers a Connection header names are the hop's, as is HTTP/1.0's Proxy-Connection;
+    both went through, to the upstream and back to the client. An X-Model-Revision so named is not forwarded,
+    and so does not key the request either (the upstream answered without it)."""
+    clock, seen = [1_000_000.0], []
+
+    def up(request):
+        seen.append(request.headers)
+        return httpx.Response(200, json={"a": len(seen)}, headers={
+            "Connection": "close, X-Upstream-Hop", "X-Upstream-Hop": "secret", "Proxy-Connection": "keep-alive",
+            "X-Kept": "1"})
+
+    client = _proxy_at(clock, up)
+    r = client.post("/v1/chat/completions", json=chat("hi"), headers=[
+        ("Connection", "keep-alive, X-Client-Hop"), ("Connection", "X-Model-Revision"), ("X-Client-Hop", "1"),
+        ("Proxy-Connection", "keep-alive"), ("X-Model-Revision", "r2"), ("X-Other", "1")])
+    assert r.headers["x-cache"] == "miss" and r.headers["x-kept"] == "1"
+    assert "x-upstream-hop" not in r.headers and "proxy-connection" not in r.headers
+    got = seen[0]
+    assert got["x-other"] == "1" and not {"x-client-hop", "proxy-connection", "x-model-revision"} & set(got.keys())
+    assert client.post("/v1/chat/completions", json=chat("hi")).headers["x-cache"] == "hit"
+
+
+def test_the_upstream_is_offered_only_the_codings_the_proxy_decodes():
+    """The proxy relays the body decoded, without its Content-Encoding: the client's Accept-Encoding went to the
+    upstream, and a brotli answer (which this httpx may not decode) reached the client as raw bytes. httpx's
+    own is sent: the codings it decodes."""
+    clock, seen = [1_000_000.0], []
+
+    def up(request):
+        seen.append(request.headers.get_list("accept-encoding"))
+        return httpx.Response(200, json={"a": 1})
+
+    client = _proxy_at(clock, up)
+    client.post("/v1/chat/completions", json=chat("hi"), headers={"Accept-Encoding": "br, x-made-up"})
+    assert seen == [[httpx.Client().headers["accept-encoding"]]]
 
 
 def test_an_image_requests_text_is_filtered_part_by_part(setup):

@@ -21,11 +21,13 @@ replayed as it was streamed); a miss is forwarded, streamed through as it arrive
 most `max_answer_bytes` is stored (a longer one is relayed as it arrives, never held whole; a store that
 fails is logged, and the answer still sent), unless its own headers forbid a shared cache to keep it
 (`Cache-Control: no-store`, `private` or `no-cache`, or a `Vary` on request headers other than
-Accept-Encoding: `answer_storable`), or it is already stale; one that states its freshness (`s-maxage`,
-`max-age`, `Expires`, less its `Age`: `answer_lifetime`) is kept no longer than that. A request's
-`Cache-Control: no-cache` or `max-age=0` (or `Pragma: no-cache` without a Cache-Control) skips
-the lookup (the fresh answer is stored), `no-store` skips storing (the directives of every Cache-Control
-line). `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
+Accept-Encoding: `answer_storable`), or it is already stale, or it reports an error inside its 200 (a JSON
+`error`, an event stream's error event: `reports_error`, `stream_reports_error`); one that states its
+freshness (`s-maxage`, `max-age`, `Expires`, less its `Age`: `answer_lifetime`) is kept no longer than that.
+A request's `Cache-Control: no-cache` or `max-age=0` (or `Pragma: no-cache` without a Cache-Control) skips
+the lookup (the fresh answer is stored), `max-age=N` is not served an answer stored over N s ago (a hit's
+`Age` says how long ago), `no-store` skips storing (the directives of every Cache-Control line).
+`X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
 encoding the request, the search and the check) and, on a forwarded request, the upstream
 (`upstream;dur=`: until its answer's headers).
 
@@ -50,6 +52,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -71,11 +74,14 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "USHASH_PROXY_TOKEN"
 #: A chat body of more messages than this is not keyed (passed through).
 MAX_MESSAGES = 256
-#: Headers not copied between the hops (RFC 9110 connection-specific ones, and what httpx recomputes).
-HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-       "transfer-encoding", "upgrade", "content-length", "content-encoding", "host"}
-#: Request headers the proxy does not forward (as bytes, as ASGI gives them): the hop ones and the client's token.
-NOT_FORWARDED = frozenset(h.encode() for h in HOP | {"authorization"})
+#: Headers not copied between the hops (RFC 9110 7.6.1's connection-specific ones, HTTP/1.0's Proxy-Connection,
+#: and what httpx recomputes); with them, each header the Connection header names (`connection_options`).
+HOP = frozenset({"connection", "proxy-connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                 "trailer", "transfer-encoding", "upgrade", "content-length", "content-encoding", "host"})
+#: Request headers the proxy does not forward (as bytes, as ASGI gives them): the hop ones, the client's token, and
+#: its Accept-Encoding (httpx sends its own: the codings it decodes, as the proxy relays the body decoded; a
+#: coding it cannot decode, as brotli without its package, reached the client as raw bytes without its name).
+NOT_FORWARDED = frozenset(h.encode() for h in HOP | {"authorization", "accept-encoding"})
 
 
 @dataclass
@@ -237,23 +243,61 @@ def answer_lifetime(headers, now: Optional[float] = None) -> Optional[float]:
     return life - _delta_seconds(headers.get("age"))
 
 
+def connection_options(lines: list[str]) -> set[str]:
+    """The header names (lowercase) that Connection header lines list: hop-by-hop too, never forwarded (RFC
+    9110 7.6.1)."""
+    return {name.strip().lower() for line in lines for name in line.split(",") if name.strip()}
+
+
+def reports_error(value) -> bool:
+    """Whether a JSON value of an answer reports a failure inside its 200: an object whose `error` is not null
+    (as vLLM and OpenAI-compatible servers send one, in a stream mid-generation, then end it as usual), whose
+    `type` is "error" (an OpenAI Responses or Anthropic error event) or whose `response.error` is not null (a
+    Responses `response.failed` event). Such an answer is relayed, never stored."""
+    if not isinstance(value, dict):
+        return False
+    response = value.get("response")
+    return (value.get("error") is not None or value.get("type") == "error"
+            or (isinstance(response, dict) and response.get("error") is not None))
+
+
+def _json_reports_error(data: str) -> bool:
+    """Whether `data`, read as JSON, `reports_error` (False when it is not a JSON object). Only data that holds
+    "error" is read (every event of a long stream would be, on the event loop)."""
+    if "error" not in data or not data.lstrip().startswith("{"):
+        return False
+    try:
+        return reports_error(loads_json(data.encode()))
+    except (ValueError, RecursionError):
+        return False
+
+
+def sse_events(text: str):
+    """The events of a server-sent event stream (WHATWG HTML, 9.2.6), as (type, data): the lines end at CRLF,
+    LF or CR; an event ends at a blank line; its `data:` lines are joined with "\n", its last `event:` line
+    names it ("message" when none); ":" lines are comments. An event without data, or cut off by the stream's
+    end, is one too (a client skips it; here it may only keep an answer from being stored)."""
+    name, data = "", []
+    for line in [*re.split(r"\r\n|\r|\n", text), ""]:
+        if not line:
+            if name or data:
+                yield name or "message", "\n".join(data)
+            name, data = "", []
+            continue
+        field_name, colon, value = line.partition(":")
+        value = value[1:] if colon and value.startswith(" ") else value
+        if field_name == "event":
+            name = value
+        elif field_name == "data":
+            data.append(value)
+
+
 def stream_reports_error(text: str) -> bool:
-    """Whether a server-sent event stream reports a failure inside its 200: an event whose data is a JSON
-    object with a top-level `error` (as vLLM and OpenAI-compatible servers send one mid-generation, then end
-    the stream as usual). Such an answer is relayed, never stored."""
-    for line in text.splitlines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if not data.startswith("{") or '"error"' not in data:
-            continue
-        try:
-            event = loads_json(data.encode())
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(event, dict) and event.get("error") is not None:
-            return True
-    return False
+    """Whether a server-sent event stream reports a failure inside its 200: an event named `error` or ending in
+    `.failed` or `.error` (OpenAI's Responses `response.failed`), or one whose data `reports_error`. Such an
+    answer is relayed, never stored."""
+    return any(name == "error" or name.endswith((".failed", ".error")) or _json_reports_error(data)
+               for name, data in sse_events(text))
 
 
 def answer_storable(headers, now: Optional[float] = None) -> bool:
@@ -449,8 +493,11 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 break
         raw = b"".join(chunks)
         target = request_target(scope)
-        # as received, bytes for bytes: a header value outside ASCII (obs-text) is forwarded, not re-encoded
-        fwd_headers = [(k, v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
+        # as received, bytes for bytes: a header value outside ASCII (obs-text) is forwarded, not re-encoded; not
+        # the hop-by-hop ones, which include those the Connection header names
+        named = connection_options(headers.getlist("connection"))
+        not_forwarded = NOT_FORWARDED.union(n.encode("latin-1") for n in named)
+        fwd_headers = [(k, v) for k, v in scope["headers"] if k.lower() not in not_forwarded]
         if too_many_values(raw, max_json_values):
             # more than the cache would parse (8 MB of `{},` is ~200 MB of Python objects): the upstream's to
             # answer or refuse, as it came, its answer relayed as it arrives (whether it streams is unread)
@@ -463,8 +510,10 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return err(400, "the request body must be a JSON object")
         lines = headers.getlist("cache-control")
         cc = _directive_values(lines)
-        # max-age=0 asks for an answer no older than 0 s, as no-cache does; Pragma: no-cache is HTTP/1.0's
-        no_cache = ("no-cache" in cc or ("max-age" in cc and _delta_seconds(cc["max-age"]) == 0)
+        # max-age=N asks for an answer no older than N s (RFC 9111 5.2.1.1): max-age=0 as no-cache does, a hit
+        # older than N is not served; Pragma: no-cache is HTTP/1.0's
+        max_age = _delta_seconds(cc["max-age"]) if "max-age" in cc else None
+        no_cache = ("no-cache" in cc or max_age == 0
                     or (not lines and "no-cache" in cache_directives(headers.getlist("pragma"))))
         no_store = "no-store" in cc
         try:
@@ -480,8 +529,9 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         if req is None or params is None:   # nothing to key: pass through
             return await passthrough()
         meta = {"model": str(body.get("model", "")), "path": target[1:].decode("latin-1"), "stream": stream,
-                # every X-Model-Revision line: a request sending two is not keyed as one sending the first
-                "revision": ", ".join(headers.getlist("x-model-revision")),
+                # every X-Model-Revision line: a request sending two is not keyed as one sending the first; as
+                # forwarded (none, when its Connection header names it)
+                "revision": ", ".join(v.decode("latin-1") for k, v in fwd_headers if k.lower() == b"x-model-revision"),
                 "text": req.text_digest if req.image is not None else "",
                 "params": params, "more_images": req.more_images}
         modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
@@ -489,7 +539,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         if modality not in cache.head.modalities or not _is_unicode(meta["model"]):
             return await passthrough()
         try:
-            q, hits, spent = await workers.run(lookup, modality, data, None if no_cache else meta, tenant)
+            q, hit, age, spent = await workers.run(lookup, modality, data, None if no_cache else meta, tenant,
+                                                   max_age)
         except RequestError as e:
             # what the cache cannot key (media over its limits or undecodable, text over its length or token
             # window) is the model's to answer or refuse, not the proxy's: passed through, never stored
@@ -497,12 +548,11 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return await passthrough()
         except UnknownTenant as e:
             return err(404, str(e))
-        if hits:
-            h = hits[0]
-            ans = h["response"]
+        if hit is not None:
+            ans = hit["response"]
             return Response(ans["body"].encode(), status_code=200,
-                            headers={"X-Cache": "hit", "X-Cache-Distance": str(h["hamming_distance"]),
-                                     "Content-Type": ans["content_type"],
+                            headers={"X-Cache": "hit", "X-Cache-Distance": str(hit["hamming_distance"]),
+                                     "Content-Type": ans["content_type"], "Age": str(int(age)),
                                      "Server-Timing": f"lookup;dur={spent * 1e3:.3f}"})
         return await forward(target, raw, fwd_headers, stream, None if no_store else (q, tenant, meta),
                              "bypass" if no_cache else "miss", f"lookup;dur={spent * 1e3:.3f}, ")
@@ -514,14 +564,19 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                          or ("upstream_error" if answer.status_code == 502 else "refused"))
             await answer(scope, receive, send)
 
-    def lookup(modality, data, filters, tenant):
-        """In a worker thread: the request encoded, and its hits unless `filters` is None (no-cache); with the
-        seconds it took (the thread handoffs are not the lookup's). The search may ask the L2 (Redis): never
-        on the event loop."""
+    def lookup(modality, data, filters, tenant, max_age):
+        """In a worker thread: the request encoded, and its hit unless `filters` is None (no-cache) or there is
+        none, with its age (seconds since it was stored, on the cache's clock): None too when older than
+        `max_age` (the request's Cache-Control max-age); with the seconds it took (the thread handoffs are not
+        the lookup's). The search may ask the L2 (Redis): never on the event loop."""
         t0 = time.perf_counter()
         q = cache.query(modality, data)
         hits = [] if filters is None else cache.check_query(q, filters=filters, tenant=tenant)
-        return q, hits, time.perf_counter() - t0
+        hit, age = None, 0.0
+        if hits:
+            age = max(0.0, cache.clock() - hits[0]["inserted_at"])
+            hit = hits[0] if max_age is None or age <= max_age else None
+        return q, hit, age, time.perf_counter() - t0
 
     async def forward(target, raw, headers, stream, key, label, timing):
         t0 = time.perf_counter()
@@ -538,7 +593,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             return err(502, f"upstream failed: {type(e).__name__}")
         waited = time.perf_counter() - t0
         own.upstream.observe(waited)
-        out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP | {"x-cache", "server-timing"}}
+        not_copied = HOP | connection_options(up.headers.get_list("connection")) | {"x-cache", "server-timing"}
+        out_headers = {k: v for k, v in up.headers.items() if k.lower() not in not_copied}
         out_headers["X-Cache"] = label
         # the upstream's own Server-Timing metrics, if any, after the proxy's
         out_headers["Server-Timing"] = ", ".join([f"{timing}upstream;dur={waited * 1e3:.3f}",
@@ -556,7 +612,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 text = body.decode()
             except UnicodeDecodeError:
                 return
-            if ctype.split(";", 1)[0].strip().lower() == "text/event-stream" and stream_reports_error(text):
+            if (stream_reports_error(text) if ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
+                    else _json_reports_error(text)):
                 return
             q, tenant, meta = key
             ttl = cache.freshness.within(answer_lifetime(up.headers, now), ttl_s)
