@@ -5,7 +5,8 @@ reference), measured in the same run and process.
 
 Images: the header floods of the bad-input corpus (tests/hostile_corpus.py) at 5.6 MB, what an 8 MB base64
 body carries, decoded under the service's media limits (`MediaLimits()`), and under the same limits with
-`max_image_segments` lifted. JSON: 8 MB bodies (the default `max_body_bytes`) through the service's app in
+`max_image_segments` lifted; a 1 x 1 PNG of 5.6 MB of EXIF with `max_exif_bytes` lifted; and an SVG drawing a
+2048 x 2048 progressive JPEG of 2,000 scans from a data: URI (92 KB) with `max_jpeg_scans` lifted. JSON: 8 MB bodies (the default `max_body_bytes`) through the service's app in
 process (`create_app` over a tiny export, FastAPI's TestClient), with `max_json_values` at its default and
 lifted. Per case: the answer, CPU seconds (median of the repeats) and the peak RSS above the level before the
 request (the process's VmHWM, reset before each; "n/a" where the kernel does not allow the reset).
@@ -63,15 +64,21 @@ def image_cases():
     import hostile_corpus as hc
     from ushash.data import media
 
-    bounded, lifted = media.MediaLimits(), media.MediaLimits(max_image_segments=None)
-    for name, data in hc.header_floods(IMAGE_BYTES):
+    bounded = media.MediaLimits()
+    floods = [(name, data, "max_image_segments") for name, data in hc.header_floods(IMAGE_BYTES)]
+    others = [("png_exif_metadata", hc.png_with_exif((IMAGE_BYTES - 80) // 8), "max_exif_bytes"),
+              ("svg_embedding_a_jpeg_of_2000_scans",
+               hc.svg_embedding_raster(hc.progressive_with_scans(1990, side=2048)[0]), "max_jpeg_scans")]
+    for name, data, bound in floods + others:
+        lifted = media.MediaLimits(**{bound: None})
+
         def decode(limits, data=data):
             try:
                 img = media.decode_bytes("image", data, None, limits=limits)
                 return f"decoded, {img.width} x {img.height}"
             except media.MediaError as e:
                 return f"refused ({e.code})"
-        yield f"image: {name}", len(data), lambda d=decode: d(bounded), lambda d=decode: d(lifted)
+        yield f"image: {name}", len(data), lambda d=decode: d(bounded), lambda d=decode, l=lifted: d(l)
 
 
 def json_cases(tmp: str):
@@ -118,8 +125,8 @@ def main(argv=None) -> None:
                 b, l_ = measure(bounded, args.repeats), measure(lifted, args.repeats)
                 rows.append((name, size, b, l_))
     print(f"Each case {args.repeats} times, median CPU; peak RSS above the level before the request, the largest "
-          f"of the repeats (MB). The reference is the same request with the bound lifted (`max_image_segments=None`, "
-          f"`max_json_values=2^62`).\n")
+          f"of the repeats (MB). The reference is the same request with its bound lifted (`max_image_segments=None` "
+          f"for the header floods, `max_exif_bytes=None`, `max_jpeg_scans=None`, `max_json_values=2^62`).\n")
     print("| body | bytes | bounded: answer | CPU s | peak MB | bound lifted: answer | CPU s | peak MB | CPU, lifted / bounded |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, size, (ba, bc, bp), (la, lc, lp) in rows:

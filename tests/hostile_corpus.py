@@ -106,6 +106,43 @@ def svg_embedded_bomb() -> bytes:
             f'xlink:href="data:image/png;base64,{b64}"/></svg>').encode()
 
 
+def progressive_with_scans(extra: int, side: int = 512) -> tuple[bytes, int]:
+    """A progressive JPEG of `side` x `side` with its last scan repeated `extra` times (each repeat one more
+    pass of the decoder over every block: a scan bomb), and the scans it then holds, counted by walking its
+    segments (a reference independent of the marker count)."""
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 30, 200)).save(out, "JPEG", progressive=True, quality=90)
+    data, pos, scans, last = out.getvalue(), 2, 0, None
+    while data[pos + 1] != 0xD9:
+        start, marker = pos, data[pos + 1]
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker == 0xDA:   # the scan's entropy-coded data runs to the next marker that is not stuffing or RSTn
+            while not (data[pos] == 0xFF and data[pos + 1] != 0x00 and not 0xD0 <= data[pos + 1] <= 0xD7):
+                pos += 1
+            scans, last = scans + 1, data[start:pos]
+    return data[:pos] + last * extra + data[pos:], scans + extra
+
+
+def svg_embedding_raster(data: bytes, mime: str = "image/jpeg", side: int = 64) -> bytes:
+    """An SVG drawing `data` from a data: URI (a raster inside an SVG is checked like any image)."""
+    b64 = base64.b64encode(data).decode()
+    return (f'<svg {SVG_NS} width="{side}" height="{side}"><image width="{side}" height="{side}" '
+            f'xlink:href="data:{mime};base64,{b64}"/></svg>').encode()
+
+
+def png_with_exif(n_values: int) -> bytes:
+    """A 1 x 1 PNG whose eXIf chunk says Orientation 6 and holds a tag of `n_values` RATIONALs (8 bytes each):
+    orienting it parses the chunk and writes it back in Python."""
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+
+    ifd = struct.pack(">H", 2) + struct.pack(">HHI", 0x0112, 3, 1) + struct.pack(">HH", 6, 0)
+    ifd += struct.pack(">HHII", 0xC6FF, 5, n_values, 8 + 2 + 24 + 4) + struct.pack(">I", 0)
+    exif = b"MM\x00\x2a" + struct.pack(">I", 8) + ifd + struct.pack(">II", 1, 1) * n_values
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+            + chunk(b"eXIf", exif) + chunk(b"IDAT", zlib.compress(b"\x00\x00\x00\x00")) + chunk(b"IEND", b""))
+
+
 def svg_embedding(svg: bytes) -> bytes:
     b64 = base64.b64encode(svg).decode()
     return (f'<svg {SVG_NS} width="10" height="10"><image width="10" height="10" '
@@ -190,6 +227,8 @@ def image_cases() -> list[tuple[str, bytes]]:
                                                    + "rect{fill:red}" * 20000 + "</style></svg>").encode())),
         ("svg_style_bomb", (f'<svg {SVG_NS} width="10" height="10"><style>' + "rect{fill:red}" * 20000
                             + "</style><rect width='1' height='1'/></svg>").encode()),
+        ("svg_embedding_a_scan_bomb", svg_embedding_raster(progressive_with_scans(60, side=64)[0])),
+        ("png_exif_over_the_limit", png_with_exif(9000)),
         *header_floods(),
     ]
 

@@ -556,32 +556,13 @@ def test_dataset_files_have_no_segment_limit(tmp_path):
     assert media.FILE_LIMITS.max_jpeg_scans is None and "max_jpeg_scans" not in decode_identity()
 
 
-def _progressive_with_scans(extra: int, side: int = 512) -> tuple[bytes, int]:
-    """A progressive JPEG of `side` x `side` with its last scan repeated `extra` times (each repeat one more
-    pass of the decoder over every block: a scan bomb), and the scans it then holds, counted by walking its
-    segments (a reference independent of the marker count)."""
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", (side, side), (120, 30, 200)).save(out, "JPEG", progressive=True, quality=90)
-    data, pos, scans, last = out.getvalue(), 2, 0, None
-    while data[pos + 1] != 0xD9:
-        start, marker = pos, data[pos + 1]
-        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
-        if marker == 0xDA:   # the scan's entropy-coded data runs to the next marker that is not stuffing or RSTn
-            while not (data[pos] == 0xFF and data[pos + 1] != 0x00 and not 0xD0 <= data[pos + 1] <= 0xD7):
-                pos += 1
-            scans, last = scans + 1, data[start:pos]
-    return data[:pos] + last * extra + data[pos:], scans + extra
-
-
 def test_a_jpeg_of_too_many_scans_is_refused_before_decoding():
     """A progressive JPEG's scans are counted on its bytes: one at the limit decodes, one over it is refused
     (a 61 KB file of 2048 x 2048 pixels and 400 scans cost 1.3 s of CPU); data sets' files have no limit."""
-    plain, n = _progressive_with_scans(0)
+    plain, n = hc.progressive_with_scans(0)
     assert 2 <= n <= SERVICE.max_jpeg_scans
     media.decode_bytes("image", plain, None, limits=SERVICE)
-    bomb, n = _progressive_with_scans(60)
+    bomb, n = hc.progressive_with_scans(60)
     media.decode_bytes("image", bomb, None, limits=media.MediaLimits(max_jpeg_scans=n))
     with pytest.raises(MediaError, match=f"JPEG of {n} scans is over max_jpeg_scans={n - 1}") as e:
         media.decode_bytes("image", bomb, None, limits=media.MediaLimits(max_jpeg_scans=n - 1))
@@ -594,40 +575,19 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding():
 def test_a_jpeg_of_too_many_scans_inside_an_svg_is_refused_too():
     """A raster image inside an SVG's data: URI was checked for its size only: the scan bomb refused on its own
     decoded inside the SVG (2,000 scans of 2048 x 2048 pixels: 5 s of CPU; a 1 MiB SVG about 110 s)."""
-    import base64
-
-    bomb, n = _progressive_with_scans(60, side=64)
-    b64 = base64.b64encode(bomb).decode()
-    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink" width="64" '
-           f'height="64"><image width="64" height="64" xlink:href="data:image/jpeg;base64,{b64}"/></svg>').encode()
+    bomb, n = hc.progressive_with_scans(60, side=64)
     with pytest.raises(MediaError, match=f"JPEG of {n} scans is over max_jpeg_scans=32") as e:
-        media.decode_bytes("image", svg, None, limits=SERVICE)
+        media.decode_bytes("image", hc.svg_embedding_raster(bomb), None, limits=SERVICE)
     assert e.value.code == media.OVER_LIMIT
-    plain, _ = _progressive_with_scans(0, side=64)
-    ok = svg.replace(b64.encode(), base64.b64encode(plain))
-    assert media.decode_bytes("image", ok, None, limits=SERVICE).size[0] > 0
-
-
-def _png_with_exif(n_values: int) -> bytes:
-    """A 1 x 1 PNG whose eXIf chunk says Orientation 6 and holds a tag of `n_values` RATIONALs."""
-    import struct
-    import zlib
-
-    def chunk(t, d):
-        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
-
-    ifd = struct.pack(">H", 2) + struct.pack(">HHI", 0x0112, 3, 1) + struct.pack(">HH", 6, 0)
-    ifd += struct.pack(">HHII", 0xC6FF, 5, n_values, 8 + 2 + 24 + 4) + struct.pack(">I", 0)
-    exif = b"MM\x00\x2a" + struct.pack(">I", 8) + ifd + struct.pack(">II", 1, 1) * n_values
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
-            + chunk(b"eXIf", exif) + chunk(b"IDAT", zlib.compress(b"\x00\x00\x00\x00")) + chunk(b"IEND", b""))
+    plain, _ = hc.progressive_with_scans(0, side=64)
+    assert media.decode_bytes("image", hc.svg_embedding_raster(plain), None, limits=SERVICE).size[0] > 0
 
 
 def test_image_metadata_over_what_a_jpeg_holds_is_refused():
     """A PNG's EXIF is one chunk of any size, which the orientation step parsed and wrote back in Python: 7 MB of
     it in a 1 x 1 PNG cost 6 s of CPU and 300 MB, under every other limit."""
-    assert media.decode_bytes("image", _png_with_exif(16), None, limits=SERVICE).size == (1, 1)
-    big = _png_with_exif(9000)   # 72 KB of EXIF
+    assert media.decode_bytes("image", hc.png_with_exif(16), None, limits=SERVICE).size == (1, 1)
+    big = hc.png_with_exif(9000)   # 72 KB of EXIF
     with pytest.raises(MediaError, match=r"EXIF\) of 72044 bytes is over max_exif_bytes=65535") as e:
         media.decode_bytes("image", big, None, limits=SERVICE)
     assert e.value.code == media.OVER_LIMIT
