@@ -57,10 +57,11 @@ def compare(splits: dict, bits: int, seed: int) -> dict:
 
 
 def cell(values) -> str:
+    """"mean ± std" over the seeds, as the sweep tables print a cell (`seed_cell`); "-" with none."""
+    from ushash.evaluation.sweep import seed_cell
+
     v = [x for x in values if x is not None]
-    if not v:
-        return "-"
-    return f"{np.mean(v):.3f} ± {np.std(v, ddof=1) if len(v) > 1 else 0.0:.3f}"
+    return "{:.3f} ± {:.3f}".format(*seed_cell(v)[:2]) if v else "-"
 
 
 def main(argv=None) -> None:
