@@ -53,7 +53,7 @@ STEPS = {
     "payload_speed": "python benchmarks/payload.py speed",
     # head training steps/s against the bare loop, and codes/s (docs/benchmarks.md)
     "heads_speed": "python benchmarks/heads.py --runs 7",
-    # the registry's ITQ (faiss's ITQTransform) against ITQ's own alternation in the same space (docs/baselines.md)
+    # faiss's ITQTransform against the registry's ITQ (ITQ's own alternation) in the same space (docs/baselines.md)
     "itq_check": "python scripts/itq_check.py",
     "export_demo": "python -m ushash.export ckpt=checkpoints/demo-tuxpaint-offline-64b-s0/best.ckpt out=exports/demo-tux64 "
                    "overwrite=true",  # the export follows the demo checkpoint, which a reproduce may train again

@@ -10,6 +10,7 @@ from ushash.core import codes
 from ushash.data.store import FeatureSplit, Table
 from ushash.hashing import methods
 from ushash.hashing.methods.base import NotApplicable, random_rotation
+from ushash.hashing.methods.itq import itq_rotation
 from ushash.hashing.methods.space import SharedSpace, choose_space
 
 NUMBERS = {"max_rank": 64, "reg": 1.0}  # numbers, not "auto": nothing is chosen on val unless a test says so
@@ -142,8 +143,8 @@ def test_the_space_is_chosen_on_val_and_never_on_test(tmp_path):
 def test_fitted_codes_equal_their_naive_definitions():
     """LSH: sign(y . N(0, 1) planes of the seed); PCA-sign: sign of the top-bits principal components of all
     modalities' training embeddings (largest loading positive); PCA + rotation: those times the seed's Haar
-    rotation; ITQ: sign((y - mean) A^T) with A orthonormal rows spanning the top-bits principal subspace of the
-    centred, L2-normalised training rows, with a lower quantization error than PCA + random rotation."""
+    rotation; ITQ: sign((y - mean) A^T), A the top-bits principal axes of the centred, L2-normalised training rows
+    times ITQ's rotation of them from the seed, with a lower quantization error than PCA + random rotation."""
     tr = make_split("train", views())
     bits, seed = 16, 5
     x = views(seed=9, groups=50)["text"][0]
@@ -165,14 +166,15 @@ def test_fitted_codes_equal_their_naive_definitions():
             a = m.rotation().astype(np.float64)
             np.testing.assert_allclose(a @ a.T, np.eye(bits), atol=1e-5)
             yn = (y - mean) / np.linalg.norm(y - mean, axis=1, keepdims=True)
-            _, _, vn = np.linalg.svd(yn, full_matrices=False)
+            _, _, vn = np.linalg.svd(yn - yn.mean(axis=0), full_matrices=False)
             sub = vn[:bits].T
-            np.testing.assert_allclose(a.T, sub @ (sub.T @ a.T), atol=1e-5)
-            z = yn @ sub
+            sub = sub * np.sign(sub[np.abs(sub).argmax(axis=0), np.arange(bits)])
+            z = (yn - yn.mean(axis=0)) @ sub
+            np.testing.assert_allclose(a.T, sub @ itq_rotation(z, seed), atol=1e-5)
 
             def qerr(p):
                 return float(((np.sign(p) - p) ** 2).sum())
-            assert qerr(yn @ a.T) < qerr(z @ random_rotation(bits, seed))
+            assert qerr(z @ itq_rotation(z, seed)) < qerr(z @ random_rotation(bits, seed))
             want = (q - mean) @ a.T
         got = m.encode("text", x)[1]
         assert (codes.unpack(got, bits) != codes.unpack(codes.pack(want > 0), bits)).mean() < 0.005, name
@@ -181,11 +183,9 @@ def test_fitted_codes_equal_their_naive_definitions():
 def test_itq_rotation_is_itq_and_faiss_itq_transform_is_not():
     """ITQ's alternation (itq_rotation) never increases the quantisation loss and ends well below a random
     rotation's; faiss 1.15's ITQMatrix, from its own seeded start, wanders around the random rotation's loss
-    (its update takes the right singular vectors transposed). The registry's `itq` still fits faiss's: this
-    test says so until it changes (docs/baselines.md, "ITQ as faiss fits it")."""
+    (its update takes the right singular vectors transposed), which is why the registry's `itq` does not use it
+    (docs/baselines.md, "ITQ as faiss fits it"). This test fails once faiss's update is fixed."""
     import faiss
-
-    from ushash.hashing.methods.itq import itq_rotation
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2000, 64)) @ rng.normal(size=(64, 64)) * 0.3 + rng.normal(size=(2000, 64))
