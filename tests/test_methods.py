@@ -254,25 +254,45 @@ US_VS_ITQ = "the current recipe does not reach that margin there (the failed ass
             "synthetic sweep's table in docs/baselines.md has them over 3 seeds)"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("bits,protocol,margin", [
-    (16, "label", 0.1),
-    (32, "label", 0.1),
-    pytest.param(16, "paired", 0.1, marks=pytest.mark.xfail(strict=True, reason="US-HASH does not beat GCCA-aligned ITQ by 0.1: " + US_VS_ITQ)),
-])
-def test_ushash_beats_itq_on_synthetic(bits, protocol, margin, unaligned, tmp_path):
-    """The issue's check: US-HASH (trained as in configs/experiment/sweep_synthetic.yaml, seed 0) beats ITQ
-    (fitted on the training split in the shared space chosen on val) by 0.1 mAP@10. With label relevance it
-    does, by 0.29 at 16 bits and 0.19 at 32 (seed 0, 2026-12-04, Intel Xeon: 0.851 against 0.565 at 16 bits,
-    0.930 against 0.745 at 32; over 3 seeds in the synthetic sweep's table of docs/baselines.md). With paired
-    relevance there is no gain (0.186 against 0.186): that case is a strict xfail, so the day US-HASH
-    beats ITQ there by the margin this test says so."""
+@pytest.fixture(scope="module")
+def synthetic_heads(unaligned, tmp_path_factory):
+    """bits -> the US-HASH head trained on the synthetic splits (seed 0), trained once per length."""
     from ushash.config import compose
     from ushash.hashing.module import load_checkpoint
     from ushash.hashing.training import run_train
-    cfg = compose("config", [f"paths.root={tmp_path}", "trainer.accelerator=cpu", "trainer.max_epochs=12",
-                             "model.batch_size=128", f"bits={bits}", "trainer.enable_progress_bar=false"])
-    module = load_checkpoint(run_train(cfg, splits=unaligned)["best"])
+    heads = {}
+
+    def head(bits: int):
+        if bits not in heads:
+            root = tmp_path_factory.mktemp(f"heads{bits}")
+            cfg = compose("config", [f"paths.root={root}", "trainer.accelerator=cpu", "trainer.max_epochs=12",
+                                     "model.batch_size=128", f"bits={bits}", "trainer.enable_progress_bar=false"])
+            heads[bits] = load_checkpoint(run_train(cfg, splits=unaligned)["best"])
+        return heads[bits]
+    return head
+
+
+def _short_of(margin: float, protocol: str):
+    return pytest.mark.xfail(strict=True, reason=f"US-HASH does not beat ITQ by {margin} with {protocol} relevance: " + US_VS_ITQ)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits,protocol,margin", [
+    (16, "label", 0.0),
+    (32, "label", 0.0),
+    pytest.param(16, "label", 0.1, marks=_short_of(0.1, "label")),
+    pytest.param(32, "label", 0.1, marks=_short_of(0.1, "label")),
+    pytest.param(16, "paired", 0.1, marks=_short_of(0.1, "paired")),
+])
+def test_ushash_beats_itq_on_synthetic(bits, protocol, margin, unaligned, synthetic_heads):
+    """The issue's check: US-HASH (trained as in configs/experiment/sweep_synthetic.yaml, seed 0) beats ITQ
+    (fitted on the training split in the shared space chosen on val) by 0.1 mAP@10. With label relevance it
+    beats ITQ, by less than 0.1 (seed 0, 2026-12-07, AMD EPYC: 0.857 against 0.805 at 16 bits, 0.922 against
+    0.881 at 32; over 3 seeds in the synthetic sweep's table of docs/baselines.md); with paired relevance it
+    does not (0.192 against 0.198 at 16 bits). The 0.1 cases are strict xfails, so the day US-HASH beats ITQ
+    there by the margin this test says so. (Against faiss's ITQTransform, whose rotation update is transposed,
+    the label margins were 0.29 and 0.19.)"""
+    module = synthetic_heads(bits)
     test = unaligned["test"]
 
     def score(method):
