@@ -274,11 +274,11 @@ def test_aggregate_tables_and_plots(tmp_path):
     sweep.run_one(_cfg(tmp_path, "method=lsh", "bits=16", "seed=7", "sweep.synthetic.noise=0.9"))
     with pytest.raises(ValueError, match=r"more than one grid: float-16b-s0 and lsh-16b-s7 differ in stores, synthetic"):
         sweep.aggregate(exp)
-    sweep.set_aside(next((exp / "runs").glob("lsh-16b-s7-*")), tmp_path / "aside")
+    sweep.set_aside(next(p for p in (exp / "runs").glob("lsh-16b-s7-*") if p.is_dir()), tmp_path / "aside")  # not its .lock
     sweep.run_one(_cfg(tmp_path, "method=itq", "bits=16", "seed=7", "method.args.common_dim=64"))
     with pytest.raises(ValueError, match=r"more than one grid of itq: itq-16b-s0 and itq-16b-s7 differ in method"):
         sweep.aggregate(exp)
-    sweep.set_aside(next((exp / "runs").glob("itq-16b-s7-*")), tmp_path / "aside")
+    sweep.set_aside(next(p for p in (exp / "runs").glob("itq-16b-s7-*") if p.is_dir()), tmp_path / "aside")  # not its .lock
     assert sweep.aggregate(exp)["n_runs"] == 12   # the grid alone again
 
 
