@@ -45,6 +45,11 @@ def test_bars_table_says_met_or_missed_by_how_much(tmp_path, monkeypatch):
     assert rows["16 bits, paired >= ITQ"].endswith("(-0.0003, s.e. 0.008) | **missed by 0.0003** |")  # not shown as 0.000
     assert rows["128 bits, label >= ITQ"].endswith("(+0.000, s.e. 0.008) | met |")  # a tie meets a >= bar
     assert "**missed by 0.0025**" in rows["cache key, radius 2, codes only: false hits / request <= LSH codes of z"]
+    # a ratio just under its bar is not rounded onto it: 0.269 / 0.3 = 0.8967 reads 0.897x, missed by 0.003x
+    (exp / "a-64b" / "results.json").write_text(json.dumps({"summary": _summary(
+        {"ushash": {64: (0.269, 0.5)}, "itq": {64: (0.25, 0.5)}, "float": {64: (0.3, 0.6)}})}))
+    rows = {line.split(" | ")[1]: line for line in r.bars_body().splitlines() if line.startswith("| a |")}
+    assert rows["64 bits, paired >= 0.9 x float space"].endswith("(0.897x, s.e. 0.03x) | **missed by 0.003x** |")
     # a set without results is left out, and nothing at all gives no block
     monkeypatch.setattr(r, "ABLATION_SETS", {"b": ("sweep_b64", "b-64b")})
     monkeypatch.setattr(r, "BITS_SETS", {"b": ("sweep_b", "b-bits")})
