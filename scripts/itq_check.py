@@ -78,8 +78,8 @@ def main(argv=None) -> None:
     print("Per set and code length, mean over seeds " + ", ".join(map(str, args.seeds)) + ": the training split's "
           "quantisation loss ||sign(P) - P||^2 of faiss's ITQTransform and of the registry's ITQ (ITQ's alternation, "
           "`itq_rotation`) in the same space, each after its PCA of the same rows (50 iterations each, lower is "
-          "better), and the test split's tie-aware mAP@10, mean over directions (± sample std over the seeds), of their codes and of PCA with a random "
-          "rotation.\n")
+          "better), and the test split's tie-aware mAP@10, mean over directions (± sample std over the seeds), of "
+          "their codes and of PCA with a random rotation.\n")
     print("| set | bits | loss: faiss | loss: ITQ | paired: faiss | paired: ITQ | paired: PCA + random rotation | "
           "label: faiss | label: ITQ | label: PCA + random rotation |")
     print("|---|---|---|---|---|---|---|---|---|---|")
