@@ -6,11 +6,11 @@ reference), measured in the same run and process.
 Images: the header floods of the bad-input corpus (tests/hostile_corpus.py) at 5.6 MB, what an 8 MB base64
 body carries, decoded under the service's media limits (`MediaLimits()`), and under the same limits with
 `max_image_segments` lifted; a 1 x 1 PNG of 5.6 MB of EXIF with `max_exif_bytes` lifted; and an SVG drawing a
-2048 x 2048 progressive JPEG of 2,000 scans from a data: URI (92 KB) with `max_jpeg_scans` lifted. JSON: 8 MB bodies (the default `max_body_bytes`) through the service's app in
-process (`create_app` over a tiny export, FastAPI's TestClient), with `max_json_values` at its default and
-lifted. Per case: the answer, CPU seconds (median of the repeats) and the peak RSS above the level before the
-request (the process's VmHWM, reset before each; "n/a" where the kernel does not allow the reset).
-Prints a markdown table.
+2048 x 2048 progressive JPEG of 2,000 scans from a data: URI (92 KB) with `max_jpeg_scans` lifted. JSON: 8 MB
+bodies (the default `max_body_bytes`) through the service's app in process (`create_app` over a tiny export,
+FastAPI's TestClient), with `max_json_values` at its default and lifted. Per case: the answer, CPU seconds
+(median of the repeats) and the peak RSS above the level before the request (the process's VmHWM, reset before
+each; "n/a" where the kernel does not allow the reset). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def image_cases():
     floods = [(name, data, "max_image_segments") for name, data in hc.header_floods(IMAGE_BYTES)]
     others = [("png_exif_metadata", hc.png_with_exif((IMAGE_BYTES - 80) // 8), "max_exif_bytes"),
               ("svg_embedding_a_jpeg_of_2000_scans",
-               hc.svg_embedding_raster(hc.progressive_with_scans(1990, side=2048)[0]), "max_jpeg_scans")]
+               hc.svg_embedding(hc.progressive_with_scans(1990, side=2048)[0], "image/jpeg", side=64),
+               "max_jpeg_scans")]
     for name, data, bound in floods + others:
         lifted = media.MediaLimits(**{bound: None})
 

@@ -101,9 +101,7 @@ def svg_many_elements(n=40000) -> bytes:
 
 
 def svg_embedded_bomb() -> bytes:
-    b64 = base64.b64encode(png_header_only(10000, 10000)).decode()
-    return (f'<svg {SVG_NS} width="10" height="10"><image width="10" height="10" '
-            f'xlink:href="data:image/png;base64,{b64}"/></svg>').encode()
+    return svg_embedding(png_header_only(10000, 10000), "image/png")
 
 
 def progressive_with_scans(extra: int, side: int = 512) -> tuple[bytes, int]:
@@ -123,13 +121,6 @@ def progressive_with_scans(extra: int, side: int = 512) -> tuple[bytes, int]:
     return data[:pos] + last * extra + data[pos:], scans + extra
 
 
-def svg_embedding_raster(data: bytes, mime: str = "image/jpeg", side: int = 64) -> bytes:
-    """An SVG drawing `data` from a data: URI (a raster inside an SVG is checked like any image)."""
-    b64 = base64.b64encode(data).decode()
-    return (f'<svg {SVG_NS} width="{side}" height="{side}"><image width="{side}" height="{side}" '
-            f'xlink:href="data:{mime};base64,{b64}"/></svg>').encode()
-
-
 def png_with_exif(n_values: int) -> bytes:
     """A 1 x 1 PNG whose eXIf chunk says Orientation 6 and holds a tag of `n_values` RATIONALs (8 bytes each):
     orienting it parses the chunk and writes it back in Python."""
@@ -143,10 +134,12 @@ def png_with_exif(n_values: int) -> bytes:
             + chunk(b"eXIf", exif) + chunk(b"IDAT", zlib.compress(b"\x00\x00\x00\x00")) + chunk(b"IEND", b""))
 
 
-def svg_embedding(svg: bytes) -> bytes:
-    b64 = base64.b64encode(svg).decode()
-    return (f'<svg {SVG_NS} width="10" height="10"><image width="10" height="10" '
-            f'xlink:href="data:image/svg+xml;base64,{b64}"/></svg>').encode()
+def svg_embedding(data: bytes, mime: str = "image/svg+xml", side: int = 10) -> bytes:
+    """An SVG drawing `data` (an SVG, or a raster of `mime`) from a data: URI: what it embeds is checked like
+    any image."""
+    b64 = base64.b64encode(data).decode()
+    return (f'<svg {SVG_NS} width="{side}" height="{side}"><image width="{side}" height="{side}" '
+            f'xlink:href="data:{mime};base64,{b64}"/></svg>').encode()
 
 
 def svg_external(url: str) -> bytes:
@@ -227,7 +220,7 @@ def image_cases() -> list[tuple[str, bytes]]:
                                                    + "rect{fill:red}" * 20000 + "</style></svg>").encode())),
         ("svg_style_bomb", (f'<svg {SVG_NS} width="10" height="10"><style>' + "rect{fill:red}" * 20000
                             + "</style><rect width='1' height='1'/></svg>").encode()),
-        ("svg_embedding_a_scan_bomb", svg_embedding_raster(progressive_with_scans(60, side=64)[0])),
+        ("svg_embedding_a_scan_bomb", svg_embedding(progressive_with_scans(60, side=64)[0], "image/jpeg", side=64)),
         ("png_exif_over_the_limit", png_with_exif(9000)),
         *header_floods(),
     ]

@@ -577,10 +577,10 @@ def test_a_jpeg_of_too_many_scans_inside_an_svg_is_refused_too():
     decoded inside the SVG (2,000 scans of 2048 x 2048 pixels: 5 s of CPU; a 1 MiB SVG about 110 s)."""
     bomb, n = hc.progressive_with_scans(60, side=64)
     with pytest.raises(MediaError, match=f"JPEG of {n} scans is over max_jpeg_scans=32") as e:
-        media.decode_bytes("image", hc.svg_embedding_raster(bomb), None, limits=SERVICE)
+        media.decode_bytes("image", hc.svg_embedding(bomb, "image/jpeg", side=64), None, limits=SERVICE)
     assert e.value.code == media.OVER_LIMIT
     plain, _ = hc.progressive_with_scans(0, side=64)
-    assert media.decode_bytes("image", hc.svg_embedding_raster(plain), None, limits=SERVICE).size[0] > 0
+    assert media.decode_bytes("image", hc.svg_embedding(plain, "image/jpeg", side=64), None, limits=SERVICE).size[0] > 0
 
 
 def test_image_metadata_over_what_a_jpeg_holds_is_refused():
