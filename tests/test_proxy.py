@@ -366,6 +366,63 @@ def test_a_request_max_age_refuses_an_older_hit_and_a_hit_states_its_age():
     assert r.headers["x-cache"] == "hit" and r.json() == {"price": 2} and r.headers["age"] == "0" and len(calls) == 2
 
 
+def test_a_hit_is_as_old_as_the_age_it_came_with_plus_its_time_in_the_cache():
+    """RFC 9111 4.2.3: a stored answer's age is the upstream's `Age` when it came plus its time in the cache.
+    Only the time in the cache was counted: an answer 100 s old when it came, stored 5 s ago, was served with
+    `Age: 5` and to a client asking for one of at most 104 s (max-age). Its TTL (max-age=600 less its Age, as
+    before) ends as its Age reaches 600: nothing counted twice."""
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"price": len(calls)}, headers={"cache-control": "max-age=600", "age": "100"})
+
+    client = _proxy_at(clock, up)
+    r = client.post("/v1/chat/completions", json=chat("price of gold"))
+    assert r.headers["x-cache"] == "miss" and r.headers["age"] == "100"   # the upstream's, relayed
+    clock[0] += 5.5
+    r = client.post("/v1/chat/completions", json=chat("price of gold"))
+    assert r.headers["x-cache"] == "hit" and r.headers["age"] == "105" and len(calls) == 1
+    r = client.post("/v1/chat/completions", json=chat("price of gold"), headers={"Cache-Control": "max-age=106"})
+    assert r.headers["x-cache"] == "hit" and r.json() == {"price": 1}
+    # 105.5 s old: too old for max-age=104, forwarded, and the fresh answer (again 100 s old) stored
+    r = client.post("/v1/chat/completions", json=chat("price of gold"), headers={"Cache-Control": "max-age=104"})
+    assert r.headers["x-cache"] == "miss" and r.json() == {"price": 2} and len(calls) == 2
+    clock[0] += 499
+    r = client.post("/v1/chat/completions", json=chat("price of gold"))
+    assert r.headers["x-cache"] == "hit" and r.json() == {"price": 2} and r.headers["age"] == "599"
+    clock[0] += 1
+    assert client.post("/v1/chat/completions", json=chat("price of gold")).headers["x-cache"] == "miss"
+
+
+@pytest.mark.parametrize("age,served", [("7", "12"), ("soon", "5"), ("-3", "5"), ("1.5", "5"), ("", "5")])
+def test_only_an_age_of_delta_seconds_from_the_upstream_counts(age, served):
+    """An upstream's Age that is not delta-seconds counts as 0, as the lifetime reads it (`answer_lifetime`): the
+    hit is as old as its time in the cache; a valid one is added to it (it was not)."""
+    clock = [1_000_000.0]
+    client = _proxy_at(clock, lambda request: httpx.Response(200, json={"price": 1}, headers={"age": age}))
+    client.post("/v1/chat/completions", json=chat("price of gold"))
+    clock[0] += 5
+    r = client.post("/v1/chat/completions", json=chat("price of gold"))
+    assert r.headers["x-cache"] == "hit" and r.headers["age"] == served
+
+
+def test_an_entry_stored_without_the_upstreams_age_reads_as_age_0():
+    """Entries stored before the proxy kept the upstream's Age (an older proxy's, through a shared L2) have none:
+    0, as a value that is not delta-seconds; the one kept is capped at 2^31 (RFC 9111 1.2.2) to be stored."""
+    from ushash.serving.proxy import MAX_DELTA_SECONDS, stored_age
+
+    assert stored_age({"body": "{}", "content_type": "application/json"}) == 0
+    assert stored_age({"body": "{}", "content_type": "application/json", "age": 100}) == 100
+    assert stored_age({"age": "1e3"}) == stored_age({"age": -5}) == stored_age({"age": None}) == 0
+    assert stored_age("an answer stored as text") == 0
+    clock = [1_000_000.0]
+    client = _proxy_at(clock, lambda request: httpx.Response(200, json={"price": 1}, headers={"age": "9" * 400}))
+    client.post("/v1/chat/completions", json=chat("price of gold"))
+    r = client.post("/v1/chat/completions", json=chat("price of gold"))
+    assert r.headers["x-cache"] == "hit" and r.headers["age"] == str(MAX_DELTA_SECONDS)
+
+
 def test_a_stream_that_reports_an_error_inside_its_200_is_relayed_not_stored():
     """vLLM and OpenAI-compatible servers report a failure mid-generation as an event whose data holds an
     `error`, then end the stream as usual: that answer was stored and replayed to every later request."""

@@ -25,8 +25,9 @@ Accept-Encoding: `answer_storable`), or it is already stale, or it reports an er
 `error`, an event stream's error event: `reports_error`, `stream_reports_error`); one that states its
 freshness (`s-maxage`, `max-age`, `Expires`, less its `Age`: `answer_lifetime`) is kept no longer than that.
 A request's `Cache-Control: no-cache` or `max-age=0` (or `Pragma: no-cache` without a Cache-Control) skips
-the lookup (the fresh answer is stored), `max-age=N` is not served an answer stored over N s ago (a hit's
-`Age` says how long ago), `no-store` skips storing (the directives of every Cache-Control line).
+the lookup (the fresh answer is stored), `max-age=N` is not served an answer older than N s (its age, RFC 9111
+4.2.3: the upstream's `Age` when it came plus its time in the cache; a hit's `Age` says it), `no-store` skips
+storing (the directives of every Cache-Control line).
 `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
 encoding the request, the search and the check) and, on a forwarded request, the upstream
 (`upstream;dur=`: until its answer's headers).
@@ -78,6 +79,8 @@ MAX_MESSAGES = 256
 #: and what httpx recomputes); with them, each header the Connection header names (`connection_options`).
 HOP = frozenset({"connection", "proxy-connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                  "trailer", "transfer-encoding", "upgrade", "content-length", "content-encoding", "host"})
+#: The greatest age (and delta-seconds) kept: RFC 9111 1.2.2's 2^31, for a larger (or overflowing) value.
+MAX_DELTA_SECONDS = 2 ** 31
 #: Request headers the proxy does not forward (as bytes, as ASGI gives them): the hop ones, the client's token, and
 #: its Accept-Encoding (httpx sends its own: the codings it decodes, as the proxy relays the body decoded; a
 #: coding it cannot decode, as brotli without its package, reached the client as raw bytes without its name).
@@ -217,6 +220,13 @@ def _delta_seconds(value) -> float:
     """RFC 9111 delta-seconds; anything else is 0 (an invalid freshness value means stale)."""
     value = str(value or "").strip()
     return float(value) if value.isdigit() else 0.0
+
+
+def stored_age(response) -> float:
+    """The upstream's `Age` of a stored answer when it came (RFC 9111 4.2.3's age_value), as `keep` recorded it;
+    0 for an entry without one (stored before the proxy kept it, possibly by another proxy through a shared L2)
+    or with an invalid one (`_delta_seconds`)."""
+    return _delta_seconds(response.get("age")) if isinstance(response, dict) else 0.0
 
 
 def answer_lifetime(headers, now: Optional[float] = None) -> Optional[float]:
@@ -566,15 +576,19 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
 
     def lookup(modality, data, filters, tenant, max_age):
         """In a worker thread: the request encoded, and its hit unless `filters` is None (no-cache) or there is
-        none, with its age (seconds since it was stored, on the cache's clock): None too when older than
-        `max_age` (the request's Cache-Control max-age); with the seconds it took (the thread handoffs are not
-        the lookup's). The search may ask the L2 (Redis): never on the event loop."""
+        none, with its age (RFC 9111 4.2.3: the upstream's `Age` when it came, `stored_age`, plus the seconds since
+        it was stored, on the cache's clock): None too when older than `max_age` (the request's Cache-Control
+        max-age); with the seconds it took (the thread handoffs are not the lookup's). The search may ask the L2
+        (Redis): never on the event loop."""
         t0 = time.perf_counter()
         q = cache.query(modality, data)
         hits = [] if filters is None else cache.check_query(q, filters=filters, tenant=tenant)
         hit, age = None, 0.0
         if hits:
-            age = max(0.0, cache.clock() - hits[0]["inserted_at"])
+            # an answer that came 100 s old is 100 s older than its time here: its Age, and what max-age is
+            # compared with (its TTL, `answer_lifetime`, was already shortened by that Age: its Age reaches the
+            # upstream's lifetime as it expires)
+            age = stored_age(hits[0]["response"]) + max(0.0, cache.clock() - hits[0]["inserted_at"])
             hit = hits[0] if max_age is None or age <= max_age else None
         return q, hit, age, time.perf_counter() - t0
 
@@ -617,10 +631,14 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 return
             q, tenant, meta = key
             ttl = cache.freshness.within(answer_lifetime(up.headers, now), ttl_s)
+            # its Age as it came (a missing or invalid one 0, as `answer_lifetime` reads it): a hit adds its time in
+            # the cache to it (`lookup`); a whole number of seconds, so that `stored_age` reads it back
+            answer = {"body": text, "content_type": ctype,
+                      "age": int(min(_delta_seconds(up.headers.get("age")), MAX_DELTA_SECONDS))}
             try:
                 # in a worker thread: the store may write to the L2 (Redis), never on the event loop
-                await workers.run(functools.partial(cache.store_response, q, {"body": text, "content_type": ctype},
-                                                    metadata=meta, tenant=tenant, ttl=ttl))
+                await workers.run(functools.partial(cache.store_response, q, answer, metadata=meta, tenant=tenant,
+                                                    ttl=ttl))
             except Exception as e:   # noqa: BLE001 (the upstream's answer is the client's, stored or not)
                 own.store_failures.inc()
                 log.warning("the upstream's answer was relayed but not stored: %s: %s", type(e).__name__, e)
