@@ -197,6 +197,44 @@ def test_previous_recipe_block_has_a_row_per_set_length_and_recipe(tmp_path, mon
     assert rows[2].split(" | ")[4:6] == ["0.3100 ± 0.0100", "0.3000 ± 0.0000"]
 
 
+def test_recheck_block_applies_the_rule_against_the_defaults_spread(tmp_path, monkeypatch):
+    """The ablation's gains over 3 seeds: each rechecked row's gain in mean val over the defaults' runs, beside
+    the defaults' seed std; it passes only when higher on every set by more than that std; and a row the one-seed
+    ablation puts higher on both sets that RECHECK lacks is named."""
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "ABLATION_SETS", {"a": ("sweep_a64", "a-64b"), "b": ("sweep_b64", "b-64b")})
+    monkeypatch.setattr(r, "ABLATIONS", {"shipped defaults": "", "wide (x=1)": "x=1", "narrow (x=2)": "x=2",
+                                         "other (y=1)": "y=1"})
+    monkeypatch.setattr(r, "RECHECK", ("wide (x=1)", "narrow (x=2)"))
+    from ushash.evaluation.sweep import variant_dir
+
+    def write(folder, vals):
+        runs = [{"method": "ushash", "bits": 64, "seed": s, "val_score": v, "val_scores": [0.1] * 5 + [v]}
+                for s, v in enumerate(vals)]
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({"runs": runs, "summary": _summary({"ushash": {64: (0.2, 0.4)}})}))
+
+    exp = tmp_path / "experiments"
+    for d, gain_wide in (("a", 0.03), ("b", 0.02)):   # the defaults' std: 0.01 on both sets
+        write(exp / f"{d}-64b", [0.39, 0.40, 0.41])
+        write(variant_dir(exp / f"{d}-64b", r.recheck_overrides("wide (x=1)")), [0.40 + gain_wide] * 3)
+        write(variant_dir(exp / f"{d}-64b", r.recheck_overrides("narrow (x=2)")), [0.405, 0.41, 0.415])  # +0.01
+        for label, v in (("shipped defaults", 0.40), ("wide (x=1)", 0.42), ("narrow (x=2)", 0.39), ("other (y=1)", 0.41)):
+            write(variant_dir(exp / f"{d}-64b", r.ablation_overrides(label)), [v])
+    body = r.recheck_body()
+    rows = {tuple(line.split(" | ")[:2]): line.split(" | ") for line in body.splitlines() if line.startswith("| ")}
+    assert rows[("| shipped defaults", "a")][3:5] == ["0.400 ± 0.010", "–"]
+    assert rows[("| wide (x=1)", "a")][3:5] == ["0.430 ± 0.000", "+0.030 (0.010)"]
+    assert rows[("| narrow (x=2)", "b")][4] == "+0.010 (0.010)"
+    assert "- wide (x=1): passes (a +0.030 against 0.010, b +0.020 against 0.010)" in body
+    assert "- narrow (x=2): does not pass" in body   # a gain equal to the spread is not beyond it
+    assert "not rechecked here: other (y=1)." in body   # higher on both sets with one seed, not in RECHECK
+    # nothing run: no block
+    monkeypatch.setattr(r, "ABLATION_SETS", {"c": ("sweep_c64", "c-64b")})
+    assert r.recheck_body() is None
+
+
 def _isolated(tmp_path, monkeypatch, **tables):
     """scripts/reproduce.py run in `tmp_path`, on a test CPU, with only the steps and blocks given (every other
     table of steps and blocks empty)."""
