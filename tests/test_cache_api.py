@@ -203,3 +203,39 @@ def test_top_k_is_traced_and_serves_only_the_revision_that_encoded_the_query(cac
     cache.reload(LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0, revision="next"))
     assert cache.lookup_top(q, k=3) == []          # encoded by the head served before the reload
     assert cache.metrics.value("cache_rejections_total", reason="query_revision") >= 1
+
+
+def test_drop_removes_the_entry_a_check_or_a_get_served(cache):
+    """RedisVL's `drop`: given what a lookup served (a check result, by its `key`, or a Hit), that entry leaves
+    L1 (its index, its bytes, the count), and a later lookup misses; the async twin does the same."""
+    x, y = np.ones(24, np.float32), np.linspace(-1, 1, 24).astype(np.float32)
+    cache.store(None, "a tree frog", "text", features=x, metadata={"user": "ann"})
+    cache.put("text", features=y, value="a toad")
+    h = cache.check(features=x)[0]
+    assert h["key"].startswith("l1:") and cache.drop(h) == 1
+    assert cache.check(features=x) == [] and cache.get("text", features=x) is None
+    assert len(cache) == 1 and cache.drop(h) == 0            # already gone: nothing more removed, no error
+    assert asyncio.run(cache.adrop([cache.get("text", features=y)])) == 1
+    assert cache.get("text", features=y) is None and len(cache) == 0 and cache.policy.used_bytes == 0
+    with pytest.raises(TypeError):
+        cache.drop("l1:0")
+
+
+def test_drop_never_removes_another_entry_that_took_the_slot_since():
+    """Slots are reused: a hit's `l1:<slot>` may hold another entry by the time it is dropped (the same request
+    stored again, or another one in a freed slot; here at the same clock time, so only the value tells them
+    apart). That entry stays and drop says 0."""
+    head = LSHHead({"image": 24, "text": 24}, bits=64, dim=32, aligned=True, seed=0)
+    cache = SemanticCache(head, {"radius": 6, "payload_threshold": 0.9}, clock=lambda: 1000.0)
+    x, y = np.ones(24, np.float32), np.linspace(-1, 1, 24).astype(np.float32)
+    cache.put("text", features=x, value="old")
+    old = cache.get("text", features=x)
+    cache.put("text", features=x, value="new")                # replaces it, in the same slot
+    new = cache.get("text", features=x)
+    assert old.entry == new.entry and old.created == new.created
+    assert cache.drop(old) == 0 and cache.get("text", features=x).value == "new"
+    assert cache.drop(new) == 1 and len(cache) == 0
+    cache.store(None, "another request's answer", "text", features=y)   # takes the freed slot
+    assert cache.check(features=y)[0]["key"] == new.entry
+    assert cache.drop(new) == 0 and cache.check(features=y)[0]["response"] == "another request's answer"
+    assert cache.drop(cache.check(features=y)) == 1 and len(cache) == 0

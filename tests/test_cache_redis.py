@@ -201,6 +201,33 @@ def test_the_same_request_stored_again_replaces_its_l2_entry(redis_server):
     assert len(list(redis_server.client.scan_iter(match="ushash:*:e:*"))) == 2
 
 
+
+def test_drop_removes_the_entry_from_the_l2_and_every_copy_this_replica_holds(redis_server):
+    """`drop` of an L1 hit removes its shared entry too, and of an L2 hit the copy it promoted into L1: no
+    replica sharing the L2 finds it again, and a lookup drops its bucket members (lazily, as an expired
+    entry's). An id holding the same request stored again since (a newer answer) keeps it."""
+    client = redis_server.client
+    entries = lambda: list(client.scan_iter(match="ushash:{default}:e:*"))   # noqa: E731
+    a, b = _cache(redis_server), _cache(redis_server)
+    x, y = np.linspace(-1, 1, 16).astype(np.float32), np.ones(16, np.float32)
+    a.store(None, "a tree frog", "text", features=x, metadata={"model": "m1"})
+    hit = a.check(features=x)[0]
+    assert hit["tier"] == "l1" and len(entries()) == 1 and list(client.scan_iter(match="ushash:{default}:b:*"))
+    assert a.drop(hit) == 1 and entries() == [] and a.check(features=x) == []
+    assert b.check(features=x) == [] and not list(client.scan_iter(match="ushash:{default}:b:*"))
+    assert a.drop(hit) == 0
+    # an L2 hit: the entry and the L1 copy its lookup made are removed
+    a.put("text", features=y, value="old")
+    h = b.get("text", features=y)
+    assert h.tier == "l2" and b.get("text", features=y).tier == "l1"
+    assert b.drop(h) == 1 and entries() == [] and b.get("text", features=y) is None
+    assert _cache(redis_server).get("text", features=y) is None
+    # stored again under its id since the lookup: the L2 keeps the newer answer (b's own L1 copy of it goes)
+    a.put("text", features=y, value="old")
+    h = b.get("text", features=y)
+    a.put("text", features=y, value="new")
+    assert b.drop(h) == 1 and len(entries()) == 1 and _cache(redis_server).get("text", features=y).value == "new"
+
 def test_tenants_are_isolated_in_l2_and_keys_share_a_cluster_slot(redis_server):
     from redis.cluster import key_slot
 
@@ -267,6 +294,10 @@ def test_redis_down_degrades_to_l1_and_counts(redis_server):
             for op in ("watermark", "lookup", "put", "circuit_open")}
     assert errs["watermark"] + errs["lookup"] + errs["put"] == 2, errs  # then the circuit opened
     assert errs["circuit_open"] > 20, errs
+    # a drop that cannot reach the L2 says so, and keeps the L1 entry for the drop to be made again
+    with pytest.raises(RuntimeError, match="drop again"):
+        a.drop(a.get("text", features=x))
+    assert a.get("text", features=x).value == "kept"
 
 
 def test_slow_redis_times_out_and_is_counted(redis_server):

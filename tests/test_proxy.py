@@ -366,6 +366,34 @@ def test_a_request_max_age_refuses_an_older_hit_and_a_hit_states_its_age():
     assert r.headers["x-cache"] == "hit" and r.json() == {"price": 2} and r.headers["age"] == "0" and len(calls) == 2
 
 
+
+def test_the_fresh_answer_a_max_age_asked_for_is_the_one_served_from_then_on():
+    """A near request refusing a hit for its max-age stored the fresh answer as a second entry beside the old
+    one, which the original wording was served on (at distance 0) from then on: RFC 9111 4 says the most
+    recent stored answer. The refused entry is dropped once the fresh one is stored, and kept when it is not
+    (no-store)."""
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"answer": len(calls)})
+
+    client = _proxy_at(clock, up)
+    frog, please = "what is a big green tree frog", "what is a big green tree frog please"
+    assert client.post("/v1/chat/completions", json=chat(frog)).json() == {"answer": 1}
+    clock[0] += 30
+    r = client.post("/v1/chat/completions", json=chat(please), headers={"Cache-Control": "max-age=10"})
+    assert r.headers["x-cache"] == "miss" and r.json() == {"answer": 2}
+    r = client.post("/v1/chat/completions", json=chat(frog))
+    assert r.headers["x-cache"] == "hit" and r.json() == {"answer": 2} and r.headers["age"] == "0"
+    assert int(r.headers["x-cache-distance"]) > 0 and len(calls) == 2
+    # not stored (no-store): the refused answer stays the one served
+    clock[0] += 30
+    r = client.post("/v1/chat/completions", json=chat(frog), headers={"Cache-Control": "max-age=10, no-store"})
+    assert r.headers["x-cache"] == "miss" and r.json() == {"answer": 3}
+    r = client.post("/v1/chat/completions", json=chat(frog))
+    assert r.headers["x-cache"] == "hit" and r.json() == {"answer": 2} and r.headers["age"] == "30"
+
 def test_a_hit_is_as_old_as_the_age_it_came_with_plus_its_time_in_the_cache():
     """RFC 9111 4.2.3: a stored answer's age is the upstream's `Age` when it came plus its time in the cache.
     Only the time in the cache was counted: an answer 100 s old when it came, stored 5 s ago, was served with

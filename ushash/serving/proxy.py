@@ -26,8 +26,9 @@ Accept-Encoding: `answer_storable`), or it is already stale, or it reports an er
 freshness (`s-maxage`, `max-age`, `Expires`, less its `Age`: `answer_lifetime`) is kept no longer than that.
 A request's `Cache-Control: no-cache` or `max-age=0` (or `Pragma: no-cache` without a Cache-Control) skips
 the lookup (the fresh answer is stored), `max-age=N` is not served an answer older than N s (its age, RFC 9111
-4.2.3: the upstream's `Age` when it came plus its time in the cache; a hit's `Age` says it), `no-store` skips
-storing (the directives of every Cache-Control line).
+4.2.3: the upstream's `Age` when it came plus its time in the cache; a hit's `Age` says it; the refused entry is
+dropped once the fresh answer is stored, RFC 9111 4's most recent), `no-store` skips storing (the directives of
+every Cache-Control line).
 `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
 encoding the request, the search and the check) and, on a forwarded request, the upstream
 (`upstream;dur=`: until its answer's headers).
@@ -48,7 +49,6 @@ more JSON values than `max_json_values` (counted on its bytes) is not parsed: it
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import hmac
 import logging
@@ -549,8 +549,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         if modality not in cache.head.modalities or not _is_unicode(meta["model"]):
             return await passthrough()
         try:
-            q, hit, age, spent = await workers.run(lookup, modality, data, None if no_cache else meta, tenant,
-                                                   max_age)
+            q, hit, refused, age, spent = await workers.run(lookup, modality, data, None if no_cache else meta,
+                                                            tenant, max_age)
         except RequestError as e:
             # what the cache cannot key (media over its limits or undecodable, text over its length or token
             # window) is the model's to answer or refuse, not the proxy's: passed through, never stored
@@ -564,7 +564,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                             headers={"X-Cache": "hit", "X-Cache-Distance": str(hit["hamming_distance"]),
                                      "Content-Type": ans["content_type"], "Age": str(int(age)),
                                      "Server-Timing": f"lookup;dur={spent * 1e3:.3f}"})
-        return await forward(target, raw, fwd_headers, stream, None if no_store else (q, tenant, meta),
+        return await forward(target, raw, fwd_headers, stream, None if no_store else (q, tenant, meta, refused),
                              "bypass" if no_cache else "miss", f"lookup;dur={spent * 1e3:.3f}, ")
 
     async def post(scope, receive, send):
@@ -578,19 +578,30 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         """In a worker thread: the request encoded, and its hit unless `filters` is None (no-cache) or there is
         none, with its age (RFC 9111 4.2.3: the upstream's `Age` when it came, `stored_age`, plus the seconds since
         it was stored, on the cache's clock): None too when older than `max_age` (the request's Cache-Control
-        max-age); with the seconds it took (the thread handoffs are not the lookup's). The search may ask the L2
-        (Redis): never on the event loop."""
+        max-age), and then the hit refused; with the seconds it took (the thread handoffs are not the lookup's).
+        The search may ask the L2 (Redis): never on the event loop."""
         t0 = time.perf_counter()
         q = cache.query(modality, data)
         hits = [] if filters is None else cache.check_query(q, filters=filters, tenant=tenant)
-        hit, age = None, 0.0
+        hit, refused, age = None, None, 0.0
         if hits:
             # an answer that came 100 s old is 100 s older than its time here: its Age, and what max-age is
             # compared with (its TTL, `answer_lifetime`, was already shortened by that Age: its Age reaches the
             # upstream's lifetime as it expires)
             age = stored_age(hits[0]["response"]) + max(0.0, cache.clock() - hits[0]["inserted_at"])
-            hit = hits[0] if max_age is None or age <= max_age else None
-        return q, hit, age, time.perf_counter() - t0
+            hit, refused = (hits[0], None) if max_age is None or age <= max_age else (None, hits[0])
+        return q, hit, refused, age, time.perf_counter() - t0
+
+    def store(q, answer, meta, tenant, ttl, refused):
+        """In a worker thread (the store and the drop may write to the L2, Redis: never on the event loop): the
+        answer stored and, once it is, the entry a max-age refused dropped (RFC 9111 4: the most recent answer is
+        served; kept, it went on answering the wording it was stored for)."""
+        if cache.store_response(q, answer, metadata=meta, tenant=tenant, ttl=ttl) is None or refused is None:
+            return
+        try:
+            cache.drop(refused, tenant=tenant)
+        except Exception as e:   # noqa: BLE001 (the fresh answer is stored and sent either way)
+            log.warning("the answer a max-age refused was not dropped: %s: %s", type(e).__name__, e)
 
     async def forward(target, raw, headers, stream, key, label, timing):
         t0 = time.perf_counter()
@@ -629,16 +640,14 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             if (stream_reports_error(text) if ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
                     else _json_reports_error(text)):
                 return
-            q, tenant, meta = key
+            q, tenant, meta, refused = key
             ttl = cache.freshness.within(answer_lifetime(up.headers, now), ttl_s)
             # its Age as it came (a missing or invalid one 0, as `answer_lifetime` reads it): a hit adds its time in
             # the cache to it (`lookup`); a whole number of seconds, so that `stored_age` reads it back
             answer = {"body": text, "content_type": ctype,
                       "age": int(min(_delta_seconds(up.headers.get("age")), MAX_DELTA_SECONDS))}
             try:
-                # in a worker thread: the store may write to the L2 (Redis), never on the event loop
-                await workers.run(functools.partial(cache.store_response, q, answer, metadata=meta, tenant=tenant,
-                                                    ttl=ttl))
+                await workers.run(store, q, answer, meta, tenant, ttl, refused)
             except Exception as e:   # noqa: BLE001 (the upstream's answer is the client's, stored or not)
                 own.store_failures.inc()
                 log.warning("the upstream's answer was relayed but not stored: %s: %s", type(e).__name__, e)

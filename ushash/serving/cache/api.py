@@ -5,17 +5,19 @@
     hits = cache.check("cat.png", modality="image")                              # images and sounds: a path too
     cache.store_batch(["a cat", "a dog"], ["cat", "dog"]); cache.check_batch(["a cat", "a dog"])
     await cache.acheck("a frog"); await cache.astore(...); acheck_batch / astore_batch
+    cache.drop(hits[0])                                                          # -> 1: that entry removed
 
 A stored response is kept in an envelope, `{"response", "metadata", "prompt", "entry_id", "inserted_at"}`
 (JSON, like every value), so `check` can filter on metadata and hand back what RedisVL hands back:
 `entry_id`, `prompt` (the caption; None for media), `response`, `metadata`, `vector_distance` (1 - the
 payload cosine, RedisVL's cosine distance), `hamming_distance`, `cosine`, `entry_modality`, `tier`,
-`inserted_at`. Metadata is JSON (`check_json`: anything else is refused, not changed). `filters`: {field:
-value} (or {field: [values]}) matched exactly against the metadata as JSON (`json_equal`), or a
-callable(metadata) -> bool. With filters, every servable candidate within the radius (at most
-`max_candidates`) is read and filtered before the best `num_results` are kept. `get` on an entry stored
-here returns the envelope. The same request stored again replaces its entry only under the same
-metadata (`metadata_scope`): under other metadata it is another entry, so `filters` find each.
+`inserted_at`, `key` (the tier's reference to the entry: `Hit.entry`). `drop` (RedisVL's) takes such a
+result, or a `Hit`, and removes that entry (`SemanticCache.drop`). Metadata is JSON (`check_json`: anything
+else is refused, not changed). `filters`: {field: value} (or {field: [values]}) matched exactly against the
+metadata as JSON (`json_equal`), or a callable(metadata) -> bool. With filters, every servable candidate
+within the radius (at most `max_candidates`) is read and filtered before the best `num_results` are kept.
+`get` on an entry stored here returns the envelope. The same request stored again replaces its entry only
+under the same metadata (`metadata_scope`): under other metadata it is another entry, so `filters` find each.
 
 The async twins run the call in a worker thread (`asyncio.to_thread`): encoding is CPU work that must not
 block an event loop.
@@ -33,13 +35,15 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ushash.serving.cache.entries import check_json
+from ushash.serving.cache.entries import Hit, check_json, encode_value
 from ushash.serving.cache.request import Query, RequestError
 
 #: Files larger than this are not read as a request's image or sound.
 MAX_MEDIA_FILE_BYTES = 64 << 20
 
-ENVELOPE_KEYS = frozenset({"response", "metadata", "prompt", "entry_id", "inserted_at"})
+#: The envelope's fields in the order it is stored in (`served_entry` reads its stored bytes back in it)
+ENVELOPE_ORDER = ("response", "metadata", "prompt", "entry_id", "inserted_at")
+ENVELOPE_KEYS = frozenset(ENVELOPE_ORDER)
 
 
 def read_media_file(modality: str, path) -> bytes:
@@ -132,8 +136,7 @@ class CheckStore:
         if isinstance(response, (bytes, bytearray, memoryview)):
             raise TypeError("check/store responses are JSON values (str, numbers, lists, dicts); put() stores bytes")
         key = uuid.uuid4().hex
-        env = {"response": response, "metadata": dict(metadata or {}), "prompt": prompt, "entry_id": key,
-               "inserted_at": float(self.clock())}
+        env = dict(zip(ENVELOPE_ORDER, (response, dict(metadata or {}), prompt, key, float(self.clock()))))
         return key if self.store_query(q, env, tenant, ttl_s=ttl, scope=metadata_scope(env["metadata"])) else None
 
     def _store_one(self, input, response, modality, features, metadata, tenant, ttl):
@@ -167,7 +170,7 @@ class CheckStore:
                                                          "entry_id": h.entry, "inserted_at": h.created}
             out.append({**env, "vector_distance": None if h.cosine is None else 1.0 - h.cosine,
                         "hamming_distance": h.distance, "cosine": h.cosine, "entry_modality": h.modality,
-                        "tier": h.tier})
+                        "tier": h.tier, "key": h.entry})
             if len(out) == n:
                 break
         return out
@@ -214,5 +217,22 @@ class CheckStore:
     async def astore_batch(self, *args, **kwargs) -> list[str | None]:
         return await asyncio.to_thread(self.store_batch, *args, **kwargs)
 
+    async def adrop(self, *args, **kwargs) -> int:
+        return await asyncio.to_thread(self.drop, *args, **kwargs)
 
-__all__ = ["CheckStore", "MAX_MEDIA_FILE_BYTES", "is_envelope", "read_media_file"]
+
+def served_entry(hit) -> tuple[str, str, bytes, float | None, str | None]:
+    """What identifies the entry a lookup served, for `drop`: (the tier's reference, the value's kind and stored
+    bytes, when it was created and its revision, each None where not known), from a `Hit` or a `check` result
+    (its `key`; its envelope, whose entry_id is the entry's own; a value stored without one, by `put`, is
+    handed back in one made up with `entry_id` = `key` and `inserted_at` = when it was created)."""
+    if isinstance(hit, Hit):
+        return (hit.entry, *encode_value(hit.value), hit.created, hit.revision)
+    if isinstance(hit, Mapping) and isinstance(hit.get("key"), str):
+        if hit.get("entry_id") == hit["key"]:
+            return (hit["key"], *encode_value(hit["response"]), hit["inserted_at"], None)
+        return (hit["key"], *encode_value({k: hit[k] for k in ENVELOPE_ORDER}), None, None)
+    raise TypeError(f"drop() takes what a lookup served: a Hit, or a result of check(); got {type(hit).__name__}")
+
+
+__all__ = ["CheckStore", "MAX_MEDIA_FILE_BYTES", "is_envelope", "read_media_file", "served_entry"]

@@ -29,7 +29,7 @@ import random
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -617,6 +617,40 @@ class SemanticCache(CheckStore):
             except L2Unavailable:
                 raise RuntimeError(f"tenant {tenant!r}: L1 cleared, but the L2 could not be reached; call "
                                    f"delete_tenant again (its entries would come back through it)") from None
+        return n
+
+    def drop(self, hits, tenant: str = DEFAULT_TENANT) -> int:
+        """Remove the entries these hits served (RedisVL's `drop`): a Hit (get, lookup) or a result of `check`,
+        or a list of them, each from L1 and from the L2 (the L1 copy of an L2 entry too), and only while it is
+        the entry the lookup served: a slot or L2 id that holds another entry by now (one stored since in its
+        place) keeps it. Returns how many were removed (one already gone: 0). Raises RuntimeError when the L2
+        could not be reached (that hit's L1 entry is kept: call drop again)."""
+        from ushash.serving.cache.api import served_entry
+        from ushash.serving.cache.redis_store import L2Unavailable
+
+        tenant = self.check_tenant(tenant)
+        l1, tier_list, rev = self._serving
+        l2 = tier_list[1] if len(tier_list) > 1 else None
+        n = 0
+        for h in [hits] if isinstance(hits, (Hit, Mapping)) else hits:
+            ref, kind, value, created, revision = served_entry(h)
+            ident = (kind, value, created)
+            in_l1 = revision is None or revision == rev   # an older revision's L1 entries went with its reload
+            if ref.startswith("l1:") and ref[3:].isdigit():
+                where = {"slot": int(ref[3:])}
+                ids = [i for i in l1.held(tenant, ident, **where).values() if i] if in_l1 else []
+            else:
+                where, ids = {"l2id": ref}, [ref]
+            removed = False
+            if l2 is not None:
+                try:
+                    removed = any([l2.drop(tenant, i, ident) for i in ids])
+                except L2Unavailable:
+                    raise RuntimeError(f"entry {ref!r} of tenant {tenant!r} could not be dropped from the L2; call "
+                                       f"drop again") from None
+            if in_l1:
+                removed = l1.drop(tenant, ident, **where) > 0 or removed
+            n += removed
         return n
 
     # ------------------------------------------------------------------ get or compute

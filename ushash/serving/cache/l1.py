@@ -621,6 +621,30 @@ class L1Tier:
             self.update_gauges()
             return out
 
+    def held(self, tenant: str, ident: tuple, slot: int | None = None, l2id: str | None = None) -> dict:
+        """The slot -> L2 id (or None) of `slot`, or of the copy of the L2 entry `l2id`, where it still holds the
+        entry a lookup of `tenant` served: `ident` = (value kind, value bytes, created or None: not compared),
+        as `ushash.serving.cache.api.served_entry` gives them; not another entry that took its place since."""
+        kind, value, created = ident
+        with self.lock:
+            t, ti = self.table, self._tenant_ids.get(tenant)
+            if ti is None or kind not in VALUE_KINDS:
+                return {}
+            k = VALUE_KINDS.index(kind)
+            slots = [slot] if slot is not None else [s for s, i in t.l2id.items() if i == l2id]
+            return {s: t.l2id.get(s) for s in slots if 0 <= s < len(t.alive) and t.alive[s] and t.tenant[s] == ti
+                    and t.kind[s] == k and (created is None or t.created[s] == created) and t.value_of(s) == value}
+
+    def drop(self, tenant: str, ident: tuple, slot: int | None = None, l2id: str | None = None) -> int:
+        """Remove what `held` finds (`SemanticCache.drop`); returns how many entries (0 or 1)."""
+        with self.lock:
+            slots = self.held(tenant, ident, slot, l2id)
+            for s in slots:
+                self._remove(s, None)
+            if slots:
+                self.update_gauges()
+            return len(slots)
+
     def delete_tenant(self, tenant: str) -> int:
         with self.lock:
             ti = self._tenant_ids.get(tenant)

@@ -115,6 +115,17 @@ for i = 2, #KEYS do redis.pcall('SREM', KEYS[i], ARGV[1]) end
 return 1
 """
 
+# The entry KEYS[1] removed (`RedisStore.drop`), only while it is still the one a lookup served: the same value
+# kind (ARGV[1]), value (ARGV[2]: its sha1) and, unless ARGV[3] is "", creation time (its stored text); not one
+# stored again under its id since. Its bucket members are left to `_FORGET_LUA`, as an expired entry's.
+_DROP_LUA = """
+local f = redis.pcall('HMGET', KEYS[1], 'k', 'v', 't')
+if type(f) ~= 'table' or f[1] ~= ARGV[1] or not f[2] or redis.sha1hex(f[2]) ~= ARGV[2] then return 0 end
+if ARGV[3] ~= '' and f[3] ~= ARGV[3] then return 0 end
+redis.call('UNLINK', KEYS[1])
+return 1
+"""
+
 #: Entry field -> (hash field, to bytes, from bytes); the entry's id is its key, not a field.
 REDIS_FIELDS = {
     "code": ("c", bytes, bytes),
@@ -264,6 +275,7 @@ class RedisStore:
         self._put_script = self.r.register_script(_PUT_LUA)
         self._union_script = self.r.register_script(_UNION_LUA)
         self._forget_script = self.r.register_script(_FORGET_LUA)
+        self._drop_script = self.r.register_script(_DROP_LUA)
 
     def _queue_script(self, pipe, script, keys: list, args: list) -> None:
         """One call of a registered script in a pipeline. A cluster pipeline loads no script before its EVALSHA
@@ -404,6 +416,14 @@ class RedisStore:
             return n
 
         return self._call("delete", run)
+
+    def drop(self, tenant: str, eid: str, ident: tuple) -> bool:
+        """Remove entry `eid` of `tenant` where it is still the one a lookup served (`ident`: as `L1Tier.held`'s),
+        in one script (`_DROP_LUA`); its bucket members go lazily, as an expired entry's (`_forget`). Whether it
+        was removed; raises L2Unavailable on failure (the caller should try again)."""
+        kind, value, created = ident
+        args = [kind, hashlib.sha1(value).hexdigest(), "" if created is None else repr(float(created))]
+        return bool(self._call("drop", lambda: self._drop_script(keys=[self.entry_key(tenant, eid)], args=args)))
 
     # ------------------------------------------------------------------ the tier
     def put(self, tenant: str, e: Entry) -> bool:
