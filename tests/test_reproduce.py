@@ -50,7 +50,17 @@ def test_bars_table_says_met_or_missed_by_how_much(tmp_path, monkeypatch):
         {"ushash": {64: (0.269, 0.5)}, "itq": {64: (0.25, 0.5)}, "float": {64: (0.3, 0.6)}})}))
     rows = {line.split(" | ")[1]: line for line in r.bars_body().splitlines() if line.startswith("| a |")}
     assert rows["64 bits, paired >= 0.9 x float space"].endswith("(0.897x, s.e. 0.03x) | **missed by 0.003x** |")
+    # a held-out set: its 64-bit rows, marked, and nothing else of it (no other lengths, no cache key)
+    monkeypatch.setattr(r, "HELDOUT_SETS", {"h": "h-64b"})
+    (exp / "h-64b").mkdir()
+    (exp / "h-64b" / "results.json").write_text(json.dumps({"summary": _summary(
+        {"ushash": {64: (0.40, 0.35)}, "itq": {64: (0.37, 0.32)}, "float": {64: (0.44, 0.4)}})}))
+    held = [line for line in r.bars_body().splitlines() if line.startswith("| h (held out) |")]
+    assert [line.split(" | ")[1] for line in held] == [
+        "64 bits, paired >= ITQ + 0.03", "64 bits, paired >= 0.9 x float space", "64 bits, label >= ITQ"]
+    assert held[0].endswith("(+0.030, s.e. 0.008) | met |") and held[1].endswith("(0.91x, s.e. 0.02x) | met |")
     # a set without results is left out, and nothing at all gives no block
+    monkeypatch.setattr(r, "HELDOUT_SETS", {})
     monkeypatch.setattr(r, "ABLATION_SETS", {"b": ("sweep_b64", "b-64b")})
     monkeypatch.setattr(r, "BITS_SETS", {"b": ("sweep_b", "b-bits")})
     assert r.bars_body() is None
