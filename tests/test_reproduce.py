@@ -51,7 +51,7 @@ def test_bars_table_says_met_or_missed_by_how_much(tmp_path, monkeypatch):
     rows = {line.split(" | ")[1]: line for line in r.bars_body().splitlines() if line.startswith("| a |")}
     assert rows["64 bits, paired >= 0.9 x float space"].endswith("(0.897x, s.e. 0.03x) | **missed by 0.003x** |")
     # a held-out set: its 64-bit rows, marked, and nothing else of it (no other lengths, no cache key)
-    monkeypatch.setattr(r, "HELDOUT_SETS", {"h": "h-64b"})
+    monkeypatch.setattr(r, "HELDOUT_SETS", {"h": ("sweep_h64", "h-64b")})
     (exp / "h-64b").mkdir()
     (exp / "h-64b" / "results.json").write_text(json.dumps({"summary": _summary(
         {"ushash": {64: (0.40, 0.35)}, "itq": {64: (0.37, 0.32)}, "float": {64: (0.44, 0.4)}})}))
@@ -243,6 +243,34 @@ def test_recheck_block_applies_the_rule_against_the_defaults_spread(tmp_path, mo
     # nothing run: no block
     monkeypatch.setattr(r, "ABLATION_SETS", {"c": ("sweep_c64", "c-64b")})
     assert r.recheck_body() is None
+
+
+def test_split_block_gives_each_splits_margins_and_their_range(tmp_path, monkeypatch):
+    """What another split moves: a row per split (the published experiment is split 0, each other data.seed its
+    variant) with the bars' margins, then their mean and range over the splits; a set with one split is left out."""
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "SPLIT_SETS", {"a": ("sweep_a64", "a-64b"), "b": ("sweep_b64", "b-64b")})
+    monkeypatch.setattr(r, "SPLIT_SEEDS", (1, 2))
+    from ushash.evaluation.sweep import variant_dir
+
+    def write(folder, us, itq, flt, label_gap):
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({"n_rows_test": {"image": 40}, "summary": _summary(
+            {"ushash": {64: (us, 0.5 + label_gap)}, "itq": {64: (itq, 0.5)}, "float": {64: (flt, 0.6)}})}))
+
+    exp = tmp_path / "experiments"
+    write(exp / "a-64b", 0.30, 0.28, 0.32, 0.01)
+    write(variant_dir(exp / "a-64b", r.split_overrides(1)), 0.25, 0.26, 0.30, -0.02)
+    write(variant_dir(exp / "a-64b", r.split_overrides(2)), 0.33, 0.30, 0.36, 0.04)
+    write(exp / "b-64b", 0.3, 0.3, 0.3, 0.0)   # no other split: no rows
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in r.split_body().splitlines()
+            if line.startswith(("| a |", "| **a**"))]
+    assert [row[1] for row in rows] == ["0 (published)", "1", "2", "**3 splits: mean (range)**"]
+    assert rows[0][2:] == ["40", "0.300", "0.280", "+0.020 (s.e. 0.008)", "0.320", "0.94x", "+0.010 (s.e. 0.008)"]
+    assert rows[1][5] == "-0.010 (s.e. 0.008)" and rows[1][7] == "0.83x"
+    assert rows[3][5] == "**+0.013 (-0.010 to +0.030)**" and rows[3][8] == "**+0.010 (-0.020 to +0.040)**"
+    assert not any(line.startswith("| b |") for line in r.split_body().splitlines())
 
 
 def _isolated(tmp_path, monkeypatch, **tables):
