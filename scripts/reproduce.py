@@ -124,7 +124,8 @@ for _set, _exp in SEARCH_SETS.items():
     # the other set's US-HASH choice trained on this one (scripts/search_cross.py), over seeds 0-2
     STEPS[f"search_cross_{_set}"] = f"python scripts/search_cross.py --to {_set}"
 SEARCH_STEPS = {f"search_{_set}_{_m}": (_set, _m) for _set in SEARCH_SETS for _m in SEARCH_METHODS}
-CROSS_STEPS = {f"search_cross_{_set}": _set for _set in SEARCH_SETS}
+# step -> (the set trained on, the set whose choice it is (None: the other), the split): `search_cross.cross_overrides`
+CROSS_STEPS = {f"search_cross_{_set}": (_set, None, 0) for _set in SEARCH_SETS}
 # steps run first (once per reproduce) when a step is asked for: they resume, so a finished one costs seconds
 NEEDS = {
     "search_cross_tuxpaint": ["search_emoji_ushash"],
@@ -245,6 +246,15 @@ for _set, (_exp, _) in SPLIT_SETS.items():
         STEPS[f"split_{_set}_{_s}"] = f"python -m ushash.sweep -m experiment={_exp} {' '.join(split_overrides(_s))}"
         if _set in HELDOUT_SETS:
             NEEDS[f"split_{_set}_{_s}"] = [f"{_set}"]   # its manifest, fetched and written
+# each set's US-HASH search choice on the other splits of both sets (scripts/search_cross.py --data-seed), beside the
+# defaults' runs of the same splits (split_<set>_<seed>): does a choice's gain on val hold on another split?
+for _choice in SEARCH_SETS:
+    for _to in SEARCH_SETS:
+        for _s in SPLIT_SEEDS:
+            _step = f"search_split_{_choice}_{_to}_{_s}"
+            STEPS[_step] = f"python scripts/search_cross.py --from {_choice} --to {_to} --data-seed {_s}"
+            CROSS_STEPS[_step] = (_to, _choice, _s)
+            NEEDS[_step] = [f"search_{_choice}_ushash", f"split_{_to}_{_s}"]
 
 # a step that is a variant multirun of an experiment: step -> (its experiment's folder, the variant's overrides);
 # its results are the variant folder's (ushash.evaluation.sweep.variant_dir)
@@ -396,9 +406,9 @@ def outputs_of(step: str) -> list[str]:
     from ushash.evaluation.sweep import variant_dir
 
     variant = VARIANT_STEPS.get(step)
-    if step in CROSS_STEPS:   # the other set's choice, as the step found it (None: no report of the other set)
-        got = cross_overrides(CROSS_STEPS[step])
-        variant = got and (_SEARCH[CROSS_STEPS[step]][1], got[1])
+    if step in CROSS_STEPS:   # a set's choice, as the step found it (None: no report of that set)
+        got = cross_overrides(*CROSS_STEPS[step])
+        variant = got and (_SEARCH[CROSS_STEPS[step][0]][1], got[1])
     if variant:
         mds.append(str(variant_dir(ROOT / "experiments" / variant[0], variant[1]).relative_to(ROOT) / "results.md"))
     if step in SEARCH_STEPS:   # the newest report of its set and method: the one search_body publishes
@@ -950,6 +960,68 @@ def split_body() -> str | None:
             "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
+def search_split_body() -> str | None:
+    """Each set's US-HASH search choice against the defaults, on each split of each set, over seeds 0-2: on the
+    published split from the search's own report (its set) or `search_cross_<set>` (the other set), on the
+    others from `search_split_<choice>_<set>_<seed>` beside the defaults' runs of `split_<set>_<seed>`; val score
+    (what a choice is made by), its gain, and test paired mAP@10; then the gain's mean and range over the splits."""
+    sys.path.insert(0, str(ROOT))
+    from ushash.evaluation.sweep import variant_dir
+    ms = lambda xs: f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1):.3f}"
+
+    def runs_of(res: Path) -> tuple[list[float], float] | None:   # (US-HASH's val scores, its test paired mean)
+        if not res.exists():
+            return None
+        agg = json.loads(res.read_text())
+        return ([r["val_score"] for r in agg["runs"] if r["method"] == "ushash" and r.get("val_score") is not None],
+                tie_mean(agg["summary"], "ushash", 64, "paired"))
+
+    rows, steps = [], []
+    for choice in SEARCH_SETS:
+        mine = newest_search(choice)
+        if mine is None:
+            continue
+        for to in SEARCH_SETS:
+            own, exp = newest_search(to), ROOT / "experiments" / _SEARCH[to][1]
+            if own is None:
+                continue
+            found = []
+            published = (own["over_seeds"]["chosen"] if to == choice else None), own["over_seeds"]["defaults"]
+            if to != choice and (cross := cross_overrides(to, choice)) is not None:
+                got = runs_of(variant_dir(exp, cross[1]) / "results.json")
+                published = ({"val_score": got[0], "test": [{"paired": got[1]}]} if got else None), published[1]
+                steps.append(f"search_cross_{to}")
+            if published[0] is not None:
+                found.append((0, *[(o["val_score"], float(np.mean([t["paired"] for t in o["test"]]))) for o in published]))
+            for d in SPLIT_SEEDS:
+                got = cross_overrides(to, choice, d)
+                c = got and runs_of(variant_dir(exp, got[1]) / "results.json")
+                b = runs_of(variant_dir(exp, split_overrides(d)) / "results.json")
+                if c and b:
+                    found.append((d, c, b))
+                    steps += [f"search_split_{choice}_{to}_{d}", f"split_{to}_{d}"]
+            if len(found) < 2:
+                continue
+            gains = []
+            for d, (cv, ct), (bv, bt) in found:
+                gains.append(float(np.mean(cv) - np.mean(bv)))
+                rows.append(f"| {choice}'s | {to} | {d}{' (published)' if d == 0 else ''} | {ms(cv)} | {ms(bv)} | "
+                            f"{gains[-1]:+.3f} | {ct:.3f} / {bt:.3f} |")
+            rows.append(f"| **{choice}'s** | **{to}** | **{len(found)} splits: mean (range)** | | | **{np.mean(gains):+.3f} "
+                        f"({min(gains):+.3f} to {max(gains):+.3f})** | |")
+    if not rows:
+        return None
+    dated = sorted({rec["date"] for rec in filter(None, map(stamp_record, steps))})
+    return (f"Generated by `./run reproduce` steps `search_<set>_ushash`, `search_cross_<set>`, `split_<set>_<seed>` and "
+            f"`search_split_<choice>_<set>_<seed>` (each `python scripts/search_cross.py --from <choice> --to <set> "
+            f"--data-seed <seed>`; {', '.join(dated)}; {made_on(steps)}). Each set's US-HASH search choice (the table "
+            "above) against the shipped defaults on each split of each set (`data.seed`; 0 is the published split), "
+            "over training seeds 0, 1, 2: val score (what a choice is made by), mean ± std; its gain over the "
+            "defaults'; test: tie-aware paired mAP@10, mean over directions and seeds.\n\n"
+            "| choice | trained on | split (data.seed) | val score | defaults' val score | gain | test paired: choice / "
+            "defaults |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+
+
 def se_diff(summary: dict, bits: int, protocol: str, *methods: str) -> float:
     """The standard error of the difference of the methods' seed means (tie-aware mAP@10), from each one's
     spread over its seeds in a sweep summary."""
@@ -1087,7 +1159,7 @@ MADE_BLOCKS = {demo_body: ("README.md", "demo"), ablation_body: ("docs/baselines
                previous_recipe_body: ("docs/baselines.md", "previous-recipe"), recheck_body: ("docs/baselines.md", "recheck"),
                search_body: ("docs/baselines.md", "search"),
                bars_body: ("docs/baselines.md", "bars"), rerun64_body: ("docs/baselines.md", "rerun64"),
-               split_body: ("docs/baselines.md", "splits"),
+               split_body: ("docs/baselines.md", "splits"), search_split_body: ("docs/baselines.md", "search-splits"),
                cache_bars_body: ("docs/cache.md", "cache-bars")}
 
 

@@ -273,6 +273,43 @@ def test_split_block_gives_each_splits_margins_and_their_range(tmp_path, monkeyp
     assert not any(line.startswith("| b |") for line in r.split_body().splitlines())
 
 
+def test_search_split_block_sets_each_choice_against_the_defaults_split_by_split(tmp_path, monkeypatch):
+    """A choice on its own set's published split reads its search report; on the other set's, the cross variant;
+    on other splits, its split variant beside the defaults' split runs; the gain is the difference of the mean val
+    scores, then its mean and range over the splits."""
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "SEARCH_SETS", {"a": "sweep_a64", "b": "sweep_b64"})
+    monkeypatch.setattr(r, "_SEARCH", {"a": ("sweep_a64", "a-64b"), "b": ("sweep_b64", "b-64b")})
+    monkeypatch.setattr(r, "SPLIT_SEEDS", (1,))
+    from ushash.evaluation.sweep import variant_dir
+
+    def report(chosen_val, default_val):
+        side = lambda v: {"val_score": v, "test": [{"paired": 0.2}] * len(v)}
+        return {"over_seeds": {"chosen": side(chosen_val), "defaults": side(default_val)}}
+
+    reports = {"a": report([0.42, 0.44, 0.46], [0.40, 0.40, 0.40]), "b": None}
+    monkeypatch.setattr(r, "newest_search", lambda d, method="ushash": reports[d])
+    monkeypatch.setattr(r, "cross_overrides", lambda to, choice=None, seed=0: (
+        choice, ["method=ushash", "seed=0,1,2", *([f"data.seed={seed}"] if seed else []), f"x={choice}"]))
+
+    def write(folder, vals, paired=0.25):
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({"runs": [
+            {"method": "ushash", "seed": i, "val_score": v} for i, v in enumerate(vals)],
+            "summary": _summary({"ushash": {64: (paired, 0.5)}})}))
+
+    exp = tmp_path / "experiments" / "a-64b"
+    write(variant_dir(exp, r.cross_overrides("a", "a", 1)[1]), [0.39, 0.40, 0.41], paired=0.26)
+    write(variant_dir(exp, r.split_overrides(1)), [0.40, 0.41, 0.42], paired=0.24)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in r.search_split_body().splitlines()
+            if line.startswith(("| a's", "| **a's"))]
+    assert rows[0] == ["a's", "a", "0 (published)", "0.440 ± 0.020", "0.400 ± 0.000", "+0.040", "0.200 / 0.200"]
+    assert rows[1] == ["a's", "a", "1", "0.400 ± 0.010", "0.410 ± 0.010", "-0.010", "0.260 / 0.240"]
+    assert rows[2][2] == "**2 splits: mean (range)**" and rows[2][5] == "**+0.015 (-0.010 to +0.040)**"
+    assert len(rows) == 3   # b has no report: a's choice has no published row there and no split run: no rows
+
+
 def _isolated(tmp_path, monkeypatch, **tables):
     """scripts/reproduce.py run in `tmp_path`, on a test CPU, with only the steps and blocks given (every other
     table of steps and blocks empty)."""
