@@ -435,6 +435,29 @@ def test_only_an_age_of_delta_seconds_from_the_upstream_counts(age, served):
     assert r.headers["x-cache"] == "hit" and r.headers["age"] == served
 
 
+def test_delta_seconds_past_2_to_the_31_are_2_to_the_31():
+    """RFC 9111 1.2.2: a max-age and an Age of 400 digits each were infinity less infinity, a lifetime that was not
+    a number: `answer_storable` took it for fresh and the TTL check raised while storing. Now each is 2^31, the
+    answer is stale (2^31 - 2^31 = 0), relayed and not stored; a max-age of 400 digits alone is kept 2^31 s at
+    most (the cache's TTL below it)."""
+    from ushash.serving.proxy import MAX_DELTA_SECONDS, answer_lifetime, answer_storable
+
+    huge = "9" * 400
+    both = httpx.Headers({"cache-control": f"max-age={huge}", "age": huge})
+    assert answer_lifetime(both, 0.0) == 0 and not answer_storable(both, 0.0)
+    assert answer_lifetime(httpx.Headers({"cache-control": f"max-age={huge}"}), 0.0) == MAX_DELTA_SECONDS
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"price": len(calls)}, headers={"cache-control": f"max-age={huge}", "age": huge})
+
+    client = _proxy_at(clock, up)
+    for n in (1, 2):
+        r = client.post("/v1/chat/completions", json=chat("price of gold"))
+        assert r.status_code == 200 and r.headers["x-cache"] == "miss" and r.json() == {"price": n}
+
+
 def test_an_entry_stored_without_the_upstreams_age_reads_as_age_0():
     """Entries stored before the proxy kept the upstream's Age (an older proxy's, through a shared L2) have none:
     0, as a value that is not delta-seconds; the one kept is capped at 2^31 (RFC 9111 1.2.2) to be stored."""

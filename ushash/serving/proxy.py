@@ -79,7 +79,7 @@ MAX_MESSAGES = 256
 #: and what httpx recomputes); with them, each header the Connection header names (`connection_options`).
 HOP = frozenset({"connection", "proxy-connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                  "trailer", "transfer-encoding", "upgrade", "content-length", "content-encoding", "host"})
-#: The greatest age (and delta-seconds) kept: RFC 9111 1.2.2's 2^31, for a larger (or overflowing) value.
+#: The greatest delta-seconds (an age, a max-age) read: RFC 9111 1.2.2's 2^31, for a larger (or overflowing) value.
 MAX_DELTA_SECONDS = 2 ** 31
 #: Request headers the proxy does not forward (as bytes, as ASGI gives them): the hop ones, the client's token, and
 #: its Accept-Encoding (httpx sends its own: the codings it decodes, as the proxy relays the body decoded; a
@@ -217,9 +217,11 @@ def cache_directives(lines: list[str]) -> set[str]:
 
 
 def _delta_seconds(value) -> float:
-    """RFC 9111 delta-seconds; anything else is 0 (an invalid freshness value means stale)."""
+    """RFC 9111 delta-seconds, at most MAX_DELTA_SECONDS (1.2.2: a larger one is taken as 2^31, so that no
+    arithmetic on it overflows: a max-age and an Age of 400 digits each were infinity less infinity, a lifetime
+    that was not a number); anything else is 0 (an invalid freshness value means stale)."""
     value = str(value or "").strip()
-    return float(value) if value.isdigit() else 0.0
+    return min(float(value), MAX_DELTA_SECONDS) if value.isdigit() else 0.0
 
 
 def stored_age(response) -> float:
@@ -645,7 +647,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             # its Age as it came (a missing or invalid one 0, as `answer_lifetime` reads it): a hit adds its time in
             # the cache to it (`lookup`); a whole number of seconds, so that `stored_age` reads it back
             answer = {"body": text, "content_type": ctype,
-                      "age": int(min(_delta_seconds(up.headers.get("age")), MAX_DELTA_SECONDS))}
+                      "age": int(_delta_seconds(up.headers.get("age")))}
             try:
                 await workers.run(store, q, answer, meta, tenant, ttl, refused)
             except Exception as e:   # noqa: BLE001 (the upstream's answer is the client's, stored or not)
