@@ -8,12 +8,12 @@
 No default, setting or option of the project was chosen on it: it is where the defaults chosen on Tux Paint and
 emoji are tried on data they never saw (docs/baselines.md, "A held-out set through the manifest").
 
-What it keeps (`rows`): a drawing's title is the first `<dc:title>` of its SVG (the work's; the later ones name
+What it keeps (`rows`): a drawing's title is the first `<dc:title>` of its SVG outside a `<cc:Agent>` (those name
 its creator and publisher). A drawing is kept when its title
 - is there and has at least two words (one-word titles are mostly file-like names: "card", "gramastar"),
 - is its own: no other drawing of the package has the same title, case and spacing aside (a shared title names a
   series or a collection, "Nicu Buculei", not what one drawing shows),
-- does not name its author or collection ("Clipart by ...", "... Collection", "... theme").
+- does not name its author or collection: it holds none of "clipart by", "collection", "theme" (any case).
 Titles are as their authors wrote them, in English, Italian, French and others: the text encoder reads English
 best, and that is part of what a held-out set tests. The SVGs are rasterised by the loader like Tux Paint's.
 """
@@ -40,6 +40,7 @@ from ushash.core.io import atomic_write  # noqa: E402
 PACKAGE = "openclipart-svg"
 SVG_IN_DEB = "usr/share/openclipart/svg"
 TITLE = re.compile(r"<dc:title>([^<]*)</dc:title>")
+AGENT = re.compile(r"<cc:Agent\b.*?</cc:Agent>", re.S)   # a creator's, publisher's or rights holder's name
 NOT_A_SUBJECT = re.compile(r"clipart by|collection|theme", re.I)
 
 
@@ -63,6 +64,8 @@ def fetch(root: Path, deb: Path | None = None) -> Path:
         if fields.get("Package") != PACKAGE:
             raise SystemExit(f"{deb} is package {fields.get('Package')!r}, expected {PACKAGE!r}")
         run(["dpkg-deb", "-x", str(deb), str(tmp / "x")], tmp)
+        if not (tmp / "x" / SVG_IN_DEB).is_dir():
+            raise SystemExit(f"{deb} has no {SVG_IN_DEB}/ folder")
         copyright_file = tmp / "x" / "usr/share/doc" / PACKAGE / "copyright"
         if copyright_file.is_file():
             atomic_write(root / "copyright", copyright_file.read_bytes())
@@ -70,8 +73,6 @@ def fetch(root: Path, deb: Path | None = None) -> Path:
             "package": PACKAGE, "version": fields.get("Version"), "license": "public domain (Openclipart)",
             "origin": "Debian archive, via `apt-get download`", "deb": deb.name,
             "fetched": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=2) + "\n")
-        if not (tmp / "x" / SVG_IN_DEB).is_dir():
-            raise SystemExit(f"{deb} has no {SVG_IN_DEB}/ folder")
         (tmp / "x" / SVG_IN_DEB).rename(svg)
         return svg
     finally:
@@ -89,8 +90,9 @@ def run(cmd: list[str], cwd: Path) -> str:
 
 
 def title(svg: Path) -> str:
-    """The drawing's title: its SVG's first <dc:title>, entities decoded, spacing collapsed ("" without one)."""
-    m = TITLE.search(svg.read_text(encoding="utf-8", errors="replace"))
+    """The drawing's title: its SVG's first <dc:title> outside an agent's, entities decoded, spacing collapsed
+    ("" without one)."""
+    m = TITLE.search(AGENT.sub("", svg.read_text(encoding="utf-8", errors="replace")))
     return " ".join(html.unescape(m.group(1)).split()) if m else ""
 
 
@@ -114,7 +116,8 @@ def rows(svg_root: Path, base: Path) -> tuple[list[dict], collections.Counter]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=ROOT / "data" / "openclipart", help="where the data goes")
-    ap.add_argument("--deb", type=Path, default=None, help="a downloaded openclipart-svg .deb (else apt-get)")
+    ap.add_argument("--deb", type=Path, default=None,
+                    help="a downloaded openclipart-svg .deb (else apt-get), when <root>/svg is not there yet")
     args = ap.parse_args(argv)
     svg = fetch(args.root, args.deb)
     kept, dropped = rows(svg, args.root)

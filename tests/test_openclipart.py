@@ -18,9 +18,11 @@ def _script():
 
 
 def _drawing(root, rel, *titles):
+    """An SVG whose metadata holds these titles (one starting with "<" is written as it is)."""
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(SVG.format(meta="".join(f"<dc:title>{t}</dc:title>" for t in titles)), encoding="utf-8")
+    meta = "".join(t if t.startswith("<") else f"<dc:title>{t}</dc:title>" for t in titles)
+    path.write_text(SVG.format(meta=meta), encoding="utf-8")
 
 
 def test_the_held_out_set_keeps_drawings_whose_title_is_their_own(tmp_path):
@@ -34,9 +36,12 @@ def test_the_held_out_set_keeps_drawings_whose_title_is_their_own(tmp_path):
     _drawing(svg, "shapes/arrow.svg", "Clipart by Nicu Buculei - arrow08_4")        # its author
     _drawing(svg, "icons/set.svg", "Part of the Flat Icon Collection")              # its collection
     _drawing(svg, "unsorted/none.svg")                                              # no title
+    _drawing(svg, "tools/saw.svg", "<cc:Agent><dc:title>Ann Author</dc:title></cc:Agent>", "Hand saw")   # not
+    # the agent's title, the work's
     kept, dropped = oc.rows(svg, tmp_path)
     assert kept == [{"image": "svg/animals/cats/gatto.svg", "text": "Gatto Nero", "labels": ["animals/cats"]},
-                    {"image": "svg/food/lemon.svg", "text": "Lemon & lime", "labels": ["food"]}]
+                    {"image": "svg/food/lemon.svg", "text": "Lemon & lime", "labels": ["food"]},
+                    {"image": "svg/tools/saw.svg", "text": "Hand saw", "labels": ["tools"]}]
     assert dropped == {"one word": 1, "shared title": 2, "names its author or collection": 2, "no title": 1}
 
 
