@@ -458,6 +458,72 @@ def test_delta_seconds_past_2_to_the_31_are_2_to_the_31():
         assert r.status_code == 200 and r.headers["x-cache"] == "miss" and r.json() == {"price": n}
 
 
+def _asgi_post(app, body: dict, headers: list = ()) -> tuple[int, dict, bytes]:
+    """POST straight to the ASGI app, header bytes as given both ways (a test client re-encodes a request's
+    non-ASCII header bytes and cannot read a response's): (status, {name: value bytes}, body)."""
+    import asyncio
+    import json as _json
+
+    raw = _json.dumps(body).encode()
+    sent, got = [{"type": "http.request", "body": raw, "more_body": False}], []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "server": ("t", 80), "client": ("127.0.0.1", 1),
+             "headers": [(b"host", b"t"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode()), *headers]}
+
+    async def receive():
+        return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+    async def send(message):
+        got.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in got if m["type"] == "http.response.start")
+    return (start["status"], {k.lower(): v for k, v in start["headers"]},
+            b"".join(m.get("body", b"") for m in got if m["type"] == "http.response.body"))
+
+
+def test_numbers_that_are_not_ascii_digits_count_as_invalid_not_as_a_500():
+    """"²" is a digit to str.isdigit but not to float() and int(): a request's max-age of it (latin-1 byte 0xb2),
+    an upstream's Age, max-age or Content-Length of it were a 500. Each is now an invalid value: a max-age of 0
+    (stale: the request bypasses the lookup, the answer is not stored), an Age of 0, a length not declared."""
+    ok = lambda request: httpx.Response(200, json={"a": 1})
+    assert _asgi_post(_proxy_at([1e6], ok).app, chat("q"), [(b"cache-control", b"max-age=\xb2")])[0] == 200
+    for header in ((b"age", "²".encode()), (b"cache-control", "max-age=¹".encode()), (b"content-length", "²".encode())):
+        app = _proxy_at([1e6], lambda request, h=header: httpx.Response(200, headers=[h], content=b'{"a":1}')).app
+        assert [_asgi_post(app, chat("q"))[0] for _ in range(2)] == [200, 200]
+
+
+def test_upstream_header_bytes_outside_latin_1_are_relayed_as_they_came():
+    """httpx reads a UTF-8 header value as UTF-8; Starlette sends str headers as latin-1, so "X-Note: €" (and a
+    Content-Type with €, on the miss and on every later hit) was a 500, after the answer was stored. The bytes
+    are relayed as they came, on the miss and on the hit."""
+    ctype = "application/json; note=€".encode()
+    app = _proxy_at([1e6], lambda request: httpx.Response(
+        200, headers=[(b"x-note", "€".encode()), (b"content-type", ctype)], content=b'{"a":1}')).app
+    (s1, h1, b1), (s2, h2, b2) = (_asgi_post(app, chat("q")) for _ in range(2))
+    assert (s1, h1[b"x-cache"], s2, h2[b"x-cache"]) == (200, b"miss", 200, b"hit") and b1 == b2 == b'{"a":1}'
+    assert h1[b"x-note"] == "€".encode() and h1[b"content-type"] == h2[b"content-type"] == ctype
+    from ushash.serving.proxy import _latin1
+    assert _latin1("text/plain") == "text/plain" and _latin1("a €").encode("latin-1") == "a €".encode()
+
+
+@pytest.mark.parametrize("stream,declared", [(True, None), (False, str(1 << 30))])
+def test_a_streamed_answer_whose_body_does_not_decode_is_a_502(stream, declared):
+    """A streamed answer (`stream: true`, or one declared over max_answer_bytes) whose first bytes fail to
+    decode (a gzip that is not) failed after its 200 was sent: a torn connection. Its first chunk is read
+    before the status goes out, so it is a 502, as when the answer is read whole."""
+    class NotGzip(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b"not gzip"
+
+    headers = {"content-encoding": "gzip", **({"content-length": declared} if declared else {})}
+    client = _proxy_at([1e6], lambda request: httpx.Response(200, headers=headers, stream=NotGzip()))
+    r = client.post("/v1/chat/completions", json=chat("q", stream=True) if stream else chat("q"))
+    assert r.status_code == 502 and "upstream failed while sending its answer" in r.text
+
+
 def test_an_entry_stored_without_the_upstreams_age_reads_as_age_0():
     """Entries stored before the proxy kept the upstream's Age (an older proxy's, through a shared L2) have none:
     0, as a value that is not delta-seconds; the one kept is capped at 2^31 (RFC 9111 1.2.2) to be stored."""

@@ -221,7 +221,22 @@ def _delta_seconds(value) -> float:
     arithmetic on it overflows: a max-age and an Age of 400 digits each were infinity less infinity, a lifetime
     that was not a number); anything else is 0 (an invalid freshness value means stale)."""
     value = str(value or "").strip()
-    return min(float(value), MAX_DELTA_SECONDS) if value.isdigit() else 0.0
+    return min(float(value), MAX_DELTA_SECONDS) if _is_digits(value) else 0.0
+
+
+def _is_digits(value: str) -> bool:
+    """ASCII digits only: `str.isdigit` takes "²" and "٣" too, which float() and int() refuse (a 500)."""
+    return value.isascii() and value.isdigit()
+
+
+def _latin1(value: str) -> str:
+    """A header value Starlette can send (it encodes latin-1): as it is, or its UTF-8 bytes read as latin-1 where
+    it holds a character past latin-1 (a Content-Type stored by a proxy that kept httpx's str of it)."""
+    try:
+        value.encode("latin-1")
+        return value
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogatepass").decode("latin-1")
 
 
 def stored_age(response) -> float:
@@ -564,7 +579,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             ans = hit["response"]
             return Response(ans["body"].encode(), status_code=200,
                             headers={"X-Cache": "hit", "X-Cache-Distance": str(hit["hamming_distance"]),
-                                     "Content-Type": ans["content_type"], "Age": str(int(age)),
+                                     "Content-Type": _latin1(ans["content_type"]), "Age": str(int(age)),
                                      "Server-Timing": f"lookup;dur={spent * 1e3:.3f}"})
         return await forward(target, raw, fwd_headers, stream, None if no_store else (q, tenant, meta, refused),
                              "bypass" if no_cache else "miss", f"lookup;dur={spent * 1e3:.3f}, ")
@@ -621,13 +636,30 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         waited = time.perf_counter() - t0
         own.upstream.observe(waited)
         not_copied = HOP | connection_options(up.headers.get_list("connection")) | {"x-cache", "server-timing"}
-        out_headers = {k: v for k, v in up.headers.items() if k.lower() not in not_copied}
+        # the upstream's header bytes as they came (read as latin-1, which Starlette sends back byte for byte):
+        # httpx's str of a UTF-8 value outside latin-1 ("X-Note: €") could not be sent, a 500; repeated ones joined
+        out_headers = {}
+        for k, v in up.headers.raw:
+            name, value = k.decode("latin-1").lower(), v.decode("latin-1")
+            if name not in not_copied:
+                out_headers[name] = f"{out_headers[name]}, {value}" if name in out_headers else value
         out_headers["X-Cache"] = label
         # the upstream's own Server-Timing metrics, if any, after the proxy's
         out_headers["Server-Timing"] = ", ".join([f"{timing}upstream;dur={waited * 1e3:.3f}",
                                                   *up.headers.get_list("server-timing")])
-        ctype = up.headers.get("content-type", "application/json")
+        ctype = out_headers.get("content-type", "application/json")
         chunks = up.aiter_bytes()   # decoded: content-encoding is not copied
+
+        async def first() -> list[bytes] | Response:
+            """The answer's first chunk, read before a streamed answer's 200 goes out: a body that fails to decode
+            (gzip that is not) failed after the status line, a torn connection; now a 502 as when read whole."""
+            try:
+                return [await chunks.__anext__()]
+            except StopAsyncIteration:
+                return []
+            except httpx.HTTPError as e:
+                await up.aclose()
+                return err(502, f"upstream failed while sending its answer: {type(e).__name__}")
 
         async def keep(body: bytes):
             if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
@@ -673,12 +705,15 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 await keep(b"".join(buf))
 
         if stream and up.status_code == 200:
-            return StreamingResponse(relay([]), status_code=up.status_code, headers=out_headers, media_type=ctype)
+            head = await first()
+            if isinstance(head, Response):
+                return head
+            return StreamingResponse(relay(head), status_code=up.status_code, headers=out_headers, media_type=ctype)
         # read whole (to store it, and to answer with its length) up to max_answer_bytes; a longer answer is
         # never stored: relayed as it arrives, so that it is never held whole
         head, n = [], 0
         declared = up.headers.get("content-length", "")
-        if not (declared.isdigit() and int(declared) > max_answer_bytes):
+        if not (_is_digits(declared) and int(declared) > max_answer_bytes):
             try:
                 async for chunk in chunks:
                     head.append(chunk)
@@ -693,6 +728,10 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 body = b"".join(head)
                 await keep(body)
                 return Response(body, status_code=up.status_code, headers=out_headers)
+        if not head:   # over max_answer_bytes by its Content-Length: nothing read yet
+            head = await first()
+            if isinstance(head, Response):
+                return head
         return StreamingResponse(relay(head), status_code=up.status_code, headers=out_headers)
 
     app.add_middleware(_ServerFaults)   # an unforeseen error: a JSON 500, and the connection kept
