@@ -212,6 +212,7 @@ def test_drop_removes_the_entry_a_check_or_a_get_served(cache):
     cache.store(None, "a tree frog", "text", features=x, metadata={"user": "ann"})
     cache.put("text", features=y, value="a toad")
     h = cache.check(features=x)[0]
+    assert cache.drop({**h, "key": "l1:²"}) == 0             # not a slot (int() refuses "²"): nothing, no error
     assert h["key"].startswith("l1:") and cache.drop(h) == 1
     assert cache.check(features=x) == [] and cache.get("text", features=x) is None
     assert len(cache) == 1 and cache.drop(h) == 0            # already gone: nothing more removed, no error

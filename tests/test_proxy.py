@@ -490,6 +490,8 @@ def test_numbers_that_are_not_ascii_digits_count_as_invalid_not_as_a_500():
     (stale: the request bypasses the lookup, the answer is not stored), an Age of 0, a length not declared."""
     ok = lambda request: httpx.Response(200, json={"a": 1})
     assert _asgi_post(_proxy_at([1e6], ok).app, chat("q"), [(b"cache-control", b"max-age=\xb2")])[0] == 200
+    from ushash.serving.proxy import _MISSING, _at
+    assert _at({"a": [1, 2]}, "a.1") == 2 and _at({"a": [1, 2]}, "a.²") is _MISSING   # a configured JSON path
     for header in ((b"age", "²".encode()), (b"cache-control", "max-age=¹".encode()), (b"content-length", "²".encode())):
         app = _proxy_at([1e6], lambda request, h=header: httpx.Response(200, headers=[h], content=b'{"a":1}')).app
         assert [_asgi_post(app, chat("q"))[0] for _ in range(2)] == [200, 200]

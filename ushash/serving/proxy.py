@@ -139,7 +139,7 @@ _MISSING = object()
 def _at(body, path: str):
     cur = body
     for part in path.split("."):
-        if isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
+        if isinstance(cur, list) and _is_digits(part) and int(part) < len(cur):
             cur = cur[int(part)]
         elif isinstance(cur, dict) and part in cur:
             cur = cur[part]
@@ -377,7 +377,7 @@ def _without(obj, path: list[str]):
         if not rest:
             return {k: v for k, v in obj.items() if k != head}
         return {**obj, head: _without(obj[head], rest)}
-    if isinstance(obj, list) and head.isdigit() and int(head) < len(obj):
+    if isinstance(obj, list) and _is_digits(head) and int(head) < len(obj):
         i = int(head)
         return [*obj[:i], _without(obj[i], rest) if rest else None, *obj[i + 1:]]
     return obj

@@ -636,7 +636,7 @@ class SemanticCache(CheckStore):
             ref, kind, value, created, revision = served_entry(h)
             ident = (kind, value, created)
             in_l1 = revision is None or revision == rev   # an older revision's L1 entries went with its reload
-            if ref.startswith("l1:") and ref[3:].isdigit():
+            if ref.startswith("l1:") and ref[3:].isascii() and ref[3:].isdigit():
                 where = {"slot": int(ref[3:])}
                 ids = [i for i in l1.held(tenant, ident, **where).values() if i] if in_l1 else []
             else:
