@@ -502,11 +502,13 @@ def test_upstream_header_bytes_outside_latin_1_are_relayed_as_they_came():
     Content-Type with €, on the miss and on every later hit) was a 500, after the answer was stored. The bytes
     are relayed as they came, on the miss and on the hit."""
     ctype = "application/json; note=€".encode()
-    app = _proxy_at([1e6], lambda request: httpx.Response(
-        200, headers=[(b"x-note", "€".encode()), (b"content-type", ctype)], content=b'{"a":1}')).app
+    app = _proxy_at([1e6], lambda request: httpx.Response(200, headers=[
+        (b"x-note", "€".encode()), (b"content-type", ctype), (b"server-timing", "db;desc=€".encode())],
+        content=b'{"a":1}')).app
     (s1, h1, b1), (s2, h2, b2) = (_asgi_post(app, chat("q")) for _ in range(2))
     assert (s1, h1[b"x-cache"], s2, h2[b"x-cache"]) == (200, b"miss", 200, b"hit") and b1 == b2 == b'{"a":1}'
     assert h1[b"x-note"] == "€".encode() and h1[b"content-type"] == h2[b"content-type"] == ctype
+    assert h1[b"server-timing"].endswith(b", " + "db;desc=€".encode())   # after the proxy's own
     from ushash.serving.proxy import _latin1
     assert _latin1("text/plain") == "text/plain" and _latin1("a €").encode("latin-1") == "a €".encode()
 

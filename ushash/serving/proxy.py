@@ -638,15 +638,16 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         not_copied = HOP | connection_options(up.headers.get_list("connection")) | {"x-cache", "server-timing"}
         # the upstream's header bytes as they came (read as latin-1, which Starlette sends back byte for byte):
         # httpx's str of a UTF-8 value outside latin-1 ("X-Note: €") could not be sent, a 500; repeated ones joined
-        out_headers = {}
+        out_headers, timings = {}, []
         for k, v in up.headers.raw:
             name, value = k.decode("latin-1").lower(), v.decode("latin-1")
-            if name not in not_copied:
+            if name == "server-timing":
+                timings.append(value)
+            elif name not in not_copied:
                 out_headers[name] = f"{out_headers[name]}, {value}" if name in out_headers else value
         out_headers["X-Cache"] = label
         # the upstream's own Server-Timing metrics, if any, after the proxy's
-        out_headers["Server-Timing"] = ", ".join([f"{timing}upstream;dur={waited * 1e3:.3f}",
-                                                  *up.headers.get_list("server-timing")])
+        out_headers["Server-Timing"] = ", ".join([f"{timing}upstream;dur={waited * 1e3:.3f}", *timings])
         ctype = out_headers.get("content-type", "application/json")
         chunks = up.aiter_bytes()   # decoded: content-encoding is not copied
 
