@@ -464,7 +464,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             finally:
                 await client.aclose()
 
-    app = FastAPI(title="ushash caching proxy", lifespan=lifespan)
+    app = FastAPI(title="ushash caching proxy", lifespan=lifespan, redirect_slashes=False)   # as the service's
     app.state.client, app.state.workers = client, workers
 
     keys = [(t.encode(), tenant) for t, tenant in tokens.items()] if tokens else \

@@ -206,7 +206,10 @@ class _BodyLimit:
             if k == b"content-length":
                 if not v.isdigit():   # RFC 9110: 1*DIGIT (int() would take "-1", "+2", "2_0" and spaces)
                     return await _send_json(send, 400, {"error": "bad Content-Length header"})
-                declared = int(v)
+                # past 19 digits (leading zeros aside) it is over any limit: int() refuses past 4,300 digits (a
+                # 500 out of this, the outermost layer), and HTTP parsers let a 5,000-digit one with zeros through
+                digits = v.lstrip(b"0")
+                declared = int(digits or b"0") if len(digits) <= 19 else self.limit + 1
         if declared is not None:
             if declared > self.limit:
                 return await _send_json(send, 413, {"error": f"request body over {self.limit} bytes"})
@@ -384,6 +387,11 @@ class _FastJSONRequest(Request):
             except RecursionError:
                 raise StarletteHTTPException(422, "invalid request: the body's JSON nests arrays or objects "
                                                   "deeper than the parser goes (about 1,000 levels)") from None
+            except ValueError as e:
+                if isinstance(e, json.JSONDecodeError):
+                    raise   # not JSON: FastAPI's own answer
+                raise StarletteHTTPException(422, f"invalid request: the body's JSON holds a number Python does not "
+                                                  f"read ({str(e)[:120]})") from None
         return self._json
 
 
@@ -504,8 +512,10 @@ def create_app(cache, token: Optional[str] = None, max_body_bytes: int = ServeCo
     # a lookup's encoding off the event loop (the caching proxy's threads too: a cheaper handoff than a thread
     # pool's, docs/benchmarks.md); the plain-function routes (batches, stores) run in FastAPI's thread pool
     workers = Workers()
+    # redirect_slashes off: a path with a trailing slash is a 404, not a redirect that re-reads the query string
+    # as UTF-8 (bytes that are not were a 500 from FastAPI's redirect)
     app = FastAPI(title="ushash semantic cache", docs_url=None, redoc_url=None, openapi_url=None,
-                  default_response_class=SafeJSONResponse, lifespan=workers.lifespan)
+                  default_response_class=SafeJSONResponse, lifespan=workers.lifespan, redirect_slashes=False)
     app.router.route_class = _FastJSONRoute
     app.state.max_json_values = max_json_values   # read by _FastJSONRequest
     app.state.workers = workers
