@@ -609,8 +609,8 @@ def recheck_body() -> str | None:
     spread, the later epochs' mean val and test mAP@10; then the rule's verdict per row, and the ablation's rows
     that score higher on both sets with one seed but are not rechecked (RECHECK is written by hand)."""
     sys.path.insert(0, str(ROOT))
+    from ushash.evaluation.search import mean_std as ms
     from ushash.evaluation.sweep import variant_dir
-    ms = lambda xs: f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1):.3f}"
 
     def read(res: Path) -> dict | None:
         if not res.exists():
@@ -967,8 +967,8 @@ def search_split_body() -> str | None:
     others from `search_split_<choice>_<set>_<seed>` beside the defaults' runs of `split_<set>_<seed>`; val score
     (what a choice is made by), its gain, and test paired mAP@10; then the gain's mean and range over the splits."""
     sys.path.insert(0, str(ROOT))
+    from ushash.evaluation.search import mean_std as ms
     from ushash.evaluation.sweep import variant_dir
-    ms = lambda xs: f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1):.3f}"
 
     def runs_of(res: Path) -> tuple[list[float], float] | None:   # (US-HASH's val scores, its test paired mean)
         if not res.exists():

@@ -24,6 +24,30 @@ def pytest_collection_modifyitems(config, items):
 ENC_CFG = {"name": "tiny", "dim": 16, "seed": 0}
 
 
+def asgi_request(app, method: str, path: str, body: bytes = b"", headers=(), query: bytes = b""):
+    """One request straight to an ASGI app, header bytes as given both ways (a test client re-encodes a
+    request's non-ASCII header bytes and cannot read a response's): (status, {name: value bytes}, body)."""
+    import asyncio
+
+    sent, got = [{"type": "http.request", "body": body, "more_body": False}], []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+             "server": ("t", 80), "client": ("127.0.0.1", 1),
+             "headers": [(b"host", b"t"), *([(b"content-type", b"application/json"),
+                                             (b"content-length", str(len(body)).encode())] if body else []), *headers]}
+
+    async def receive():
+        return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+    async def send(message):
+        got.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in got if m["type"] == "http.response.start")
+    return (start["status"], {k.lower(): v for k, v in start["headers"]},
+            b"".join(m.get("body", b"") for m in got if m["type"] == "http.response.body"))
+
+
 def write_tiny_export(out):
     import torch
 

@@ -12,6 +12,7 @@ import numpy as np
 import orjson
 import pytest
 import torch
+from conftest import asgi_request
 from fastapi.testclient import TestClient
 
 from ushash.serving.cache import SemanticCache
@@ -459,29 +460,10 @@ def test_delta_seconds_past_2_to_the_31_are_2_to_the_31():
 
 
 def _asgi_post(app, body: dict, headers: list = ()) -> tuple[int, dict, bytes]:
-    """POST straight to the ASGI app, header bytes as given both ways (a test client re-encodes a request's
-    non-ASCII header bytes and cannot read a response's): (status, {name: value bytes}, body)."""
-    import asyncio
+    """POST a chat body straight to the ASGI app (conftest.asgi_request)."""
     import json as _json
 
-    raw = _json.dumps(body).encode()
-    sent, got = [{"type": "http.request", "body": raw, "more_body": False}], []
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
-             "root_path": "", "server": ("t", 80), "client": ("127.0.0.1", 1),
-             "headers": [(b"host", b"t"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(raw)).encode()), *headers]}
-
-    async def receive():
-        return sent.pop(0) if sent else {"type": "http.disconnect"}
-
-    async def send(message):
-        got.append(message)
-
-    asyncio.run(app(scope, receive, send))
-    start = next(m for m in got if m["type"] == "http.response.start")
-    return (start["status"], {k.lower(): v for k, v in start["headers"]},
-            b"".join(m.get("body", b"") for m in got if m["type"] == "http.response.body"))
+    return asgi_request(app, "POST", "/v1/chat/completions", _json.dumps(body).encode(), headers)
 
 
 def test_numbers_that_are_not_ascii_digits_count_as_invalid_not_as_a_500():

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import orjson
 import pytest
-from conftest import write_tiny_export
+from conftest import asgi_request, write_tiny_export
 from fastapi.testclient import TestClient
 from PIL import Image
 
@@ -673,21 +673,7 @@ def test_a_trailing_slash_is_a_404_and_a_huge_integer_a_422_not_a_500(client):
     """A path with a trailing slash was redirected, and the redirect re-read the query string as UTF-8 (bytes
     that are not: a 500 before the token check); redirects are off, so it is a plain 404. A JSON integer past
     Python's 4,300 digits was FastAPI's bare 400: a 422 that says so."""
-    import asyncio
-
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(msg):
-        sent.append(msg)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-             "path": "/v1/lookup/", "raw_path": b"/v1/lookup/", "query_string": b"a=\xff", "root_path": "",
-             "headers": [(b"host", b"t")], "client": ("127.0.0.1", 1), "server": ("t", 80)}
-    asyncio.run(client.app(scope, receive, send))
-    assert sent[0]["status"] == 404
+    assert asgi_request(client.app, "GET", "/v1/lookup/", query=b"a=\xff")[0] == 404
     r = client.post("/v1/lookup", content=b'{"modality": "text", "text": ' + b"1" * 4400 + b"}",
                     headers={"content-type": "application/json"})
     assert r.status_code == 422 and "number" in r.json()["error"]

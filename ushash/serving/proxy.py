@@ -651,16 +651,19 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         ctype = out_headers.get("content-type", "application/json")
         chunks = up.aiter_bytes()   # decoded: content-encoding is not copied
 
-        async def first() -> list[bytes] | Response:
-            """The answer's first chunk, read before a streamed answer's 200 goes out: a body that fails to decode
-            (gzip that is not) failed after the status line, a torn connection; now a 502 as when read whole."""
-            try:
-                return [await chunks.__anext__()]
-            except StopAsyncIteration:
-                return []
-            except httpx.HTTPError as e:
-                await up.aclose()
-                return err(502, f"upstream failed while sending its answer: {type(e).__name__}")
+        async def streamed(head: list[bytes], **kw) -> Response:
+            """The answer relayed as it arrives after `head`; with nothing read yet, its first chunk is read before
+            the status goes out: a body that fails to decode (gzip that is not) failed after the status line, a
+            torn connection; now a 502 as when read whole."""
+            if not head:
+                try:
+                    head = [await chunks.__anext__()]
+                except StopAsyncIteration:
+                    pass
+                except httpx.HTTPError as e:
+                    await up.aclose()
+                    return err(502, f"upstream failed while sending its answer: {type(e).__name__}")
+            return StreamingResponse(relay(head), status_code=up.status_code, headers=out_headers, **kw)
 
         async def keep(body: bytes):
             if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
@@ -706,10 +709,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 await keep(b"".join(buf))
 
         if stream and up.status_code == 200:
-            head = await first()
-            if isinstance(head, Response):
-                return head
-            return StreamingResponse(relay(head), status_code=up.status_code, headers=out_headers, media_type=ctype)
+            return await streamed([], media_type=ctype)
         # read whole (to store it, and to answer with its length) up to max_answer_bytes; a longer answer is
         # never stored: relayed as it arrives, so that it is never held whole
         head, n = [], 0
@@ -729,11 +729,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 body = b"".join(head)
                 await keep(body)
                 return Response(body, status_code=up.status_code, headers=out_headers)
-        if not head:   # over max_answer_bytes by its Content-Length: nothing read yet
-            head = await first()
-            if isinstance(head, Response):
-                return head
-        return StreamingResponse(relay(head), status_code=up.status_code, headers=out_headers)
+        return await streamed(head)   # over max_answer_bytes: by its Content-Length (nothing read yet) or as read
 
     app.add_middleware(_ServerFaults)   # an unforeseen error: a JSON 500, and the connection kept
     post = _ServerFaults(post)
