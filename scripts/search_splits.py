@@ -1,10 +1,11 @@
 """A search for US-HASH's defaults, each trial scored on several splits of both real sets: the rule a default
 changes by (docs/baselines.md) asks for a gain on val on every set, and one split's val decides too little.
 
-    python scripts/search_splits.py [--trials 30] [--splits 0 1 2] [--seeds 0 1 2] [--heldout]
+    python scripts/search_splits.py [--space search|regularisers] [--trials 30] [--splits 0 1 2] [--seeds 0 1 2] [--heldout]
 
-Optuna's TPE sampler (seeded) proposes settings from US-HASH's search space (configs/search.yaml, the space
-`python -m ushash.search` searches). Trial 0 is the defaults. Every trial trains one run (seed 0) per split
+Optuna's TPE sampler (seeded) proposes settings from one of SPACES: `search` is US-HASH's space in
+configs/search.yaml (what `python -m ushash.search` searches), `regularisers` the recipe's other weights and
+settings. Trial 0 is the defaults. Every trial trains one run (seed 0) per split
 (`data.seed`) of each set (`experiment=sweep_tuxpaint64` and `sweep_emoji64`); its val gain on a set is the mean
 over the splits of its val score less the defaults' on the same split, and the objective is the smaller of the
 sets' gains: a setting that trades one set for the other scores by the set it loses. Test is never read.
@@ -32,15 +33,34 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SETS = {"tuxpaint": "sweep_tuxpaint64", "emoji": "sweep_emoji64"}
+# the spaces searched: "search" is configs/search.yaml's (what `python -m ushash.search` searches: the learning rate,
+# temperature, distillation and float weights, moving average); "regularisers" the recipe's other weights and
+# settings, each range holding its default
+SPACES = {
+    "search": None,
+    "regularisers": {
+        "model.loss.contrastive": {"low": 0.3, "high": 3.0, "log": True},
+        "model.loss.quant": {"low": 0.01, "high": 1.0, "log": True},
+        "model.loss.balance": {"low": 0.01, "high": 1.0, "log": True},
+        "model.loss.decor": {"low": 0.001, "high": 0.1, "log": True},
+        "model.loss.proto": {"low": 0.001, "high": 0.1, "log": True},
+        "model.beta_end": {"low": 4.0, "high": 64.0, "log": True},
+        "model.weight_decay": {"low": 1.0e-5, "high": 1.0e-2, "log": True},
+        "model.dropout": {"low": 0.0, "high": 0.3},
+        "model.batch_size": {"choices": [64, 128, 256]},
+    },
+}
 HELDOUT = {"openclipart": "sweep_openclipart64"}
 
 log = logging.getLogger("search_splits")
 
 
-def newest(root: Path = ROOT) -> dict | None:
-    """The newest report of this search (experiments/search/splits-ushash-64b-*/search.json), None when there is none."""
+def newest(space: str = "search", root: Path = ROOT) -> dict | None:
+    """The newest report of this search over `space` (experiments/search/splits-ushash-64b-*/search.json), None
+    when there is none."""
     found = sorted((root / "experiments" / "search").glob("splits-ushash-64b-*/search.json"), key=lambda f: f.stat().st_mtime)
-    return json.loads(found[-1].read_text()) if found else None
+    reports = [json.loads(f.read_text()) for f in found]
+    return next((r for r in reversed(reports) if r.get("space_name", "search") == space), None)
 
 
 def split_configs(sets: dict[str, list[list[str]]], base: list[str]):
@@ -91,29 +111,26 @@ def study_folder(cfgs: dict, space: dict, sampler_seed: int) -> Path:
     return Path(first.paths.experiments_dir) / "search" / f"splits-ushash-{int(first.bits)}b-{settings_digest(base, 8)}"
 
 
-def _test(result: dict) -> dict:
-    from ushash.evaluation.search import _test_scores
-
-    return _test_scores(result)
-
-
 def search_splits(sets: dict[str, list[list[str]]], trials: int = 30, seeds=(0, 1, 2), sampler_seed: int = 0,
-                  heldout: dict[str, list[list[str]]] | None = None, base: list[str] = ()) -> dict:
-    """The study, the chosen trial and the defaults over seeds (and on the held-out splits); returns the report
-    (also written as search.json and search.md in the study's folder)."""
+                  heldout: dict[str, list[list[str]]] | None = None, base: list[str] = (), space: str = "search") -> dict:
+    """The study over `space` (a name of SPACES), the chosen trial and the defaults over seeds (and on the held-out
+    splits); returns the report (also written as search.json and search.md in the study's folder)."""
     import numpy as np
     import optuna
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     from ushash.core.io import atomic_write, write_json
     from ushash.data.extract import relative_to_root
-    from ushash.evaluation.search import _suggest, method_space
+    from ushash.evaluation.search import _suggest, _test_scores, method_space
 
     if trials < 1:
         raise ValueError(f"--trials must be at least 1; got {trials}")
     cfgs = split_configs(sets, list(base))
     first = next(iter(cfgs.values()))
-    space = method_space(first)
+    if SPACES[space] is not None:   # checked as the search's own space is (each range holds the default)
+        with open_dict(first):
+            first.search.space.ushash = SPACES[space]
+    space_name, space = space, method_space(first)
     defaults = {k: OmegaConf.select(first, k) for k in space}
     out = study_folder(cfgs, space, sampler_seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +168,8 @@ def search_splits(sets: dict[str, list[list[str]]], trials: int = 30, seeds=(0, 
              "gain": t.user_attrs["gain"]} for t in done]
     chosen = max(rows, key=lambda r: (r["objective"], -r["number"]))
     default_row = next(r for r in rows if r["params"] == defaults)
-    report = {"method": "ushash", "bits": int(first.bits), "sets": sets, "space": space, "sampler_seed": sampler_seed,
+    report = {"method": "ushash", "bits": int(first.bits), "sets": sets, "space_name": space_name, "space": space,
+              "sampler_seed": sampler_seed,
               "trials": rows, "defaults": default_row, "chosen": chosen, "seeds": list(seeds),
               "folder": relative_to_root(out, first.paths.root)}
     # over seeds: the defaults and the chosen trial, every seed on every split (seed 0 is the trial's own run)
@@ -159,7 +177,7 @@ def search_splits(sets: dict[str, list[list[str]]], trials: int = 30, seeds=(0, 
     for label in ("defaults", "chosen"):
         params = report[label]["params"]
         runs = {f"{k[0]}-{k[1]}": {int(s): train(k, params, s) for s in seeds} for k in cfgs}
-        over[label] = {key: {"val": [r[s]["val_score"] for s in seeds], "test": [_test(r[s]) for s in seeds]}
+        over[label] = {key: {"val": [r[s]["val_score"] for s in seeds], "test": [_test_scores(r[s]) for s in seeds]}
                        for key, r in runs.items()}
     report["over_seeds"] = over
     report["rule"] = {}
@@ -173,7 +191,7 @@ def search_splits(sets: dict[str, list[list[str]]], trials: int = 30, seeds=(0, 
     if heldout:
         hcfgs = split_configs(heldout, list(base))
         htrain = Trainer(hcfgs, out)
-        report["heldout"] = {label: {f"{k[0]}-{k[1]}": [_test(htrain(k, report[label]["params"], s)) for s in seeds]
+        report["heldout"] = {label: {f"{k[0]}-{k[1]}": [_test_scores(htrain(k, report[label]["params"], s)) for s in seeds]
                                      for k in hcfgs} for label in ("defaults", "chosen")}
     write_json(out / "search.json", report)
     atomic_write(out / "search.md", markdown(report))
@@ -187,7 +205,8 @@ def markdown(report: dict) -> str:
     from ushash.evaluation.search import mean_std, override_value
 
     keys, sets = list(report["space"]), list(report["sets"])
-    lines = [f"### US-HASH defaults searched over splits ({len(report['trials'])} trials, "
+    lines = [f"### US-HASH defaults searched over splits: space `{report.get('space_name', 'search')}` "
+             f"({len(report['trials'])} trials, "
              f"{', '.join(f'{n}: {len(s)} splits' for n, s in report['sets'].items())})", "",
              "Each trial trains seed 0 on every split; its val gain on a set is the mean over the splits of its val "
              "score less the defaults'; the objective is the smaller gain.", "",
@@ -222,9 +241,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the rule's test")
     ap.add_argument("--sampler-seed", type=int, default=0)
     ap.add_argument("--heldout", action="store_true", help="also train both on the held-out set's splits (test read)")
+    ap.add_argument("--space", choices=sorted(SPACES), default="search", help="the settings searched (SPACES)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[search_splits] %(message)s")
     log.setLevel(logging.INFO)   # a line per trial; the runs' own lines (Lightning's, the sweep's) stay quiet
+    import pytorch_lightning  # noqa: F401  (it sets its loggers' level when imported: quieted after that)
+
     for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from ushash.config import quiet_third_party, user_errors
@@ -232,7 +254,8 @@ def main(argv=None) -> None:
     quiet_third_party()
     # a bad setting or data that cannot be read: one line naming it, as the verbs do
     user_errors(lambda _: search_splits(real_sets(SETS, args.splits), args.trials, args.seeds, args.sampler_seed,
-                                        real_sets(HELDOUT, args.splits) if args.heldout else None))(None)
+                                        real_sets(HELDOUT, args.splits) if args.heldout else None,
+                                        space=args.space))(None)
 
 
 if __name__ == "__main__":

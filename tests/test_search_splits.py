@@ -75,3 +75,18 @@ def test_the_search_scores_trials_by_the_smaller_gain_and_tests_the_rule(tmp_pat
     trained.clear()
     again = search_splits.search_splits(sets, trials=3, seeds=(0, 1), base=base, heldout=heldout)
     assert trained == [] and again["chosen"] == rep["chosen"] and again["rule"] == rep["rule"]
+
+
+@pytest.mark.parametrize("name", sorted(search_splits.SPACES))
+def test_every_space_names_real_settings_and_holds_the_defaults(name):
+    """Trial 0 runs the defaults, so each space must hold them (method_space refuses a range that does not)."""
+    from omegaconf import open_dict
+
+    from ushash.config import compose
+    from ushash.evaluation.search import method_space
+
+    cfg = compose("search", ["method=ushash"])
+    if search_splits.SPACES[name] is not None:
+        with open_dict(cfg):
+            cfg.search.space.ushash = search_splits.SPACES[name]
+    assert set(method_space(cfg)) == set(search_splits.SPACES[name] or cfg.search.space.ushash)
