@@ -364,9 +364,18 @@ def run_step(name: str) -> None:
     stamp = {"command": line, "date": datetime.date.today().isoformat(), "machine": machine(),
              "versions": versions(), "wall_s": round(time.perf_counter() - t0, 1), "returncode": rc}
     if not rc:
+        outputs, made_from = digests(name), {n: digests(n) for n in NEEDS.get(name, [])}
+        old = stamp_record(name)
+        if outputs and old and not old.get("returncode") and (old["command"], old.get("outputs"), old.get("made_from", {})) \
+                == (line, outputs, made_from):
+            # a run that resumed (a step asked for by another) or repeated its results byte for byte: the stamp and
+            # the log of the run that made them stay (a resume's seconds are not the step's wall time)
+            new.unlink()
+            print(f"[reproduce] {name}: its results are the ones its stamp describes ({old['date']}); the stamp is kept",
+                  flush=True)
+            return
         os.replace(new, log)
-        stamp["outputs"] = digests(name)
-        stamp["made_from"] = {n: digests(n) for n in NEEDS.get(name, [])}
+        stamp["outputs"], stamp["made_from"] = outputs, made_from
         stamp["log_sha256"] = hashlib.sha256(log.read_bytes()).hexdigest()
     log.with_suffix(".json").write_text(json.dumps(stamp, indent=1) + "\n")
     if rc:

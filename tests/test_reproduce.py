@@ -1,6 +1,7 @@
 """scripts/reproduce.py's generated blocks: the bars table is computed from the results it names."""
 
 import importlib.util
+import hashlib
 import json
 
 import pytest
@@ -395,6 +396,35 @@ def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_desc
         raise AssertionError("publish stamped old results with a failed run")
     except SystemExit as e:
         assert "bench: its last run" in str(e) and "failed with exit" in str(e)
+
+
+def test_a_step_that_repeats_its_results_keeps_the_stamp_of_the_run_that_made_them(tmp_path, monkeypatch):
+    """A step asked for by another (its NEEDS) resumes in seconds: its stamp once took that resume's wall time,
+    and the published table said a 28-minute benchmark ran in 3 s. Results byte for byte the same keep the stamp
+    and the log; other results, another command or a failure are stamped anew."""
+    write = tmp_path / "write.py"
+    write.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True)\n"
+                     "p.write_text(sys.argv[2]); print('made', sys.argv[2])\n")
+    r = _isolated(tmp_path, monkeypatch, STEPS={"heads": f"python {write} experiments/heads/results.md A"},
+                  RESULT_BLOCKS={"heads": ("doc.md", "heads", "experiments/heads/results.md")})
+    stamp, log = (tmp_path / "experiments" / "reproduce" / f"heads.{x}" for x in ("json", "log"))
+    r.run_step("heads")
+    first = json.loads(stamp.read_text())
+    first["wall_s"] = 1696.1                            # as a long first run would have recorded
+    stamp.write_text(json.dumps(first))
+    log.write_text(log.read_text() + "the first run's log\n")
+    first["log_sha256"] = hashlib.sha256(log.read_bytes()).hexdigest()
+    stamp.write_text(json.dumps(first))
+    r.run_step("heads")                                 # the same results: the stamp and the log stay
+    assert json.loads(stamp.read_text()) == first and "the first run's log" in log.read_text()
+    assert not log.with_name("heads.new.log").exists()
+    monkeypatch.setitem(r.STEPS, "heads", f"python {write} experiments/heads/results.md B")
+    r.run_step("heads")                                 # other results: a new stamp
+    again = json.loads(stamp.read_text())
+    assert again["wall_s"] < 1696.1 and again["outputs"] != first["outputs"] and "made B" in log.read_text()
+    monkeypatch.setitem(r.STEPS, "heads", f"python {write}  experiments/heads/results.md B")
+    r.run_step("heads")                                 # the same results by another command: stamped with it
+    assert json.loads(stamp.read_text())["command"] == r.STEPS["heads"]
 
 
 def test_a_printed_block_is_published_only_from_a_log_its_stamp_describes(tmp_path, monkeypatch):
