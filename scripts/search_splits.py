@@ -143,8 +143,8 @@ def search_splits(sets: dict[str, list[list[str]]], trials: int = 30, seeds=(0, 
         study.enqueue_trial(defaults)
     base_val: dict = {}
 
-    def scores(params: dict, seed: int = 0) -> dict:
-        return {f"{k[0]}-{k[1]}": float(train(k, params, seed)["val_score"]) for k in cfgs}
+    def scores(params: dict) -> dict:   # seed 0 on every split
+        return {f"{k[0]}-{k[1]}": float(train(k, params, 0)["val_score"]) for k in cfgs}
 
     def gains(val: dict) -> dict:
         ref = base_val or scores(defaults)
@@ -229,8 +229,8 @@ def markdown(report: dict) -> str:
                   "| split | defaults paired | chosen paired | defaults label | chosen label |", "|---|---|---|---|---|"]
         for key in report["heldout"]["defaults"]:
             d, c = report["heldout"]["defaults"][key], report["heldout"]["chosen"][key]
-            lines.append(f"| {key} | " + " | ".join(mean_std([t.get(p) for t in x]) for p in ("paired",) for x in (d, c))
-                         + " | " + " | ".join(mean_std([t.get("label") for t in x]) for x in (d, c)) + " |")
+            lines.append(f"| {key} | " + " | ".join(mean_std([t.get(p) for t in x]) for p in ("paired", "label")
+                                                  for x in (d, c)) + " |")
     return "\n".join(lines) + "\n"
 
 
