@@ -2,6 +2,7 @@
 smaller of the sets' mean val gains over the splits, the rule's test over seeds is the runs' own numbers, and a
 finished study trains nothing again."""
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -47,7 +48,7 @@ def test_the_search_scores_trials_by_the_smaller_gain_and_tests_the_rule(tmp_pat
         for f in (folder / key / "runs").glob(f"ushash-16b-s{seed}-*/result.json"):
             r = json.loads(f.read_text())
             settings = json.loads((f.parent / "settings.json").read_text())
-            if all(settings["model"][k.split(".", 1)[1]] == v for k, v in params.items() if k.count(".") == 1):
+            if all(functools.reduce(lambda x, part: x[part], k.split("."), settings) == v for k, v in params.items()):
                 return r["val_score"]
         raise AssertionError(f"no run of {params} in {key}")
 
