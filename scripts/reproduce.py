@@ -115,7 +115,7 @@ for _h, (_, _suffix) in CACHEKEY_HEADS.items():
 # sets at 64 bits, then the choice and the defaults over seeds 0-2
 sys.path.insert(0, str(ROOT / "scripts"))
 from search_cross import SETS as _SEARCH, cross_overrides, newest_search  # noqa: E402
-from search_splits import SPACES as SPLITS_SPACES, newest as newest_splits  # noqa: E402
+from search_splits import SPACES as SPLITS_SPACES, beyond, newest as newest_splits  # noqa: E402
 
 SEARCH_SETS = {d: exp_file for d, (exp_file, _) in _SEARCH.items()}
 SEARCH_METHODS = ("ushash", "pairwise", "csq", "orthohash")
@@ -676,8 +676,7 @@ def recheck_body() -> str | None:
     for label, by_set in gains.items():
         if not by_set:
             continue
-        # compared as printed (3 decimals): a gain that reads as the spread is not beyond it
-        passes = len(by_set) == len(ABLATION_SETS) and all(round(g, 3) > round(sp, 3) for g, sp in by_set.values())
+        passes = len(by_set) == len(ABLATION_SETS) and all(beyond(g, sp) for g, sp in by_set.values())
         verdicts.append(f"- {label}: {'passes' if passes else 'does not pass'} ("
                         + ", ".join(f"{d} {g:+.3f} against {sp:.3f}" for d, (g, sp) in by_set.items()) + ")")
     # the ablation's rows higher than its defaults' row on val on every set, with its one seed
