@@ -157,11 +157,14 @@ def main(argv=None):
     ap.add_argument("--count", default="hits", choices=["hits", "distinct", "items"])
     ap.add_argument("--path", default="split", choices=["hits", "split"])
     ap.add_argument("--split-by", default="item", choices=["item", "request"])
+    ap.add_argument("--prefer", default=CalibrationSettings.prefer, choices=["tight", "loose"],
+                    help="where the calibration's evidence does not decide: the tighter or the looser point")
     ap.add_argument("--detail", type=float, nargs="+", default=None,
                     help="budgets whose per-pair evidence results.md shows (default: every budget)")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "budget"))
     a = ap.parse_args(argv)
-    settings = CalibrationSettings(marginal=bool(a.marginal), count=a.count, path=a.path, split_by=a.split_by)
+    settings = CalibrationSettings(marginal=bool(a.marginal), count=a.count, path=a.path, split_by=a.split_by,
+                                   prefer=a.prefer)
     results = [resumed(e, a, settings) for e in a.export]
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine_summary(),
             "command": "python benchmarks/false_hit_budget.py " + " ".join(

@@ -71,10 +71,51 @@ def test_radius_sweeps_hold_the_threshold_and_respect_the_repeat_floor():
 
 def test_a_looser_path_is_chosen_only_for_a_testable_gain():
     need = min_trials(0.01, 0.05)
-    assert choose_path([("tight", 1000), ("mid", 1000 + need - 1), ("hits", 1000 + need - 1)], need) == "tight"
-    assert choose_path([("tight", 1000), ("mid", 1000 + need), ("hits", 1100 + need)], need) == "mid"
-    assert choose_path([("tight", None), ("mid", 50), ("hits", 40)], need) == "mid"
-    assert choose_path([("tight", None), ("hits", None)], need) is None
+    assert choose_path([("tight", 1000, need), ("mid", 1000 + need - 1, need), ("hits", 1000 + need - 1, need)]) == "tight"
+    assert choose_path([("tight", 1000, need), ("mid", 1000 + need, need), ("hits", 1100 + need, need)]) == "mid"
+    assert choose_path([("tight", None, need), ("mid", 50, need), ("hits", 40, need)]) == "mid"
+    assert choose_path([("tight", None, need), ("hits", None, need)]) is None
+    # prefer: loose gives the sweeps need 0 (the most hits, ties to the looser) and the hits path min_trials
+    assert choose_path([("tight", 1000, 0), ("mid", 1000, 0), ("hits", 1000 + need - 1, need)]) == "mid"
+    assert choose_path([("tight", 1000, 0), ("mid", 1001, 0), ("hits", 1001 + need, need)]) == "hits"
+    assert choose_path([("tight", 1000, 0), ("mid", 999, 0), ("hits", 1000, need)]) == "tight"
+
+
+def test_prefer_loose_keeps_the_walks_last_passing_point():
+    """Where a looser point serves the same hits, `prefer: tight` stays at the tighter one and `loose` takes
+    the last point of the walk that passed; the reference is each walk's own replay counts, step by step."""
+    head = LSHHead({"text": 24}, bits=64, dim=32, aligned=True, seed=0)
+    pool = Pool()
+    base = _pool(np.random.default_rng(0), n_classes=60, spread=0.05, confusable=0.0)   # tight clusters: ties
+    for i, m in enumerate(base.modality):
+        if m == "text":
+            pool.add("text", base.features[i], base.cls[i], base.kind[i], base.key[i])
+    stream = make_stream(pool, 3000, 0.5, 0)
+    got = {}
+    for prefer in ("tight", "loose"):
+        s = CalibrationSettings(max_radius=6, threshold_step=0.05, path_points=8, path="hits", prefer=prefer)
+        cal = calibrate(head, pool, stream, 0.05, s)
+        p = cal.pairs["text>text"]
+        assert p.on, cal.table()
+        steps = [r["text>text"] for r in cal.info["replays"] if not r.get("settle") and "text>text" in r]
+        # naive reference: walk the replays; a step passes while its bound holds and the hits it adds are false
+        # at most at the target rate; tight moves only on more hits, loose also on as many
+        need, at = min_trials(0.05, 0.05), None
+        for r, t, n, k in steps:
+            if n >= need and clopper_pearson_upper(k, n, 0.05) > 0.05:
+                break
+            if at is not None and n >= need:
+                dn, dk = n - at[2], k - at[3]
+                if dn < 0 or (dn == 0 and prefer == "tight"):
+                    continue
+                if dk > 0.05 * dn:
+                    break
+            if n >= need:
+                at = (r, t, n, k)
+        assert (p.radius, p.threshold) == (at[0], at[1])
+        got[prefer] = (p.radius, p.threshold, p.hits)
+    assert got["loose"][:2] != got["tight"][:2]        # the walk met a tie: the two rules part there
+    assert got["loose"][2] >= got["tight"][2]
 
 
 def test_the_bound_in_items_and_distinct_pairs():

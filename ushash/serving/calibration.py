@@ -141,6 +141,13 @@ class CalibrationSettings:
                                       # the pair keeps the one that serves the most hits there (a looser one
                                       # only when it serves `min_trials` more), and the test half alone walks
                                       # it with fixed-sequence testing (the points and bounds reported)
+    prefer: str = "tight"             # where the evidence does not decide: "tight" keeps the tighter point of
+                                      # a walk when a looser one serves no more hits, and (path "split") the
+                                      # tightest path unless a looser one serves `min_trials` more hits on the
+                                      # path half; "loose" takes the walk's last passing point and, among
+                                      # the radius sweeps, the one with the most hits there, ties to the
+                                      # looser (the hits path, whose thresholds run far lower, still needs
+                                      # `min_trials` more)
     split_by: str = "item"            # path "split": the halves hold disjoint items (classes), or "request"
     split_frac: float = 0.5           # share of the items (requests) in the path-choosing half
     split_seed: int = 0
@@ -155,6 +162,8 @@ class CalibrationSettings:
             raise ValueError(f"calibration count must be hits, distinct or items; got {self.count!r}")
         if str(self.path) not in ("hits", "split"):
             raise ValueError(f"calibration path must be hits or split; got {self.path!r}")
+        if str(self.prefer) not in ("tight", "loose"):
+            raise ValueError(f"calibration prefer must be tight or loose; got {self.prefer!r}")
         if str(self.split_by) not in ("item", "request"):
             raise ValueError(f"calibration split_by must be item or request; got {self.split_by!r}")
         if not 0.0 < float(self.split_frac) < 1.0:

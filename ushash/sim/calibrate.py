@@ -26,7 +26,8 @@
 by item (`split_stream`: disjoint classes, stratified by popularity) into a path half and a test half.
 On the path half each candidate path is walked as above: the hits path and a radius sweep (radius 0, 1,
 ... at one threshold) per `tight_thresholds` entry; each pair keeps the tightest candidate that passed
-unless a looser one served at least `min_trials` more hits there (`choose_path`). The test half alone
+unless a looser one served at least `min_trials` more hits there (`choose_path`; `prefer: loose` takes the
+sweep with the most hits, ties to the looser, and each walk's last passing point). The test half alone
 then walks the chosen path (pass 1 on its own counts, then pass 2), and its counts and bounds are the
 calibration's: the path was chosen without them, so fixed-sequence testing needs no correction.
 
@@ -326,7 +327,7 @@ def walk(head, pool, stream: np.ndarray, paths: dict, points: dict, target: floa
             prev = points[k]
             if pr["hits"] >= need and prev.on and s.marginal:
                 dn, dk = pr["hits"] - prev.hits, pr["false_hits"] - prev.false_hits
-                if dn <= 0:        # nothing gained: stay at the tighter point, walk on
+                if dn < 0 or (dn == 0 and s.prefer == "tight"):   # nothing gained: stay at the tighter point
                     walking[k] += 1
                     if walking[k] >= len(paths[k]):
                         del walking[k]
@@ -403,14 +404,15 @@ def radius_sweeps(radii: np.ndarray, thresholds: np.ndarray, tight, floor: float
     return out
 
 
-def choose_path(candidates, need: int):
+def choose_path(candidates):
     """`path: split`'s choice of a pair's path from its walks on the path half: `candidates` is [(name, hits
-    at the walk's last passing point, or None where it passed nowhere)], tightest path first. The tightest
-    path that passed is kept unless a looser one serves at least `need` (min_trials) more hits: fewer added
+    at the walk's last passing point, or None where it passed nowhere, need)], tightest path first. A looser
+    path replaces the best so far only when it serves at least its `need` more hits: `min_trials` (fewer added
     hits than that could not show their own false-hit rate within the budget, so a looser path would buy
-    untestable gain with risk the calibration cannot see. Returns the name, or None."""
+    untestable gain with risk the calibration cannot see), or 0 (the most hits, ties to the looser). Returns
+    the name, or None."""
     best = best_hits = None
-    for name, hits in candidates:
+    for name, hits, need in candidates:
         if hits is None:
             continue
         if best is None or hits >= best_hits + int(need):
@@ -463,8 +465,10 @@ def calibrate(head, pool, stream: np.ndarray, target: float, settings: Calibrati
     chosen_paths, choice = {}, {}
     order = [f"sweep{i}" for i in range(len(s.tight_thresholds))] + ["hits"]   # tightest first
     for k in counts_a:
-        best = choose_path([(nm, walked[nm][1][k].hits if k in walked[nm][0] and walked[nm][1][k].on else None)
-                            for nm in order], need)
+        # prefer loose: among the radius sweeps (their threshold stays tight) the most hits, ties to the looser;
+        # the hits path, whose thresholds run far below them, still needs min_trials more hits
+        best = choose_path([(nm, walked[nm][1][k].hits if k in walked[nm][0] and walked[nm][1][k].on else None,
+                             need if s.prefer == "tight" or nm == "hits" else 0) for nm in order])
         if best is not None:
             chosen_paths[k] = walked[best][0][k]
             choice[k] = {"path": best, "learn_hits": int(walked[best][1][k].hits),
