@@ -126,7 +126,6 @@ def resumed(export: str, a, settings: CalibrationSettings) -> dict:
     benchmark or features folder computes it again)."""
     import hashlib
 
-    from ushash.core.io import atomic_write
     from ushash.core.provenance import made_by, runtime_digest
 
     head = load_export(export)
@@ -134,16 +133,23 @@ def resumed(export: str, a, settings: CalibrationSettings) -> dict:
            "settings": str(settings), "made_by": made_by(), "runtime": runtime_digest(),
            "features_dir": _repo_relative(a.features_dir),
            "benchmark": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
-    part = Path(a.out) / f"part-{Path(export).name}.json"
+    return kept(Path(a.out) / f"part-{Path(export).name}.json", key,
+                lambda: run(export, Path(a.features_dir), a.budgets, a.requests, a.test_requests, settings, Path(a.out)))
+
+
+def kept(part: Path, key: dict, compute) -> dict:
+    """The result kept in `part` under the same `key`, else compute() written there atomically with its key."""
+    from ushash.core.io import atomic_write
+
     if part.exists():
         try:
-            kept = json.loads(part.read_text())
+            old = json.loads(part.read_text())
         except ValueError:   # unreadable: computed again
-            kept = {}
-        if kept.get("key") == key:
-            print(f"{export}: kept from {part.name} (revision {head.revision})", flush=True)
-            return kept["result"]
-    res = run(export, Path(a.features_dir), a.budgets, a.requests, a.test_requests, settings, Path(a.out))
+            old = {}
+        if old.get("key") == key:
+            print(f"kept from {part.name}", flush=True)
+            return old["result"]
+    res = compute()
     atomic_write(part, json.dumps({"key": key, "result": res}, default=float))
     return res
 

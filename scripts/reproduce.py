@@ -70,6 +70,10 @@ STEPS = {
                         f"--detail {BAR_BUDGET} --out experiments/budget",
     "gptcache_compare": "python benchmarks/gptcache/compare.py --export exports/budget-tuxpaint-offline "
                         "--export exports/budget-emoji-offline --calibrations experiments/budget --out experiments/gptcache",
+    # the calibration's rules (CalibrationSettings.prefer) compared on val alone: calibrated on one half of val's
+    # items, replayed on the other
+    "calibration_rules": "python scripts/calibration_rules.py --export exports/budget-tuxpaint-offline "
+                         "--export exports/budget-emoji-offline --out experiments/calibration-rules",
     # the hit check's request side: its fp32 z (shipped) or its own payload, on the same heads and streams
     "payload_query": "python benchmarks/payload_query.py --export exports/budget-tuxpaint-offline "
                      "--export exports/budget-emoji-offline --out experiments/payload_query",
@@ -137,6 +141,7 @@ NEEDS = {
     "gptcache_compare": ["budget_heads", "false_hit_budget"],
     "proxy_overhead": ["budget_heads", "false_hit_budget"],   # the heads, and the calibration at their points
     "payload_query": ["budget_heads"],
+    "calibration_rules": ["budget_heads"],
     **{cachekey_step(_h, _d): [trained_by] for _h, (trained_by, _) in CACHEKEY_HEADS.items() for _d in CACHEKEY_SETS},
 }
 # the recipe's ablation (docs/baselines.md "Ablation"): each option of the US-HASH recipe changed alone, on both
@@ -293,6 +298,7 @@ RESULT_BLOCKS = {
     "gptcache": ("docs/cache.md", "gptcache_compare", "experiments/gptcache/results.md"),
     "proxy": ("docs/cache.md", "proxy_overhead", "experiments/proxy/results.md"),
     "payload-query": ("docs/cache.md", "payload_query", "experiments/payload_query/results.md"),
+    "calibration-rules": ("docs/cache.md", "calibration_rules", "experiments/calibration-rules/results.md"),
     **{f"failures-{s}": ("docs/cache.md", "failures", f"docs/failures/{s}.md") for s in ("penetration", "breakdown", "avalanche")},
     "adaptive-ttl": ("docs/cache.md", "adaptive_ttl", "docs/failures/adaptive_ttl.md"),
     "qos": ("docs/cache.md", "qos", "docs/failures/qos.md"),
