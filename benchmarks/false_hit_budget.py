@@ -111,15 +111,6 @@ def markdown(results: list[dict], meta: dict, detail=None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _repo_relative(path) -> str:
-    """`path` relative to the repository where it lies inside it (a kept result names no machine's folder)."""
-    p = Path(path).resolve()
-    try:
-        return str(p.relative_to(ROOT.resolve()))
-    except ValueError:
-        return str(p)
-
-
 def resumed(export: str, a, settings: CalibrationSettings) -> dict:
     """run(), or its result kept in --out from an earlier run of the same head revision, settings and code
     (an interrupted benchmark resumes with the next export; a changed cache runtime, simulator, package, this
@@ -127,11 +118,12 @@ def resumed(export: str, a, settings: CalibrationSettings) -> dict:
     import hashlib
 
     from ushash.core.provenance import made_by, runtime_digest
+    from ushash.data.extract import relative_to_root
 
     head = load_export(export)
     key = {"revision": head.revision, "budgets": a.budgets, "requests": a.requests, "test_requests": a.test_requests,
            "settings": str(settings), "made_by": made_by(), "runtime": runtime_digest(),
-           "features_dir": _repo_relative(a.features_dir),
+           "features_dir": relative_to_root(a.features_dir, ROOT),   # a kept result names no machine's folder
            "benchmark": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
     return kept(Path(a.out) / f"part-{Path(export).name}.json", key,
                 lambda: run(export, Path(a.features_dir), a.budgets, a.requests, a.test_requests, settings, Path(a.out)))

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from false_hit_budget import _repo_relative, kept, stream_arguments  # noqa: E402
+from false_hit_budget import kept, stream_arguments  # noqa: E402
 
 from ushash.serving.artifact import load_export  # noqa: E402
 from ushash.serving.calibration import CalibrationSettings  # noqa: E402
@@ -40,7 +40,6 @@ def compare(export: str, features_dir: Path, budget: float, rules, n_requests: i
     rows = []
     for half, (cal_on, eval_on) in enumerate([(first, ~first), (~first, first)]):
         for rule in rules:
-            t0 = time.perf_counter()
             cal = calibrate(head, pool, stream[cal_on], budget, CalibrationSettings(prefer=rule),
                             info={"dataset": dataset, "split": "val", "half": half})
             res = measure(head, pool, stream[eval_on], calibration=cal)
@@ -50,8 +49,7 @@ def compare(export: str, features_dir: Path, budget: float, rules, n_requests: i
                          "correct_hit_rate": (res["hits"] - res["false_hits"]) / res["requests"],
                          "exact_hit_rate": res["exact_hit_rate"], "oracle_hit_rate": res["oracle_hit_rate"],
                          "headroom_captured": res["headroom_captured"],
-                         "points": {k: [p.radius, p.threshold] for k, p in sorted(cal.pairs.items()) if p.on},
-                         "seconds": round(time.perf_counter() - t0, 1)})
+                         "points": {k: [p.radius, p.threshold] for k, p in sorted(cal.pairs.items()) if p.on}})
             print(f"{dataset} half {half} {rule}: {res['hits']} hits, {res['false_hits']} false", flush=True)
     return {"dataset": dataset, "revision": head.revision, "rows": rows}
 
@@ -59,11 +57,12 @@ def compare(export: str, features_dir: Path, budget: float, rules, n_requests: i
 def resumed(export: str, a) -> dict:
     """compare(), or its result kept in --out from an earlier run of the same head, settings and code."""
     from ushash.core.provenance import made_by, runtime_digest
+    from ushash.data.extract import relative_to_root
 
     head = load_export(export)
     key = {"revision": head.revision, "budget": a.budget, "rules": a.rules, "requests": a.requests,
            "split_seed": a.split_seed, "made_by": made_by(), "runtime": runtime_digest(),
-           "features_dir": _repo_relative(a.features_dir),
+           "features_dir": relative_to_root(a.features_dir, ROOT),
            "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
     return kept(Path(a.out) / f"part-{Path(export).name}.json", key,
                 lambda: compare(export, Path(a.features_dir), a.budget, a.rules, a.requests, a.split_seed))

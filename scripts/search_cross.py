@@ -23,10 +23,15 @@ sys.path.insert(0, str(ROOT))
 SETS = {"tuxpaint": ("sweep_tuxpaint64", "tuxpaint-offline-64b"), "emoji": ("sweep_emoji64", "emoji-offline-64b")}
 
 
+def newest_report(pattern: str, keep=lambda report: True, root: Path = ROOT) -> dict | None:
+    """The newest search report (experiments/search/`pattern`, by file time) that `keep` accepts, None when there
+    is none."""
+    found = sorted((root / "experiments" / "search").glob(pattern), key=lambda f: f.stat().st_mtime)
+    return next((r for r in (json.loads(f.read_text()) for f in reversed(found)) if keep(r)), None)
+
+
 def newest_search(dataset: str, method: str = "ushash") -> dict | None:
-    found = sorted((ROOT / "experiments" / "search").glob(f"{SETS[dataset][1]}-{method}-64b-s0-*/search.json"),
-                   key=lambda f: f.stat().st_mtime)
-    return json.loads(found[-1].read_text()) if found else None
+    return newest_report(f"{SETS[dataset][1]}-{method}-64b-s0-*/search.json")
 
 
 def cross_overrides(to: str, choice: str | None = None, data_seed: int = 0) -> tuple[str, list[str]] | None:

@@ -31,6 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from search_cross import newest_report  # noqa: E402
 
 SETS = {"tuxpaint": "sweep_tuxpaint64", "emoji": "sweep_emoji64"}
 # the spaces searched: "search" is configs/search.yaml's (what `python -m ushash.search` searches: the learning rate,
@@ -64,9 +67,7 @@ def beyond(gain: float, spread: float) -> bool:
 def newest(space: str = "search", root: Path = ROOT) -> dict | None:
     """The newest report of this search over `space` (experiments/search/splits-ushash-64b-*/search.json), None
     when there is none."""
-    found = sorted((root / "experiments" / "search").glob("splits-ushash-64b-*/search.json"), key=lambda f: f.stat().st_mtime)
-    reports = [json.loads(f.read_text()) for f in found]
-    return next((r for r in reversed(reports) if r.get("space_name", "search") == space), None)
+    return newest_report("splits-ushash-64b-*/search.json", lambda r: r.get("space_name", "search") == space, root)
 
 
 def split_configs(sets: dict[str, list[list[str]]], base: list[str]):

@@ -23,6 +23,15 @@ def _pool(rng, n_classes=40, members=3, spread=0.25, confusable=0.1):
     return clustered_pool(rng, n_classes, members, spread, confusable)
 
 
+def _text_pool(rng, **kw):
+    """The text members of `_pool(rng, **kw)` alone (one modality: one pair)."""
+    p, q = _pool(rng, **kw), Pool()
+    for i, m in enumerate(p.modality):
+        if m == "text":
+            q.add("text", p.features[i], p.cls[i], p.kind[i], p.key[i])
+    return q
+
+
 def test_the_item_split_is_disjoint_seeded_and_balanced_by_popularity():
     rng = np.random.default_rng(0)
     pool = _pool(rng)
@@ -85,11 +94,7 @@ def test_prefer_loose_keeps_the_walks_last_passing_point():
     """Where a looser point serves the same hits, `prefer: tight` stays at the tighter one and `loose` takes
     the last point of the walk that passed; the reference is each walk's own replay counts, step by step."""
     head = LSHHead({"text": 24}, bits=64, dim=32, aligned=True, seed=0)
-    pool = Pool()
-    base = _pool(np.random.default_rng(0), n_classes=60, spread=0.05, confusable=0.0)   # tight clusters: ties
-    for i, m in enumerate(base.modality):
-        if m == "text":
-            pool.add("text", base.features[i], base.cls[i], base.kind[i], base.key[i])
+    pool = _text_pool(np.random.default_rng(0), n_classes=60, spread=0.05, confusable=0.0)   # tight clusters: ties
     stream = make_stream(pool, 3000, 0.5, 0)
     got = {}
     for prefer in ("tight", "loose"):
@@ -144,15 +149,7 @@ def test_split_calibration_reports_the_test_halfs_evidence_alone():
     head = LSHHead({"text": 24}, bits=64, dim=32, aligned=True, seed=0)
     rng = np.random.default_rng(0)
 
-    def pool_of(rng):
-        p = _pool(rng, n_classes=80)
-        keep = [i for i, m in enumerate(p.modality) if m == "text"]
-        q = Pool()
-        for i in keep:
-            q.add("text", p.features[i], p.cls[i], p.kind[i], p.key[i])
-        return q
-
-    val, test = pool_of(rng), pool_of(rng)
+    val, test = _text_pool(rng, n_classes=80), _text_pool(rng, n_classes=80)
     s = CalibrationSettings(max_radius=8, threshold_step=0.02, path_points=6, path="split",
                             tight_thresholds=(0.98, 0.9))
     stream = make_stream(val, 4000, 0.5, 0)
