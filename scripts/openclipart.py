@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ushash.core.io import atomic_write  # noqa: E402
+from ushash.data.extract import relative_to_root  # noqa: E402
 
 PACKAGE = "openclipart-svg"
 SVG_IN_DEB = "usr/share/openclipart/svg"
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     labels = len({r["labels"][0] for r in kept})
     print(f"[openclipart] {len(kept)} drawings kept of {len(kept) + sum(dropped.values())} "
           f"({', '.join(f'{n} dropped: {why}' for why, n in dropped.most_common())}), {labels} folders as labels "
-          f"-> {out}", flush=True)
+          f"-> {relative_to_root(out, ROOT)}", flush=True)   # no machine's folder in the log
 
 
 if __name__ == "__main__":

@@ -118,8 +118,8 @@ for _h, (_, _suffix) in CACHEKEY_HEADS.items():
 # the budgeted search on val (docs/baselines.md "A budgeted search on val"): every trained method alike, both real
 # sets at 64 bits, then the choice and the defaults over seeds 0-2
 sys.path.insert(0, str(ROOT / "scripts"))
-from search_cross import SETS as _SEARCH, cross_overrides, newest_search  # noqa: E402
-from search_splits import SPACES as SPLITS_SPACES, beyond, newest as newest_splits  # noqa: E402
+from search_cross import SETS as _SEARCH, cross_overrides, set_search  # noqa: E402
+from search_splits import SPACES as SPLITS_SPACES, beyond, space_report as splits_report  # noqa: E402
 
 SEARCH_SETS = {d: exp_file for d, (exp_file, _) in _SEARCH.items()}
 SEARCH_METHODS = ("ushash", "pairwise", "csq", "orthohash")
@@ -372,11 +372,16 @@ def run_step(name: str) -> None:
     if not rc:
         outputs, made_from = digests(name), {n: digests(n) for n in NEEDS.get(name, [])}
         old = stamp_record(name)
-        if outputs and old and not old.get("returncode") and (old["command"], old.get("outputs"), old.get("made_from", {})) \
-                == (line, outputs, made_from):
+        # a step with no result files made its log: the same log is the same result
+        same_log = not outputs and old and old.get("log_sha256") == hashlib.sha256(new.read_bytes()).hexdigest()
+        if (outputs or same_log) and old and not old.get("returncode") \
+                and (old["command"], old.get("outputs"), old.get("made_from", {})) == (line, outputs, made_from):
             # a run that resumed (a step asked for by another) or repeated its results byte for byte: the stamp and
             # the log of the run that made them stay (a resume's seconds are not the step's wall time)
-            new.unlink()
+            if same_log:
+                os.replace(new, log)   # the same bytes (a fresh clone has no log: they are ignored)
+            else:
+                new.unlink()
             print(f"[reproduce] {name}: its results are the ones its stamp describes ({old['date']}); the stamp is kept",
                   flush=True)
             return
@@ -440,12 +445,12 @@ def outputs_of(step: str) -> list[str]:
         variant = got and (_SEARCH[CROSS_STEPS[step][0]][1], got[1])
     if variant:
         mds.append(str(variant_dir(ROOT / "experiments" / variant[0], variant[1]).relative_to(ROOT) / "results.md"))
-    if step in SEARCH_STEPS:   # the newest report of its set and method: the one search_body publishes
-        rep = newest_search(*SEARCH_STEPS[step])
+    if step in SEARCH_STEPS:   # the report of its set and method: the one search_body publishes
+        rep = set_search(*SEARCH_STEPS[step])
         if rep is not None:
             mds.append(f"{rep['folder']}/search.md")
     for space in SPLITS_SPACES:   # the report search_splits_body publishes
-        if step == splits_step(space) and (rep := newest_splits(space)) is not None:
+        if step == splits_step(space) and (rep := splits_report(space)) is not None:
             mds.append(f"{rep['folder']}/search.md")
     return sorted({p for md in mds for p in (md, str(Path(md).with_suffix(".json")))})
 
@@ -821,7 +826,7 @@ def trained_bits_body() -> str | None:
 
 
 def search_body() -> str | None:
-    """Per set and trained method, the newest search report (experiments/search/<experiment>-<method>-64b-s0-*/
+    """Per set and trained method, the search report (experiments/search/<experiment>-<method>-64b-s0-*/
     search.json): the trial chosen on val, and the defaults and the choice over seeds, val score and test
     mAP@10 (tie-aware, paired and label), mean ± std."""
     sys.path.insert(0, str(ROOT))
@@ -830,7 +835,7 @@ def search_body() -> str | None:
     rows, steps = [], []
     for dataset in SEARCH_SETS:
         for method in SEARCH_METHODS:
-            rep = newest_search(dataset, method)
+            rep = set_search(dataset, method)
             if rep is None:
                 continue
             steps.append(f"search_{dataset}_{method}")
@@ -879,7 +884,7 @@ def cross_table(steps: list[str]) -> str:
 
     rows = []
     for to in SEARCH_SETS:
-        got, own = cross_overrides(to), newest_search(to)
+        got, own = cross_overrides(to), set_search(to)
         if got is None or own is None:
             continue
         other, overrides = got
@@ -1010,11 +1015,11 @@ def search_split_body() -> str | None:
 
     rows, steps = [], []
     for choice in SEARCH_SETS:
-        mine = newest_search(choice)
+        mine = set_search(choice)
         if mine is None:
             continue
         for to in SEARCH_SETS:
-            own, exp = newest_search(to), ROOT / "experiments" / _SEARCH[to][1]
+            own, exp = set_search(to), ROOT / "experiments" / _SEARCH[to][1]
             if own is None:
                 continue
             found = []
@@ -1056,8 +1061,8 @@ def search_split_body() -> str | None:
 
 
 def search_splits_body(space: str = "search") -> str | None:
-    """The newest report of `search_splits` over `space` (experiments/search/splits-ushash-64b-*/search.md), as it is."""
-    rep, step = newest_splits(space), splits_step(space)
+    """The report of `search_splits` over `space` (experiments/search/splits-ushash-64b-*/search.md), as it is."""
+    rep, step = splits_report(space), splits_step(space)
     if rep is None:
         return None
     text = re.sub(r"^#+ ", "#### ", (ROOT / rep["folder"] / "search.md").read_text(encoding="utf-8").strip(), flags=re.M)

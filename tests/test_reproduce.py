@@ -290,7 +290,7 @@ def test_search_split_block_sets_each_choice_against_the_defaults_split_by_split
         return {"over_seeds": {"chosen": side(chosen_val), "defaults": side(default_val)}}
 
     reports = {"a": report([0.42, 0.44, 0.46], [0.40, 0.40, 0.40]), "b": None}
-    monkeypatch.setattr(r, "newest_search", lambda d, method="ushash": reports[d])
+    monkeypatch.setattr(r, "set_search", lambda d, method="ushash": reports[d])
     monkeypatch.setattr(r, "cross_overrides", lambda to, choice=None, seed=0: (
         choice, ["method=ushash", "seed=0,1,2", *([f"data.seed={seed}"] if seed else []), f"x={choice}"]))
 
@@ -427,6 +427,32 @@ def test_a_step_that_repeats_its_results_keeps_the_stamp_of_the_run_that_made_th
     assert json.loads(stamp.read_text())["command"] == r.STEPS["heads"]
 
 
+def test_a_step_without_result_files_that_prints_the_same_log_keeps_its_stamp(tmp_path, monkeypatch):
+    """A step that writes no published file (a data set's fetch, asked for by the steps that read it) made its
+    log: run again as another step's NEEDS with the same log, its stamp stays (it was dated anew on every run,
+    a change to commit that recorded nothing new); another log is stamped anew."""
+    say = tmp_path / "say.py"
+    say.write_text("import sys\nprint('kept', sys.argv[1], 'drawings')\n")
+    r = _isolated(tmp_path, monkeypatch, STEPS={"fetch": f"python {say} 10"})
+    stamp, log = (tmp_path / "experiments" / "reproduce" / f"fetch.{x}" for x in ("json", "log"))
+    r.run_step("fetch")
+    first = json.loads(stamp.read_text())
+    assert first["outputs"] == {} and first["log_sha256"] == hashlib.sha256(log.read_bytes()).hexdigest()
+    first["date"], first["wall_s"] = "2026-01-01", 99.0   # as an earlier day's run would have recorded
+    stamp.write_text(json.dumps(first))
+    log.unlink()                                          # logs are not committed: a fresh clone has none
+    r.run_step("fetch")
+    assert json.loads(stamp.read_text()) == first and log.read_text() == "kept 10 drawings\n"
+    assert not log.with_name("fetch.new.log").exists()
+    monkeypatch.setitem(r.STEPS, "fetch", f"python {say} 11")
+    r.run_step("fetch")                                   # another command
+    assert json.loads(stamp.read_text())["date"] != "2026-01-01"
+    again = json.loads(stamp.read_text())
+    say.write_text("import sys\nprint('kept', sys.argv[1], 'drawings, 3 dropped')\n")
+    r.run_step("fetch")                                   # the same command, another log
+    assert json.loads(stamp.read_text())["log_sha256"] != again["log_sha256"] and "dropped" in log.read_text()
+
+
 def test_a_printed_block_is_published_only_from_a_log_its_stamp_describes(tmp_path, monkeypatch):
     """A printed block (a benchmark's table, the demo's) is the step's log: a failed or interrupted rerun once
     left its partial output there, and publish printed it under the last good run's stamp."""
@@ -536,7 +562,7 @@ def test_a_variant_steps_results_are_its_variant_folders():
 def test_the_search_steps_results_are_their_reports():
     r = _reproduce()
     for step, (dataset, method) in r.SEARCH_STEPS.items():
-        rep = r.newest_search(dataset, method)
+        rep = r.set_search(dataset, method)
         if rep is not None:   # a report names its folder relative to the root
             assert r.outputs_of(step) == [f"{rep['folder']}/search.json", f"{rep['folder']}/search.md"]
 
