@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from search_cross import newest_report  # noqa: E402
+from search_cross import search_report  # noqa: E402
 
 SETS = {"tuxpaint": "sweep_tuxpaint64", "emoji": "sweep_emoji64"}
 # the spaces searched: "search" is configs/search.yaml's (what `python -m ushash.search` searches: the learning rate,
@@ -64,10 +64,10 @@ def beyond(gain: float, spread: float) -> bool:
     return round(gain, 3) > round(spread, 3)
 
 
-def newest(space: str = "search", root: Path = ROOT) -> dict | None:
-    """The newest report of this search over `space` (experiments/search/splits-ushash-64b-*/search.json), None
+def space_report(space: str = "search", root: Path = ROOT) -> dict | None:
+    """The report of this search over `space` (experiments/search/splits-ushash-64b-*/search.json), None
     when there is none."""
-    return newest_report("splits-ushash-64b-*/search.json", lambda r: r.get("space_name", "search") == space, root)
+    return search_report("splits-ushash-64b-*/search.json", lambda r: r.get("space_name", "search") == space, root)
 
 
 def split_configs(sets: dict[str, list[list[str]]], base: list[str]):

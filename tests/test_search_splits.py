@@ -91,3 +91,22 @@ def test_every_space_names_real_settings_and_holds_the_defaults(name):
         with open_dict(cfg):
             cfg.search.space.ushash = search_splits.SPACES[name]
     assert set(method_space(cfg)) == set(search_splits.SPACES[name] or cfg.search.space.ushash)
+
+
+def test_the_published_report_is_the_one_its_settings_accept_and_two_are_refused(tmp_path):
+    """Which report a block publishes was the newest by file time: a clone dates every file alike, so with two
+    reports of one search the published one was whichever the checkout wrote last."""
+    def write(folder, space_name):
+        (tmp_path / "experiments" / "search" / folder).mkdir(parents=True)
+        (tmp_path / "experiments" / "search" / folder / "search.json").write_text(
+            json.dumps({"space_name": space_name, "folder": folder}))
+
+    assert search_splits.space_report("search", tmp_path) is None
+    write("splits-ushash-64b-aaaa", "search")
+    write("splits-ushash-64b-bbbb", "regularisers")
+    assert search_splits.space_report("search", tmp_path)["folder"] == "splits-ushash-64b-aaaa"
+    assert search_splits.space_report("regularisers", tmp_path)["folder"] == "splits-ushash-64b-bbbb"
+    write("splits-ushash-64b-cccc", "search")            # the same search again, with other settings
+    with pytest.raises(SystemExit, match="2 search reports match .*splits-ushash-64b-aaaa, splits-ushash-64b-cccc; "
+                                         "move away all but the one to publish"):
+        search_splits.space_report("search", tmp_path)
