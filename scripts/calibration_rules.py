@@ -32,9 +32,8 @@ from ushash.serving.calibration import CalibrationSettings  # noqa: E402
 from ushash.sim.calibrate import calibrate, measure, pool_and_stream, split_stream  # noqa: E402
 
 
-def compare(export: str, features_dir: Path, budget: float, rules, n_requests: int, split_seed: int) -> dict:
+def compare(head, features_dir: Path, budget: float, rules, n_requests: int, split_seed: int) -> dict:
     """{"dataset", "revision", "rows": [{half, rule, points, hits, false_hits, upper, correct_hit_rate, ...}]}."""
-    head = load_export(export)
     dataset, pool, stream = pool_and_stream(head, features_dir, "val", n_requests, seed=0)
     first = split_stream(pool, stream, "item", 0.5, split_seed)
     rows = []
@@ -65,7 +64,7 @@ def resumed(export: str, a) -> dict:
            "features_dir": relative_to_root(a.features_dir, ROOT),
            "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
     return kept(Path(a.out) / f"part-{Path(export).name}.json", key,
-                lambda: compare(export, Path(a.features_dir), a.budget, a.rules, a.requests, a.split_seed))
+                lambda: compare(head, Path(a.features_dir), a.budget, a.rules, a.requests, a.split_seed))
 
 
 def markdown(results: list[dict], meta: dict) -> str:

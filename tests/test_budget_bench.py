@@ -332,7 +332,7 @@ def test_a_kept_budget_result_is_keyed_by_the_features_it_was_computed_from(tmp_
     fhb = _load("false_hit_budget", "benchmarks/false_hit_budget.py")
     calls = []
     monkeypatch.setattr(fhb, "load_export", lambda export: types.SimpleNamespace(revision="r1"))
-    monkeypatch.setattr(fhb, "run", lambda export, features_dir, *a: calls.append(str(features_dir)) or
+    monkeypatch.setattr(fhb, "run", lambda head, features_dir, *a: calls.append(str(features_dir)) or
                         {"made_from": str(features_dir)})
     s = CalibrationSettings()
 

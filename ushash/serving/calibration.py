@@ -132,7 +132,8 @@ class CalibrationSettings:
                                       # one event (strictest: an item mis-served once is mis-served on every
                                       # repeat, so items, not hits, are the independent trials)
     marginal: bool = True             # a looser point is taken only when the hits it adds are false at
-                                      # most at the target rate (ends the sequence earlier: never less safe)
+                                      # most at the target rate (ends the sequence earlier: never less safe);
+                                      # off, a walk takes its last passing point under either `prefer`
     path_points: int = 16             # points tested per pair (replays of the calibration stream, at most)
     path: str = "split"               # "hits": one path per pair, the grid points ordered by hit counts (no
                                       # labels read), walked on the whole stream; "split": Learn-then-Test
