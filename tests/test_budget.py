@@ -224,6 +224,32 @@ def test_one_input_under_two_classes_is_not_a_false_hit(head):
     assert (int(n[0, 0]), int(bad[0, 0])) == (5, 1)
 
 
+def test_offline_counts_serve_the_entry_seen_first_among_equals(head):
+    """Two rows of one shared caption (two items) are equal candidates for a near request: same code, same
+    cosine. The offline count broke that tie by pool row and counted a false hit where the cache, which
+    serves the entry stored first, serves the request's own item."""
+    from ushash.sim.calibrate import encode_pool, offline_counts, payload_cosines
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=24).astype(np.float32)
+    y = x + 1e-3 * rng.normal(size=24).astype(np.float32)
+    pool = Pool()
+    pool.add("text", x, 1, "original", feature_key("text", x))   # row 0: the caption under item 1
+    pool.add("text", x, 0, "original", feature_key("text", x))   # row 1: the same caption under item 0
+    pool.add("text", y, 0, "original", feature_key("text", y))   # row 2: a near copy, item 0
+    stream = np.array([1, 0, 2])                                   # item 0's row first
+    enc = encode_pool(head, pool)
+    cos = payload_cosines(head, enc)
+    assert (enc.codes[0] == enc.codes[1]).all() and cos[2, 0] == cos[2, 1]   # the tie
+    served = []
+    res = measure(head, pool, stream, served=served, cache_cfg={"radius": 3, "payload_threshold": 0.98})
+    assert served == [-1, 1, 1] and (res["hits"], res["false_hits"]) == (2, 0)   # the cache: row 1, stored first
+    n, bad = offline_counts(enc, cos, stream, np.array([0.98]), np.array([3]))["text>text"]
+    assert (int(n[0, 0]), int(bad[0, 0])) == (2, 0)
+    n, bad = offline_counts(enc, cos, np.array([0, 1, 2]), np.array([0.98]), np.array([3]))["text>text"]
+    assert (int(n[0, 0]), int(bad[0, 0])) == (2, 1)               # item 1's row first: request 2 is served it
+
+
 def test_the_reported_evidence_is_of_the_points_deployed_together(head):
     """A pair's evidence was counted in the walk round where it last passed, while other pairs were still at
     other points: text>image reported 192 hits and a bound of 0.0155 <= 0.02, where the final points replayed

@@ -160,7 +160,8 @@ def _path(settings: CalibrationSettings) -> np.ndarray:
 
 def offline_counts(enc: Encoded, cos: np.ndarray, stream: np.ndarray, thresholds: np.ndarray, radii: np.ndarray):
     """Per pair: hits and false hits [R, T] on the grid radii x thresholds, every earlier distinct request
-    a candidate entry (the hit rule: the nearest within the radius with cosine >= the threshold)."""
+    a candidate entry (the hit rule: the nearest within the radius with cosine >= the threshold; among equals,
+    the entry seen first, as the cache serves the entry stored first)."""
     dist = hamming(enc.codes, enc.codes)
     mods = sorted(set(enc.modality.tolist()))
     mod_idx = {m: i for i, m in enumerate(mods)}
@@ -176,11 +177,12 @@ def offline_counts(enc: Encoded, cos: np.ndarray, stream: np.ndarray, thresholds
             d = dist[q, cand]
             near = d <= rmax
             for b in mods:
-                sel = cand[near & (mcode[cand] == mod_idx[b])]
-                if not len(sel):
+                first = np.flatnonzero(near & (mcode[cand] == mod_idx[b]))   # positions in `order`: first seen first
+                if not len(first):
                     continue
+                sel = cand[first]
                 ds, cs = dist[q, sel], cos[q, sel]
-                o = np.lexsort((sel, -cs, ds))
+                o = np.lexsort((first, -cs, ds))
                 sel, ds, cs = sel[o], ds[o], cs[o]
                 runmax = np.maximum.accumulate(cs)
                 # the first candidate (in serving order) with cosine >= t, per threshold t: a hit at radius r
