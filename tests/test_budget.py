@@ -74,6 +74,13 @@ def test_the_cache_serves_by_per_pair_points_and_exports_them(head, tmp_path):
     assert m.value("cache_pair_calibrated_false_hit_rate", pair="image>image", stat="upper") == pytest.approx(0.009)
     assert m.value("cache_false_hit_target") == pytest.approx(0.01)
     assert m.value("cache_pair_hits_total", pair="image>image") == 1
+    # a code without z: no payload can be checked, so the calibrated pair does not serve it (it was served on
+    # the radius alone, where the bound, which counts checked hits, says nothing); with z the same code hits
+    assert cache.lookup(cache.query_from_code("image", code)) is None
+    assert m.value("cache_rejections_total", reason="pair_no_z") == 1
+    assert cache.lookup_many([cache.query_from_code("image", code), cache.query_from_code("image", code, z)])[1].value \
+        == "img"
+    assert m.value("cache_rejections_total", reason="pair_no_z") == 2
 
 
 def test_a_pair_is_found_by_name_before_the_tier_holds_the_request_modality(head):

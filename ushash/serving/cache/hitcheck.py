@@ -14,7 +14,8 @@ scored in one call per modality, and the winner of each query picked in a second
 With per-pair operating points (`points`, a {"request>entry": PairPoint} mapping from
 ushash.serving.cache.budget, read on every lookup so a shadow breach acts at once) the modality pair of a
 candidate decides instead of `cross_modal`: it is refused when its pair is off (`pair_off`) or beyond the
-pair's radius (`pair_radius`), and the pair's threshold replaces `payload_threshold`. `rank` keeps the
+pair's radius (`pair_radius`), and the pair's threshold replaces `payload_threshold`; a request without z
+(a code alone) is served by no pair (`pair_no_z`), since no payload can be checked for it. `rank` keeps the
 best k candidates of one query instead of one (check / store's top-k).
 
 The cosine is the payload codec's (ushash.serving.payload.scoring.scores): unchecked for the L1's own
@@ -166,10 +167,17 @@ class HitCheck:
                     status[far] = _MODALITY
                     n_far += int(far.sum())
                     thr[sel] = float(p.threshold)
+            # a calibrated point's bound counts hits whose payload was checked: a request without z (a code
+            # alone) cannot be, so no pair serves it (it was served on the radius alone, outside the budget).
+            # Checking payloads, a candidate still _SERVABLE is one of a request without z
+            no_z = status == _SERVABLE if self.payload_check and self.codec is not None else np.zeros(m, bool)
+            status[no_z] = _MODALITY
             if n_off:
                 self.metrics.rejections.labels(reason="pair_off").inc(n_off)
             if n_far:
                 self.metrics.rejections.labels(reason="pair_radius").inc(n_far)
+            if no_z.any():
+                self.metrics.rejections.labels(reason="pair_no_z").inc(int(no_z.sum()))
         cos = np.zeros(m, np.float32)
         if check:
             idx = np.flatnonzero(status == _CHECK)
