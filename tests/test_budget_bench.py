@@ -126,6 +126,19 @@ def test_threshold_is_chosen_on_val_within_the_bound(compare):
     assert compare.select_on_val(rows, 0.001) is None
 
 
+def test_gptcaches_best_case_on_test_is_a_threshold_that_serves(compare):
+    """The comparison's "chosen on test" row: the highest test hit rate within the false-hit limit. A threshold
+    that served nothing passed any limit (0 false hits per hit), so with no real row within it the table
+    showed a hit rate of 0 at some cosine instead of none."""
+    rows = [{"cosine": 0.999, "hits": 0, "false_hits": 0, "false_per_hit": 0.0, "hit_rate": 0.0},
+            {"cosine": 0.99, "hits": 400, "false_hits": 0, "false_per_hit": 0.0, "hit_rate": 0.40},
+            {"cosine": 0.95, "hits": 600, "false_hits": 3, "false_per_hit": 0.005, "hit_rate": 0.60},
+            {"cosine": 0.90, "hits": 700, "false_hits": 14, "false_per_hit": 0.02, "hit_rate": 0.70}]
+    assert compare.best_on_test(rows, 0.01)["cosine"] == 0.95
+    assert compare.best_on_test(rows, 0.0)["cosine"] == 0.99
+    assert compare.best_on_test([rows[0], rows[3]], 0.01) is None
+
+
 def test_embeddings_are_shared_z_or_per_modality_features(compare):
     from ushash.sim.pool import Pool
 

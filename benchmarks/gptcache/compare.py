@@ -132,6 +132,13 @@ def select_on_val(val_rows: list[dict], budget: float) -> dict | None:
     return max(ok, key=lambda r: (r["hit_rate"], r["cosine"])) if ok else None
 
 
+def best_on_test(test_rows: list[dict], limit: float) -> dict | None:
+    """The grid point with the highest test hit rate whose test false hits per hit are within `limit` (chosen
+    on test: GPTCache's best case); a point that serves nothing is none (it has no false hit per hit either)."""
+    ok = [r for r in test_rows if r["hits"] and r["false_per_hit"] <= limit]
+    return max(ok, key=lambda r: r["hit_rate"]) if ok else None
+
+
 def gains(enc, payload_cos: np.ndarray, stream: np.ndarray, ours: list[int], theirs: list[int]) -> dict:
     """Request by request on the same stream: how many requests each cache serves that the other does not,
     and GPTCache's gains by (request modality > entry modality, Hamming distance between the request's code
@@ -265,12 +272,10 @@ def run(export: str, features_dir: Path, kinds, budgets, n_val: int, n_test: int
                     t = entry["test"]   # correct hits only (headroom's rule)
                     entry["headroom"] = headroom(t["hit_rate"] * (1 - t["false_per_hit"]), ref["exact_hit_rate"],
                                                  ref["oracle_hit_rate"])
-            on_test = [r for r in trows if r["false_per_hit"] <= b]
-            entry["test_chosen_on_test"] = max(on_test, key=lambda r: r["hit_rate"]) if on_test else None
+            entry["test_chosen_on_test"] = best_on_test(trows, b)
             u = out["ushash"].get(str(b))
             if u is not None:   # GPTCache at no more false hits per hit than ushash had on this test stream
-                same = [r for r in trows if r["false_per_hit"] <= u["false_per_hit"]]
-                entry["test_at_ushash_false_rate"] = like = max(same, key=lambda r: r["hit_rate"]) if same else None
+                entry["test_at_ushash_false_rate"] = like = best_on_test(trows, u["false_per_hit"])
                 if like is not None:   # GPTCache's answers at that one threshold, request by request
                     theirs = {like["cosine"]: []}
                     emulate(xt, gt, test.cls, st, [like["cosine"]], et.src, served=theirs)
