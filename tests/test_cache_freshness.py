@@ -3,6 +3,7 @@ serves 0 stale hits, over L1 and over Redis with two instances; the revision wat
 a lost revisions key and replica restarts in any order."""
 
 import random
+import re
 import threading
 import time
 from itertools import permutations
@@ -223,6 +224,24 @@ def test_a_rollback_raises_the_older_revisions_rank(redis_srv):
     assert _replica(redis_srv, NEW).watermark.current is False
     x = np.ones(16, np.float32)
     assert new.put("text", features=x, value="answer of the older model")
+
+
+def test_two_exports_made_in_one_second_are_ranked_by_the_millisecond(redis_srv):
+    """`created` was written to the second: two exports made in one second (a re-export with a fix right after
+    the first) tied, and the revision id that sorted higher won, here the older export: it kept serving and
+    the one rolled out stored nothing. Exports now write milliseconds, and a manifest to the second still ranks."""
+    from ushash.serving.cache.freshness import revision_rank
+    from ushash.serving.export import created_now
+
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", created_now())
+    assert revision_rank(_head("rev-a", "2026-01-01T00:00:01Z")) == revision_rank(_head("rev-a", "2026-01-01T00:00:01.000Z"))
+    redis_srv.client.flushall()
+    first, second = ("rev-z", "2026-03-01T10:00:00.120Z"), ("rev-a", "2026-03-01T10:00:00.870Z")   # "rev-z" > "rev-a"
+    new = _replica(redis_srv, second)
+    old = _replica(redis_srv, first)     # an old replica (re)starting after the new one: ranked by its export's time
+    assert new.watermark.current and not old.watermark.current
+    x = np.ones(16, np.float32)
+    assert new.put("text", features=x, value="the fixed model") and not old.put("text", features=x, value="stale")
 
 
 def test_old_replica_that_started_first_goes_stale_when_the_new_one_checks(redis_srv):

@@ -81,6 +81,14 @@ def layer_list(model: USHash) -> tuple[dict, dict[str, torch.Tensor]]:
     return layers, {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
 
 
+def created_now() -> str:
+    """The manifest's `created`: UTC to the millisecond (ISO 8601), since the revision watermark ranks exports by
+    it (ushash.serving.cache.freshness.revision_rank): to the second, two exports made in one second tied, and
+    whichever revision id sorted higher won, the older export as likely as the newer."""
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
 def build_manifest(model: USHash, encoder: dict, payload: PayloadCodec, tensors: dict[str, torch.Tensor],
                    layers: dict, source: dict | None = None) -> dict:
     """The manifest without `files`, `revision` and `manifest_sha256` (write_export adds them)."""
@@ -98,7 +106,7 @@ def build_manifest(model: USHash, encoder: dict, payload: PayloadCodec, tensors:
         "format": artifact.FORMAT,
         "format_version": artifact.FORMAT_VERSION,
         "ushash_version": ushash.__version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created": created_now(),
         "bits": int(model.bits),
         "dim": int(model.dim),
         "modalities": {m: {"in_dim": int(d)} for m, d in model.in_dims.items()},

@@ -197,12 +197,13 @@ def revision_rank(head) -> float | None:
     None for heads without one: they are ranked by the time they are first announced."""
     created = (getattr(head, "manifest", None) or {}).get("created")
     if created:
-        import calendar
+        from datetime import datetime, timezone
 
-        try:
-            return float(calendar.timegm(time.strptime(str(created), "%Y-%m-%dT%H:%M:%SZ")) * 1000)
-        except ValueError:
-            pass
+        for form in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):   # to the ms; exports before it: to the second
+            try:
+                return float(round(datetime.strptime(str(created), form).replace(tzinfo=timezone.utc).timestamp() * 1000))
+            except ValueError:
+                continue
     return None
 
 
