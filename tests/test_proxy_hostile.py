@@ -190,7 +190,7 @@ def test_an_answer_over_max_answer_bytes_is_relayed_as_it_arrives_not_held_whole
     def upstream(request):
         n = 50 if b"big" in request.content else 5
         streams.append(_Chunks(n, 100))
-        headers = {"content-type": "application/json", "x-up": "1"}
+        headers = {"content-type": "application/octet-stream", "x-up": "1"}   # bytes: whole as they are
         if declared:
             headers["content-length"] = str(n * 100)
         return httpx.Response(201 if n == 50 else 200, headers=headers, stream=streams[-1])

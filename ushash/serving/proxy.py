@@ -22,7 +22,8 @@ most `max_answer_bytes` is stored (a longer one is relayed as it arrives, never 
 fails is logged, and the answer still sent), unless its own headers forbid a shared cache to keep it
 (`Cache-Control: no-store`, `private` or `no-cache`, or a `Vary` on request headers other than
 Accept-Encoding: `answer_storable`), or it is already stale, or it reports an error inside its 200 (a JSON
-`error`, an event stream's error event: `reports_error`, `stream_reports_error`); one that states its
+`error`, an event stream's error event: `reports_error`, `stream_reports_error`), or it ends cut off (an event
+stream not at an event's end, a JSON body that does not parse: `answer_whole`); one that states its
 freshness (`s-maxage`, `max-age`, `Expires`, less its `Age`: `answer_lifetime`) is kept no longer than that.
 A request's `Cache-Control: no-cache` or `max-age=0` (or `Pragma: no-cache` without a Cache-Control) skips
 the lookup (the fresh answer is stored), `max-age=N` is not served an answer older than N s (its age, RFC 9111
@@ -67,7 +68,7 @@ from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
 from ushash.serving.cache.entries import loads_json
 from ushash.serving.messages import (content_form, decode_base64, decode_data_url, images_digest, json_digest,
                                      read_content)
-from ushash.serving.service import MAX_JSON_VALUES, check_limits
+from ushash.serving.service import MAX_JSON_VALUES, check_limits, is_json_type
 from ushash.serving.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -319,12 +320,36 @@ def sse_events(text: str):
             data.append(value)
 
 
+#: a line of the field `error`, which the SSE format does not have (a client ignores it): llama.cpp's server
+#: reports a failure inside its 200 so (`error: {"code": 500, ...}`), then ends the stream as a whole one
+_ERROR_FIELD = re.compile(r"(?:\A|[\r\n])error:")
+#: an event stream's end where its last event ended (a blank line); the whole stream's lines are not split again
+_EVENT_END = re.compile(r"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r)\Z")
+
+
 def stream_reports_error(text: str) -> bool:
     """Whether a server-sent event stream reports a failure inside its 200: an event named `error` or ending in
-    `.failed` or `.error` (OpenAI's Responses `response.failed`), or one whose data `reports_error`. Such an
-    answer is relayed, never stored."""
-    return any(name == "error" or name.endswith((".failed", ".error")) or _json_reports_error(data)
-               for name, data in sse_events(text))
+    `.failed` or `.error` (OpenAI's Responses `response.failed`), one whose data `reports_error`, or a line of
+    the field `error` (llama.cpp's). Such an answer is relayed, never stored."""
+    return bool(_ERROR_FIELD.search(text)) or any(
+        name == "error" or name.endswith((".failed", ".error")) or _json_reports_error(data)
+        for name, data in sse_events(text))
+
+
+def answer_whole(text: str, content_type: str) -> bool:
+    """Whether an answer is whole as far as its own form says: an event stream ends where its last event ended
+    (a blank line), a JSON body reads as JSON. An upstream that ends its body by closing the connection (no
+    Content-Length, not chunked) and fails mid-answer ends it as it ends a whole one, for httpx as for any
+    client: such an answer is relayed as it came, never stored."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    if kind == "text/event-stream":
+        return bool(_EVENT_END.search(text[-4:]))
+    if is_json_type(content_type):
+        try:
+            loads_json(text.encode())
+        except (ValueError, RecursionError):
+            return False
+    return True
 
 
 def answer_storable(headers, now: Optional[float] = None) -> bool:
@@ -677,6 +702,10 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 return
             if (stream_reports_error(text) if ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
                     else _json_reports_error(text)):
+                return
+            if not await workers.run(answer_whole, text, ctype):   # (a body's JSON read off the event loop)
+                own.store_failures.inc()
+                log.warning("the upstream's answer ended cut off (%s, %d bytes): relayed, not stored", ctype, len(body))
                 return
             q, tenant, meta, refused = key
             ttl = cache.freshness.within(answer_lifetime(up.headers, now), ttl_s)
