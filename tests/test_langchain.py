@@ -185,3 +185,22 @@ def test_a_prompt_the_cache_cannot_key_is_a_miss_and_not_stored(lc_cache):
     llm = FakeListChatModel(responses=["first", "second"], cache=lc_cache)
     assert [llm.invoke("a very long prompt").content for _ in range(2)] == ["first", "second"]
     assert len(lc_cache.cache) == 0
+
+
+def test_a_text_prompts_earlier_turns_are_matched_exactly(lc_cache):
+    """A text prompt was looked up by all its messages' texts together, by meaning: two prompts whose system
+    messages say opposite things in the same words ("answer in french not english", "answer in english not
+    french") before one question were one entry. The texts of every message but the last are an exact filter;
+    the last is still matched by meaning."""
+    from langchain_core.messages import SystemMessage
+
+    llm = FakeListChatModel(responses=["une grenouille", "a frog", "third"], cache=lc_cache)
+    french = [SystemMessage("answer in french not english"), HumanMessage("what is a frog")]
+    english = [SystemMessage("answer in english not french"), HumanMessage("what is a frog")]
+    assert featurize("text", parse_prompt(dumps(french))[0]).tolist() == \
+        featurize("text", parse_prompt(dumps(english))[0]).tolist()                  # alike by meaning
+    assert llm.invoke(french).content == "une grenouille"
+    assert llm.invoke(english).content == "a frog"                                   # not the French answer
+    assert llm.invoke([french[0], HumanMessage("what is a frog?")]).content == "une grenouille"   # near: served
+    assert llm.invoke(english).content == "a frog" and llm.i == 2
+    assert parse_prompt(dumps([HumanMessage("what is a frog")]))[4] == ""             # one message: no context

@@ -958,3 +958,31 @@ def test_metrics_count_each_answer_by_outcome_and_need_a_token(setup):
     assert got == want and want == {"hit": 1, "miss": 2, "bypass": 2, "refused": 1, "upstream_error": 1}
     assert re.search(r"^proxy_upstream_duration_seconds_count 4\.0$", text, re.M)  # the forwarded ones that were answered
     assert re.search(r'^cache_gets_total\{result="hit"\} 1\.0$', text, re.M)  # the cache's own series beside them
+
+
+def test_a_text_requests_earlier_turns_are_matched_exactly():
+    """A text request was looked up by all its messages' texts together, by meaning: system prompts saying
+    opposite things in the same words before one question got one answer. The texts of every message but the
+    last are an exact filter (a changed turn of the conversation so far, too); the last is matched by meaning."""
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"answer": len(calls)})
+
+    def conv(system, question, *earlier):
+        return {"model": "m1", "messages": [{"role": "system", "content": system}, *earlier,
+                                            {"role": "user", "content": question}]}
+
+    client = _proxy_at(clock, up)
+    french, english = "answer in french not english", "answer in english not french"   # one bag of words
+    ask = lambda body: client.post("/v1/chat/completions", json=body)                   # noqa: E731
+    assert ask(conv(french, "what is a frog")).json() == {"answer": 1}
+    assert ask(conv(english, "what is a frog")).json() == {"answer": 2}                 # not the French answer
+    r = ask(conv(french, "a frog is what"))                                              # by meaning: served
+    assert r.headers["x-cache"] == "hit" and r.json() == {"answer": 1}
+    said = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi, ask away"}]
+    other = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "ask away, hi"}]
+    assert ask(conv(french, "what is a frog", *said)).json() == {"answer": 3}
+    assert ask(conv(french, "what is a frog", *other)).json() == {"answer": 4}         # another conversation
+    assert ask(conv(french, "what is a frog", *said)).headers["x-cache"] == "hit" and len(calls) == 4

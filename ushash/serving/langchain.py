@@ -31,9 +31,12 @@ from ushash.serving.messages import content_form, decode_data_url, images_digest
 _ALLOWED = [ChatGeneration, Generation, AIMessage, AIMessageChunk, ChatGenerationChunk]
 
 
-def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str], str]:
+def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str], str, str]:
     """(the text of every message joined by newlines, the images, a digest of the rest, a digest of the texts
-    one by one) of a LangChain cache prompt. The last is the exact filter on the text of a prompt looked up
+    one by one, a digest of the texts of every message but the last: "" for one message) of a LangChain
+    cache prompt. The last is the exact filter of a text prompt's earlier turns (a system prompt, the
+    conversation so far): by meaning, "answer in French" and "answer in English" before one question would
+    share an answer. The last is the exact filter on the text of a prompt looked up
     by its image: the joined text is ambiguous (parts "a\\nb", "c" and "a", "b\\nc" join alike). The rest is
     every message with its content less its texts and images (`content_form`: the parts' types and order, an
     image's media type and detail, any other key of a part), and its class, name, tool calls, ...: an answer
@@ -43,23 +46,24 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str], str]:
     try:
         msgs = json.loads(prompt)
     except (ValueError, RecursionError):
-        return prompt, [], "", json_digest([prompt])
+        return prompt, [], "", json_digest([prompt]), ""
     if not (isinstance(msgs, list) and msgs and all(map(_serialised_message, msgs))):
         # a plain LLM's prompt (one that happens to be a JSON array of records too) is its own text
-        return prompt, [], "", json_digest([prompt])
-    texts, images, rest = [], [], []
+        return prompt, [], "", json_digest([prompt]), ""
+    texts, images, rest, before = [], [], [], 0
     for m in msgs:
         kw = m.get("kwargs", {})
         kw = kw if isinstance(kw, dict) else {}
         role = m["id"][-1]
         t, i, complete = read_content(kw.get("content"))
         if not complete:
-            return "", [], None, ""
+            return "", [], None, "", ""
+        before = len(texts)   # the texts before the last message's
         texts += [f"{role}: {x}" for x in t] if len(msgs) > 1 else t
         images += i
         kept = {k: v for k, v in kw.items() if k != "content"}
         rest.append({**m, "kwargs": {**kept, "content": content_form(kw.get("content"))}})
-    return "\n".join(texts), images, json_digest(rest), json_digest(texts)
+    return "\n".join(texts), images, json_digest(rest), json_digest(texts), json_digest(texts[:before]) if before else ""
 
 
 def _serialised_message(m) -> bool:
@@ -80,7 +84,7 @@ class USHashLangChainCache(BaseCache):
 
     def _request(self, prompt: str, llm_string: str) -> Optional[tuple[str, Any, Any, dict]]:
         """(modality, data, features, metadata filters) of a prompt; None for one it does not cache."""
-        text, images, rest, texts_key = parse_prompt(prompt)
+        text, images, rest, texts_key, context = parse_prompt(prompt)
         if rest is None:
             return None
         llm = hashlib.sha256(llm_string.encode()).hexdigest()[:32]
@@ -91,6 +95,7 @@ class USHashLangChainCache(BaseCache):
         elif images:   # a head without images cannot tell them apart: keyed by the text, they would share answers
             return None
         else:
+            meta["context"] = context
             modality, data = "text", text
         if self.featurize is not None:
             return modality, None, self.featurize(modality, data), meta

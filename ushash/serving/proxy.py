@@ -5,7 +5,8 @@
 Every POST is read as JSON. The request's text and media come from OpenAI-style chat `messages` (text
 parts, `image_url` parts with base64 data URLs), or, for other APIs, from `text_path` / `image_path`
 (dotted paths into the body, e.g. `input.prompt`, with base64 for the image). A request with an image is
-looked up by the image, its text an exact metadata filter; otherwise by its text. A request holding what
+looked up by the image, its text an exact metadata filter; otherwise by its text ("role: text" lines), the
+texts of every message but the last (a system prompt, the conversation so far) an exact filter. A request holding what
 it cannot key by (an image that is not a base64 data URL, a part of another type, a text that is not a
 string, over 256 messages or parts) is passed through (`X-Cache: bypass`): keyed by the rest, it could be
 served another's answer. So is one the cache cannot encode (an image over its pixel limit or undecodable,
@@ -127,6 +128,8 @@ class Extracted:
     more_images: str = ""              # a digest of the images after it (an exact filter), "" for none
     texts: tuple = ()                  # the texts one by one (chat): the exact filter of an image request's text,
                                        # which the joined text is not ("a\nuser: b", "c" joins as "a", "b\nuser: c")
+    context: str = ""                  # a digest of the texts of every message but the last (chat): the exact
+                                       # filter of a text request's earlier turns, "" for a single message
 
     @property
     def text_digest(self) -> str:
@@ -173,7 +176,7 @@ def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optio
     if isinstance(msgs, list) and not (text_path or image_path):
         if len(msgs) > MAX_MESSAGES:
             return None
-        texts, images = [], []
+        texts, images, before = [], [], 0
         for m in msgs:
             if not isinstance(m, dict):
                 continue
@@ -181,11 +184,13 @@ def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optio
             if not complete:   # an image it cannot decode (a remote URL), a part of another type
                 return None
             role = str(m.get("role", ""))
+            before = len(texts)   # the texts before the last message's
             texts += [f"{role}: {x}" for x in t]
             images += i
         if not texts and not images:
             return None
-        return Extracted("\n".join(texts), images[0] if images else None, images_digest(images[1:]), tuple(texts))
+        return Extracted("\n".join(texts), images[0] if images else None, images_digest(images[1:]), tuple(texts),
+                         json_digest(texts[:before]) if before else "")
     text = _at(body, text_path) if text_path else _MISSING
     img = _at(body, image_path) if image_path else _MISSING
     if text is not _MISSING and not isinstance(text, str):   # a text there, but not one it can read
@@ -585,6 +590,9 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 # forwarded (none, when its Connection header names it)
                 "revision": ", ".join(v.decode("latin-1") for k, v in fwd_headers if k.lower() == b"x-model-revision"),
                 "text": req.text_digest if req.image is not None else "",
+                # a text request's earlier turns (a system prompt, the conversation so far) are matched exactly:
+                # by meaning, "answer in French" and "answer in English" before one question shared an answer
+                "context": req.context if req.image is None else "",
                 "params": params, "more_images": req.more_images}
         modality, data = ("image", req.image) if req.image is not None else ("text", req.text)
         # a model name with a lone surrogate escape cannot be stored (the cache keeps valid Unicode only)
