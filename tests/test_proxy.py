@@ -287,12 +287,12 @@ def test_an_answer_the_upstream_marks_unshareable_is_relayed_not_stored(headers,
     assert again.headers["x-cache"] == ("hit" if stored else "miss") and len(calls) == (1 if stored else 2)
 
 
-def _proxy_at(clock, up):
+def _proxy_at(clock, up, **kw):
     head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=24, aligned=True, seed=0)
     cache = SemanticCache(head, {"radius": 4, "payload_threshold": 0.9, "cross_modal": False, "ttl_jitter": 0.0},
                           clock=lambda: clock[0])
     cache.query = lambda m, data=None, features=None: cache.encoder(m, None, _feats(m, data))
-    return TestClient(create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(up)))
+    return TestClient(create_proxy_app(cache, "http://upstream", transport=httpx.MockTransport(up), **kw))
 
 
 def test_an_answer_without_a_date_is_judged_at_one_time_for_storing_and_keeping():
@@ -986,3 +986,29 @@ def test_a_text_requests_earlier_turns_are_matched_exactly():
     assert ask(conv(french, "what is a frog", *said)).json() == {"answer": 3}
     assert ask(conv(french, "what is a frog", *other)).json() == {"answer": 4}         # another conversation
     assert ask(conv(french, "what is a frog", *said)).headers["x-cache"] == "hit" and len(calls) == 4
+
+
+def test_request_headers_that_change_the_answer_key_it_too():
+    """Anthropic's `anthropic-version` / `anthropic-beta` and OpenAI's `OpenAI-Beta` change what the API answers
+    (a beta feature, another API version) and were not part of the key: a request with one was served the
+    answer to a request without it. `key_headers` (those by default) are exact filters, every line as
+    forwarded; other headers are not."""
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"answer": len(calls)})
+
+    client = _proxy_at(clock, up)
+    ask = lambda **h: client.post("/v1/messages", json=chat("what is a frog"), headers=h)   # noqa: E731
+    assert ask().json() == {"answer": 1}
+    assert ask(**{"anthropic-beta": "extended-cache-ttl-2025-04-11"}).json() == {"answer": 2}
+    assert ask(**{"Anthropic-Beta": "extended-cache-ttl-2025-04-11"}).headers["x-cache"] == "hit"   # any case
+    assert ask(**{"anthropic-version": "2023-06-01"}).json() == {"answer": 3}
+    assert ask(**{"OpenAI-Beta": "assistants=v2"}).json() == {"answer": 4}
+    r = ask(**{"X-Request-Id": "abc"})                                        # not a key header: served
+    assert r.headers["x-cache"] == "hit" and r.json() == {"answer": 1} and len(calls) == 4
+    none = _proxy_at(clock, up, key_headers=())
+    assert none.post("/v1/messages", json=chat("what is a frog")).json() == {"answer": 5}
+    r = none.post("/v1/messages", json=chat("what is a frog"), headers={"anthropic-beta": "x"})
+    assert r.headers["x-cache"] == "hit" and len(calls) == 5                   # key_headers=(): not keyed

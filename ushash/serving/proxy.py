@@ -14,7 +14,8 @@ a text over its length limit or its encoder's token window) or store (a lone sur
 `model`): the upstream
 answers or refuses it as it would without the proxy, and nothing is stored.
 The body's `model`, the URL path and query string (as they came, forwarded so too), `stream`, the
-gateway's `X-Model-Revision` header (every line of it) and everything else in the body (`request_params`:
+gateway's `X-Model-Revision` header (every line of it), the request headers of `key_headers` (the API
+version and beta headers of Anthropic's and OpenAI's APIs) and everything else in the body (`request_params`:
 temperature, max_tokens, tools, the messages' roles and names, the form of their content: the parts'
 order, an image's media type and detail, ...) are exact filters too: an answer of another model,
 endpoint, revision or setting is never served. A hit is answered from the cache (a streamed answer
@@ -104,6 +105,9 @@ class ProxyConfig:
     max_json_values: int = MAX_JSON_VALUES  # a body of more JSON values (counted on its bytes) is forwarded unparsed
     max_answer_bytes: int = 1 << 20   # larger upstream answers are passed through, not stored
     upstream_timeout_s: float = 60.0
+    # request headers that change an answer, so key a request exactly too (every line, as forwarded; besides
+    # X-Model-Revision, always): the API versions and beta features of Anthropic's and OpenAI's APIs
+    key_headers: tuple = ("anthropic-version", "anthropic-beta", "openai-beta")
     ttl_s: Optional[float] = None     # stored answers' TTL; None: the cache's
     device: str = "cpu"
     threads: Optional[int] = 1        # torch's intra-op threads (ushash.serve's `threads`)
@@ -467,18 +471,26 @@ class ProxyMetrics:
         return generate_latest(self.registry)
 
 
+def _headers_digest(headers, names: tuple) -> str:
+    """A digest of the lines of `headers` ((name, value) bytes) whose names (lowercase) are in `names`, in
+    order, "" when there is none: requests that differ there get different answers."""
+    lines = [[k.lower().decode("latin-1"), v.decode("latin-1")] for k, v in headers if k.lower() in names]
+    return json_digest(lines) if lines else ""
+
+
 def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: dict | None = None,
                      text_path: str | None = None, image_path: str | None = None,
                      max_body_bytes: int = ProxyConfig.max_body_bytes,
                      max_json_values: int = ProxyConfig.max_json_values,
                      max_answer_bytes: int = ProxyConfig.max_answer_bytes, timeout_s: float = 60.0,
-                     ttl_s: float | None = None, transport=None):
+                     ttl_s: float | None = None, key_headers=ProxyConfig.key_headers, transport=None):
     import httpx
 
     from ushash.serving.service import _BodyLimit, _ServerFaults, bearer_credentials, too_many_values
 
     check_limits({"max_body_bytes": max_body_bytes, "max_json_values": max_json_values,
                   "max_answer_bytes": max_answer_bytes})
+    keyed = tuple(sorted({str(h).strip().lower().encode("latin-1") for h in key_headers or ()}))
     cache.warm_up()   # what the cache loads once (compiled kernels, ~1 s) before the first request, as ushash.serve does
     tokens = dict(tokens or {})
     check_tenants(cache, tokens)
@@ -589,6 +601,8 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 # every X-Model-Revision line: a request sending two is not keyed as one sending the first; as
                 # forwarded (none, when its Connection header names it)
                 "revision": ", ".join(v.decode("latin-1") for k, v in fwd_headers if k.lower() == b"x-model-revision"),
+                # the `key_headers` it came with, every line as forwarded ("" for none of them)
+                "headers": _headers_digest(fwd_headers, keyed),
                 "text": req.text_digest if req.image is not None else "",
                 # a text request's earlier turns (a system prompt, the conversation so far) are matched exactly:
                 # by meaning, "answer in French" and "answer in English" before one question shared an answer
@@ -801,7 +815,7 @@ def build(cfg):
                            image_path=cfg.get("image_path"), max_body_bytes=int(cfg.max_body_bytes),
                            max_json_values=int(cfg.max_json_values),
                            max_answer_bytes=int(cfg.max_answer_bytes), timeout_s=float(cfg.upstream_timeout_s),
-                           ttl_s=cfg.get("ttl_s"))
+                           ttl_s=cfg.get("ttl_s"), key_headers=tuple(cfg.get("key_headers") or ()))
     return app, host, int(cfg.port), cache
 
 
