@@ -36,7 +36,7 @@ def parse_prompt(prompt: str) -> tuple[str, list[bytes], Optional[str], str, str
     one by one, a digest of the texts of every message but the last: "" for one message) of a LangChain
     cache prompt. The last is the exact filter of a text prompt's earlier turns (a system prompt, the
     conversation so far): by meaning, "answer in French" and "answer in English" before one question would
-    share an answer. The last is the exact filter on the text of a prompt looked up
+    share an answer. The digest of the texts one by one is the exact filter on the text of a prompt looked up
     by its image: the joined text is ambiguous (parts "a\\nb", "c" and "a", "b\\nc" join alike). The rest is
     every message with its content less its texts and images (`content_form`: the parts' types and order, an
     image's media type and detail, any other key of a part), and its class, name, tool calls, ...: an answer
