@@ -58,8 +58,8 @@ def run(head, features_dir: Path, budgets, n_val: int, n_test: int, settings: Ca
         out_dir.mkdir(parents=True, exist_ok=True)
         cal.save(out_dir / f"{dataset}-{b}.calibration.json")
         res = measure(head, test, st, calibration=cal)
-        # the seconds are printed, not kept: the results of a rerun are then the same bytes, and the steps that
-        # read them (gptcache_compare, proxy_overhead) are not made stale by a clock
+        # the seconds are printed, not kept: the results of a rerun (on the same day: they are dated) are then
+        # the same bytes, and the steps that read them (gptcache_compare, proxy_overhead) are not made stale
         out["budgets"][str(b)] = {"calibration": cal.to_dict(), "table": cal.table(), "test": res}
         print(cal.table(), flush=True)
         print(f"{dataset} budget {b}: test hit {res['hit_rate']:.4f} false/hit {res['false_per_hit']:.4f} "
