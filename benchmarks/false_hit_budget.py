@@ -116,24 +116,27 @@ def resumed(export: str, a, settings: CalibrationSettings) -> dict:
     """run(), or its result kept in --out from an earlier run of the same head revision, settings and code
     (an interrupted benchmark resumes with the next export; a changed cache runtime, simulator, package, this
     benchmark or features folder computes it again)."""
-    import hashlib
-
-    from ushash.core.provenance import made_by, runtime_digest
-    from ushash.data.extract import relative_to_root
-
     head = load_export(export)
-    key = {"revision": head.revision, "budgets": a.budgets, "requests": a.requests, "test_requests": a.test_requests,
-           "settings": str(settings), "made_by": made_by(), "runtime": runtime_digest(),
-           "features_dir": relative_to_root(a.features_dir, ROOT),   # a kept result names no machine's folder
-           "benchmark": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
-    return kept(Path(a.out) / f"part-{Path(export).name}.json", key,
+    key = {"budgets": a.budgets, "requests": a.requests, "test_requests": a.test_requests, "settings": str(settings)}
+    return kept(Path(a.out), export, head, a.features_dir, Path(__file__), key,
                 lambda: run(head, Path(a.features_dir), a.budgets, a.requests, a.test_requests, settings, Path(a.out)))
 
 
-def kept(part: Path, key: dict, compute) -> dict:
-    """The result kept in `part` under the same `key`, else compute() written there atomically with its key."""
-    from ushash.core.io import atomic_write
+def kept(out: Path, export: str, head, features_dir, script: Path, settings: dict, compute) -> dict:
+    """The result for `export` kept in `out` (part-<export>.json) under the same key, else compute() written
+    there atomically with its key: the head's revision, `settings`, the code, packages and CPU that compute it
+    (`made_by`, the cache runtime's digest, `script`'s) and the features folder (relative to the repository: a
+    kept result names no machine's folder)."""
+    import hashlib
 
+    from ushash.core.io import atomic_write
+    from ushash.core.provenance import made_by, runtime_digest
+    from ushash.data.extract import relative_to_root
+
+    part = out / f"part-{Path(export).name}.json"
+    key = {"revision": head.revision, **settings, "made_by": made_by(), "runtime": runtime_digest(),
+           "features_dir": relative_to_root(features_dir, ROOT),
+           "script": hashlib.sha256(script.read_bytes()).hexdigest()[:16]}
     if part.exists():
         try:
             old = json.loads(part.read_text())

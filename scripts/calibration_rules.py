@@ -15,7 +15,6 @@ test split is read: this is how a rule is chosen, on val, on both sets. Writes r
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -55,15 +54,9 @@ def compare(head, features_dir: Path, budget: float, rules, n_requests: int, spl
 
 def resumed(export: str, a) -> dict:
     """compare(), or its result kept in --out from an earlier run of the same head, settings and code."""
-    from ushash.core.provenance import made_by, runtime_digest
-    from ushash.data.extract import relative_to_root
-
     head = load_export(export)
-    key = {"revision": head.revision, "budget": a.budget, "rules": a.rules, "requests": a.requests,
-           "split_seed": a.split_seed, "made_by": made_by(), "runtime": runtime_digest(),
-           "features_dir": relative_to_root(a.features_dir, ROOT),
-           "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
-    return kept(Path(a.out) / f"part-{Path(export).name}.json", key,
+    key = {"budget": a.budget, "rules": a.rules, "requests": a.requests, "split_seed": a.split_seed}
+    return kept(Path(a.out), export, head, a.features_dir, Path(__file__), key,
                 lambda: compare(head, Path(a.features_dir), a.budget, a.rules, a.requests, a.split_seed))
 
 

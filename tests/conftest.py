@@ -48,17 +48,21 @@ def asgi_request(app, method: str, path: str, body: bytes = b"", headers=(), que
             b"".join(m.get("body", b"") for m in got if m["type"] == "http.response.body"))
 
 
-def write_tiny_export(out):
+def write_tiny_export(out, in_dims=None, dim=32, encoder=None):
+    """A seeded 64-bit export of a small random head: on the tiny encoder (its input sizes and identity), or on
+    `in_dims` under another `encoder` identity ({"name", "fingerprint", "config"}) when only features are fed."""
     import torch
 
     from ushash.encoders import build_encoder
     from ushash.serving.export import write_export
     from ushash.hashing.heads import USHash
 
-    enc = build_encoder({**ENC_CFG, "device": "cpu"})
+    if encoder is None:
+        enc = build_encoder({**ENC_CFG, "device": "cpu"})
+        in_dims, encoder = dict(enc.dims), {"name": "tiny", "fingerprint": enc.fingerprint, "config": ENC_CFG}
     torch.manual_seed(0)
-    model = USHash(dict(enc.dims), bits=64, dim=32, hidden=32).eval()
-    write_export(model, out, {"name": "tiny", "fingerprint": enc.fingerprint, "config": ENC_CFG})
+    model = USHash(dict(in_dims), bits=64, dim=dim, hidden=32).eval()
+    write_export(model, out, encoder)
     return out
 
 

@@ -101,17 +101,10 @@ def image_features(png: bytes) -> np.ndarray:
 def stand_in_export(out: Path) -> Path:
     """A tiny stand-in for the shipped Tux Paint export that docs/export.md and docs/payloads.md load: 64-bit
     codes, 128-d z, and the encoder identity docs/export.md expects (`("offline", "463bf89e901cf9ea")`), so
-    `expect_encoder` is checked as written. Its heads take the tiny encoder's 16-d features (only features
-    are fed to it, never raw media)."""
-    import torch
-
-    from ushash.hashing.heads import USHash
-    from ushash.serving.export import write_export
-
-    torch.manual_seed(0)
-    model = USHash({"image": 16, "text": 16, "audio": 16}, bits=64, dim=128, hidden=32).eval()
-    return write_export(model, out, {"name": "offline", "fingerprint": "463bf89e901cf9ea",
-                                     "config": {"name": "offline"}})
+    `expect_encoder` is checked as written. Its heads take 16-d features (only features are fed to it, never
+    raw media)."""
+    return write_tiny_export(out, {"image": 16, "text": 16, "audio": 16}, dim=128,
+                             encoder={"name": "offline", "fingerprint": "463bf89e901cf9ea", "config": {"name": "offline"}})
 
 
 def text_pool(head, rng, n_classes: int, near: float | None):

@@ -132,12 +132,17 @@ class Extracted:
     more_images: str = ""              # a digest of the images after it (an exact filter), "" for none
     texts: tuple = ()                  # the texts one by one (chat): the exact filter of an image request's text,
                                        # which the joined text is not ("a\nuser: b", "c" joins as "a", "b\nuser: c")
-    context: str = ""                  # a digest of the texts of every message but the last (chat): the exact
-                                       # filter of a text request's earlier turns, "" for a single message
+    before: int = 0                    # how many of `texts` come before the last message's (chat)
 
     @property
     def text_digest(self) -> str:
         return json_digest(list(self.texts)) if self.texts else _digest(self.text)
+
+    @property
+    def context(self) -> str:
+        """A digest of the texts of every message but the last: the exact filter of a text request's earlier
+        turns, "" for a single message."""
+        return json_digest(list(self.texts[:self.before])) if self.before else ""
 
 
 #: What `_at` gives for a path that leads nowhere (a JSON null there is None).
@@ -194,7 +199,7 @@ def _extract(body: dict, text_path: str | None, image_path: str | None) -> Optio
         if not texts and not images:
             return None
         return Extracted("\n".join(texts), images[0] if images else None, images_digest(images[1:]), tuple(texts),
-                         json_digest(texts[:before]) if before else "")
+                         before)
     text = _at(body, text_path) if text_path else _MISSING
     img = _at(body, image_path) if image_path else _MISSING
     if text is not _MISSING and not isinstance(text, str):   # a text there, but not one it can read
@@ -659,7 +664,13 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
     def store(q, answer, meta, tenant, ttl, refused):
         """In a worker thread (the store and the drop may write to the L2, Redis: never on the event loop): the
         answer stored and, once it is, the entry a max-age refused dropped (RFC 9111 4: the most recent answer is
-        served; kept, it went on answering the wording it was stored for)."""
+        served; kept, it went on answering the wording it was stored for). An answer that ended cut off
+        (`answer_whole`: its JSON read here, off the event loop) is not stored."""
+        if not answer_whole(answer["body"], answer["content_type"]):
+            own.store_failures.inc()
+            log.warning("the upstream's answer ended cut off (%s, %d characters): relayed, not stored",
+                        answer["content_type"], len(answer["body"]))
+            return
         if cache.store_response(q, answer, metadata=meta, tenant=tenant, ttl=ttl) is None or refused is None:
             return
         try:
@@ -724,10 +735,6 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                 return
             if (stream_reports_error(text) if ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
                     else _json_reports_error(text)):
-                return
-            if not await workers.run(answer_whole, text, ctype):   # (a body's JSON read off the event loop)
-                own.store_failures.inc()
-                log.warning("the upstream's answer ended cut off (%s, %d bytes): relayed, not stored", ctype, len(body))
                 return
             q, tenant, meta, refused = key
             ttl = cache.freshness.within(answer_lifetime(up.headers, now), ttl_s)
