@@ -6,6 +6,8 @@ import base64
 import hashlib
 import json
 import re
+import time
+from email.utils import formatdate
 
 import httpx
 import numpy as np
@@ -314,8 +316,7 @@ def test_an_answer_without_a_date_is_judged_at_one_time_for_storing_and_keeping(
     ({"cache-control": "s-maxage=0, max-age=600"}, 1, False), ({"cache-control": "max-age=600, s-maxage=60"}, 120, False),
     ({"cache-control": "max-age=600"}, 120, True), ({"cache-control": "max-age=100", "age": "90"}, 30, False),
     ({"cache-control": "max-age=soon"}, 1, False),
-    ({"date": "Sun, 06 Dec 2026 10:00:00 GMT", "expires": "Sun, 06 Dec 2026 10:01:00 GMT"}, 30, True),
-    ({"date": "Sun, 06 Dec 2026 10:00:00 GMT", "expires": "Sun, 06 Dec 2026 10:01:00 GMT"}, 90, False),
+    ({"date": "{now}", "expires": "{now+60}"}, 30, True), ({"date": "{now}", "expires": "{now+60}"}, 90, False),
     ({"expires": "0"}, 1, False), ({}, 3000, True), ({}, 4000, False),
 ])
 def test_an_answer_is_kept_no_longer_than_the_upstream_allows(headers, later, hit):
@@ -326,7 +327,10 @@ def test_an_answer_is_kept_no_longer_than_the_upstream_allows(headers, later, hi
 
     def up(request):
         calls.append(request)
-        return httpx.Response(200, json={"price": len(calls)}, headers=headers)
+        # a Date is the wall clock's (the proxy judges it by time.time(); the cache's own clock is simulated)
+        now = time.time()
+        return httpx.Response(200, json={"price": len(calls)}, headers={
+            k: {"{now}": http_date(now), "{now+60}": http_date(now + 60)}.get(v, v) for k, v in headers.items()})
 
     client = _proxy_at(clock, up)
     assert client.post("/v1/chat/completions", json=chat("price of gold")).headers["x-cache"] == "miss"
@@ -435,6 +439,47 @@ def test_only_an_age_of_delta_seconds_from_the_upstream_counts(age, served):
     clock[0] += 5
     r = client.post("/v1/chat/completions", json=chat("price of gold"))
     assert r.headers["x-cache"] == "hit" and r.headers["age"] == served
+
+
+def http_date(t: float) -> str:
+    return formatdate(t, usegmt=True)
+
+
+@pytest.mark.parametrize("date_ago,max_age,later,hit,served_age", [
+    (3600, 60, 1, False, None),     # dated an hour ago, fresh for a minute: stale as it comes, not stored
+    (30, 60, 20, True, "50"),       # 30 s old as it comes: 20 s later it is 50 s old, and still fresh
+    (30, 60, 40, False, None),      # 40 s later it would be 70 s old: expired after 30 s in the cache
+    (-600, 60, 30, True, "30"),     # a Date ahead of the proxy's clock: an apparent age of 0, not below
+])
+def test_an_answer_is_as_old_as_its_date_says_without_an_age(date_ago, max_age, later, hit, served_age):
+    """RFC 9111 4.2.3: an answer's age as it comes is the larger of its Age and the time since its Date. The proxy
+    read only Age, so behind a cache that sets none an answer dated an hour ago with max-age=60 was kept and
+    served for a minute more (and its hits' Age left out the hour)."""
+    clock, calls = [1_000_000.0], []
+
+    def up(request):
+        calls.append(request)
+        return httpx.Response(200, json={"price": len(calls)},
+                              headers={"date": http_date(time.time() - date_ago), "cache-control": f"max-age={max_age}"})
+
+    client = _proxy_at(clock, up)
+    assert client.post("/v1/chat/completions", json=chat("price of gold")).headers["x-cache"] == "miss"
+    clock[0] += later
+    again = client.post("/v1/chat/completions", json=chat("price of gold"))
+    assert again.headers["x-cache"] == ("hit" if hit else "miss") and len(calls) == (1 if hit else 2)
+    if hit:   # whole seconds: the Date has no fraction, and a slow test run may add one
+        assert int(again.headers["age"]) - int(served_age) in (0, 1)
+
+
+def test_an_age_beyond_the_dates_counts_with_the_time_the_request_took():
+    """The larger of the two is taken: an Age of 100 from a cache upstream outweighs a Date of now."""
+    from ushash.serving.proxy import initial_age
+
+    now = 1796551260.0
+    headers = httpx.Headers({"date": http_date(now - 5), "age": "100"})
+    assert initial_age(headers, now, asked=now - 2) == 102
+    assert initial_age(httpx.Headers({"date": http_date(now - 500), "age": "100"}), now, asked=now - 2) == 500
+    assert initial_age(httpx.Headers({"date": "not a date"}), now) == 0
 
 
 def test_delta_seconds_past_2_to_the_31_are_2_to_the_31():

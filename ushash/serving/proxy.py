@@ -26,10 +26,11 @@ fails is logged, and the answer still sent), unless its own headers forbid a sha
 Accept-Encoding: `answer_storable`), or it is already stale, or it reports an error inside its 200 (a JSON
 `error`, an event stream's error event: `reports_error`, `stream_reports_error`), or it ends cut off (an event
 stream not at an event's end, a JSON body that does not parse: `answer_whole`); one that states its
-freshness (`s-maxage`, `max-age`, `Expires`, less its `Age`: `answer_lifetime`) is kept no longer than that.
+freshness (`s-maxage`, `max-age`, `Expires`, less its age as it came: `answer_lifetime`) is kept no longer than that.
 A request's `Cache-Control: no-cache` or `max-age=0` (or `Pragma: no-cache` without a Cache-Control) skips
 the lookup (the fresh answer is stored), `max-age=N` is not served an answer older than N s (its age, RFC 9111
-4.2.3: the upstream's `Age` when it came plus its time in the cache; a hit's `Age` says it; the refused entry is
+4.2.3: its age when it came, its `Age` or the time since its `Date` if more, plus its time in the cache; a hit's
+`Age` says it; the refused entry is
 dropped once the fresh answer is stored, RFC 9111 4's most recent), `no-store` skips storing (the directives of
 every Cache-Control line).
 `X-Cache: hit | miss | bypass` says which, and `Server-Timing` how long the lookup took (`lookup;dur=` in ms:
@@ -255,34 +256,48 @@ def _latin1(value: str) -> str:
 
 
 def stored_age(response) -> float:
-    """The upstream's `Age` of a stored answer when it came (RFC 9111 4.2.3's age_value), as `keep` recorded it;
+    """How old a stored answer was when it came (`initial_age`, whole seconds), as `keep` recorded it;
     0 for an entry without one (stored before the proxy kept it, possibly by another proxy through a shared L2)
     or with an invalid one (`_delta_seconds`)."""
     return _delta_seconds(response.get("age")) if isinstance(response, dict) else 0.0
 
 
-def answer_lifetime(headers, now: Optional[float] = None) -> Optional[float]:
-    """Seconds a shared cache may serve an upstream answer from now on (RFC 9111 4.2): its `s-maxage`, else
-    its `max-age`, else `Expires` less `Date` (less `now`, the clock's time when not given, without a Date; an
-    invalid Expires: already stale), less its `Age`; None when it states no freshness (the cache's TTL applies)."""
+def _http_date(value) -> Optional[float]:
+    """An HTTP date as a POSIX time; None for a missing or invalid one."""
     from email.utils import parsedate_to_datetime
 
+    try:
+        return parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+
+
+def initial_age(headers, now: Optional[float] = None, asked: Optional[float] = None) -> float:
+    """How old an upstream answer is as it comes (RFC 9111 4.2.3's corrected_initial_age): the larger of its
+    apparent age (`now`, the clock's time when not given, less its `Date`; none below 0) and its `Age` plus the
+    time the request took (`now` less `asked`, when it was sent). An answer that reached the proxy through a
+    cache that sets no `Age` is still as old as its Date says."""
+    now = time.time() if now is None else now
+    date = _http_date(headers.get("date") or "")
+    apparent = max(0.0, now - date) if date is not None else 0.0
+    return max(apparent, _delta_seconds(headers.get("age")) + (max(0.0, now - asked) if asked is not None else 0.0))
+
+
+def answer_lifetime(headers, now: Optional[float] = None, asked: Optional[float] = None) -> Optional[float]:
+    """Seconds a shared cache may serve an upstream answer from now on (RFC 9111 4.2): its `s-maxage`, else
+    its `max-age`, else `Expires` less `Date` (less `now`, the clock's time when not given, without a Date; an
+    invalid Expires: already stale), less its age as it comes (`initial_age`: its `Age`, or the time since its
+    `Date` when that is more); None when it states no freshness (the cache's TTL applies)."""
+    now = time.time() if now is None else now
     cc = _directive_values(headers.get_list("cache-control"))
     if "s-maxage" in cc or "max-age" in cc:
         life = _delta_seconds(cc.get("s-maxage", cc.get("max-age")))
     elif "expires" in headers:
-        def when(value):
-            try:
-                return parsedate_to_datetime(value).timestamp()
-            except (TypeError, ValueError, IndexError, OverflowError):
-                return None
-
-        expires, date = when(headers.get("expires")), when(headers.get("date") or "")
-        since = date if date is not None else (time.time() if now is None else now)
-        life = 0.0 if expires is None else expires - since
+        expires, date = _http_date(headers.get("expires")), _http_date(headers.get("date") or "")
+        life = 0.0 if expires is None else expires - (date if date is not None else now)
     else:
         return None
-    return life - _delta_seconds(headers.get("age"))
+    return life - initial_age(headers, now, asked)
 
 
 def connection_options(lines: list[str]) -> set[str]:
@@ -366,7 +381,7 @@ def answer_whole(text: str, content_type: str) -> bool:
     return True
 
 
-def answer_storable(headers, now: Optional[float] = None) -> bool:
+def answer_storable(headers, now: Optional[float] = None, asked: Optional[float] = None) -> bool:
     """Whether a shared cache may keep an upstream answer (RFC 9111): not one its Cache-Control marks
     `no-store`, `private` (one user's) or `no-cache` (every reuse revalidated, which the proxy cannot do),
     nor one whose `Vary` names request headers the proxy does not key by (any but Accept-Encoding: the
@@ -374,7 +389,7 @@ def answer_storable(headers, now: Optional[float] = None) -> bool:
     (`answer_lifetime` at `now` <= 0: `max-age=0`, an `Expires` in the past)."""
     if cache_directives(headers.get_list("cache-control")) & {"no-store", "private", "no-cache"}:
         return False
-    life = answer_lifetime(headers, now)
+    life = answer_lifetime(headers, now, asked)
     if life is not None and life <= 0:
         return False
     vary = {v.strip().lower() for line in headers.get_list("vary") for v in line.split(",")}
@@ -645,7 +660,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
 
     def lookup(modality, data, filters, tenant, max_age):
         """In a worker thread: the request encoded, and its hit unless `filters` is None (no-cache) or there is
-        none, with its age (RFC 9111 4.2.3: the upstream's `Age` when it came, `stored_age`, plus the seconds since
+        none, with its age (RFC 9111 4.2.3: its age when it came, `stored_age`, plus the seconds since
         it was stored, on the cache's clock): None too when older than `max_age` (the request's Cache-Control
         max-age), and then the hit refused; with the seconds it took (the thread handoffs are not the lookup's).
         The search may ask the L2 (Redis): never on the event loop."""
@@ -655,7 +670,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
         hit, refused, age = None, None, 0.0
         if hits:
             # an answer that came 100 s old is 100 s older than its time here: its Age, and what max-age is
-            # compared with (its TTL, `answer_lifetime`, was already shortened by that Age: its Age reaches the
+            # compared with (its TTL, `answer_lifetime`, was already shortened by that age: its Age reaches the
             # upstream's lifetime as it expires)
             age = stored_age(hits[0]["response"]) + max(0.0, cache.clock() - hits[0]["inserted_at"])
             hit, refused = (hits[0], None) if max_age is None or age <= max_age else (None, hits[0])
@@ -679,7 +694,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             log.warning("the answer a max-age refused was not dropped: %s: %s", type(e).__name__, e)
 
     async def forward(target, raw, headers, stream, key, label, timing):
-        t0 = time.perf_counter()
+        t0, asked = time.perf_counter(), time.time()
         target = client.base_url.raw_path.rstrip(b"/") + target
         try:
             # the target extension: the request line carries it as it came (httpx's URL would encode " < > again)
@@ -727,7 +742,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
             if key is None or up.status_code != 200 or len(body) > max_answer_bytes:
                 return
             now = time.time()   # one clock reading: the lifetime that made it storable is the one it is kept for
-            if not answer_storable(up.headers, now):
+            if not answer_storable(up.headers, now, asked):
                 return
             try:
                 text = body.decode()
@@ -737,11 +752,10 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
                     else _json_reports_error(text)):
                 return
             q, tenant, meta, refused = key
-            ttl = cache.freshness.within(answer_lifetime(up.headers, now), ttl_s)
-            # its Age as it came (a missing or invalid one 0, as `answer_lifetime` reads it): a hit adds its time in
-            # the cache to it (`lookup`); a whole number of seconds, so that `stored_age` reads it back
-            answer = {"body": text, "content_type": ctype,
-                      "age": int(_delta_seconds(up.headers.get("age")))}
+            ttl = cache.freshness.within(answer_lifetime(up.headers, now, asked), ttl_s)
+            # its age as it came (`initial_age`, as `answer_lifetime` reads it): a hit adds its time in the cache
+            # to it (`lookup`); a whole number of seconds, so that `stored_age` reads it back
+            answer = {"body": text, "content_type": ctype, "age": int(initial_age(up.headers, now, asked))}
             try:
                 await workers.run(store, q, answer, meta, tenant, ttl, refused)
             except Exception as e:   # noqa: BLE001 (the upstream's answer is the client's, stored or not)
