@@ -189,6 +189,24 @@ def test_an_answer_is_kept_no_longer_than_its_origin_allows():
     for stale in (0.0, -1.0, float("nan")):   # never 0, which would store it with no expiry
         with pytest.raises(ValueError, match="stale"):
             hour.within(stale)
+    with pytest.raises(ValueError, match="stale"):   # fresh for less than the shortest TTL: as good as stale
+        hour.within(1e-300)
+
+
+def test_a_ttl_too_short_to_outlive_the_store_is_refused_and_the_live_entry_kept():
+    """A TTL of 1e-300 s expired as it was stored (now + ttl == now), and the store still said it stored it,
+    after replacing the live entry of the same request: the request then missed. Below MIN_TTL_S it is refused."""
+    from ushash.serving.cache.freshness import MIN_TTL_S
+
+    cache = SemanticCache(LSHHead({"text": 8}, bits=64, dim=16), {"radius": 0}, clock=FakeClock())
+    x = np.ones(8, dtype=np.float32)
+    cache.put("text", features=x, value="live")
+    for ttl in (1e-300, 1e-12, MIN_TTL_S / 2):
+        with pytest.raises(ValueError, match="at least"):
+            cache.put("text", features=x, value="gone", ttl_s=ttl)
+    assert cache.get("text", features=x).value == "live"
+    cache.put("text", features=x, value="short", ttl_s=MIN_TTL_S)
+    assert cache.get("text", features=x).value == "short"
 
 
 def test_ttl_with_jitter_expires_entries():

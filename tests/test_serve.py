@@ -99,6 +99,11 @@ def test_malformed_and_oversized_bodies(client):
     assert r.status_code == 413
     r = client.post("/v1/store", json={"modality": "text", "text": "x", "value": 1, "ttl_s": -5})
     assert r.status_code == 422
+    # a TTL that expires as it is stored (1e-300 s: now + ttl == now) is refused, and the live entry stays
+    client.post("/v1/store", json={"modality": "text", "text": "x", "value": "live"})
+    r = client.post("/v1/store", json={"modality": "text", "text": "x", "value": "gone", "ttl_s": 1e-300})
+    assert r.status_code == 422 and "ttl_s" in r.json()["error"]
+    assert client.post("/v1/lookup", json={"modality": "text", "text": "x"}).json()["value"] == "live"
     r = client.get("/nope")
     assert r.status_code == 404
 

@@ -69,6 +69,7 @@ from starlette.datastructures import Headers
 from ushash.serving import connection
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
 from ushash.serving.cache.entries import loads_json
+from ushash.serving.cache.freshness import MIN_TTL_S
 from ushash.serving.messages import (content_form, decode_base64, decode_data_url, images_digest, json_digest,
                                      read_content)
 from ushash.serving.service import MAX_JSON_VALUES, check_limits, is_json_type
@@ -386,11 +387,12 @@ def answer_storable(headers, now: Optional[float] = None, asked: Optional[float]
     `no-store`, `private` (one user's) or `no-cache` (every reuse revalidated, which the proxy cannot do),
     nor one whose `Vary` names request headers the proxy does not key by (any but Accept-Encoding: the
     proxy keeps the decoded body), as `Vary: Accept-Language` or `*`, nor one already stale
-    (`answer_lifetime` at `now` <= 0: `max-age=0`, an `Expires` in the past)."""
+    (`answer_lifetime` at `now` below the cache's shortest TTL, `MIN_TTL_S`: `max-age=0`, an `Expires` in the
+    past)."""
     if cache_directives(headers.get_list("cache-control")) & {"no-store", "private", "no-cache"}:
         return False
     life = answer_lifetime(headers, now, asked)
-    if life is not None and life <= 0:
+    if life is not None and life < MIN_TTL_S:
         return False
     vary = {v.strip().lower() for line in headers.get_list("vary") for v in line.split(",")}
     return not (vary - {"", "accept-encoding"})

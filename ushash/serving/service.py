@@ -58,6 +58,7 @@ from ushash.serving import connection
 from ushash.serving.cache import TENANT_PATTERN, RequestError, UnknownTenant
 from ushash.serving.cache.config import CacheConfig
 from ushash.serving.cache.entries import loads_json
+from ushash.serving.cache.freshness import MIN_TTL_S
 from ushash.serving.messages import decode_base64
 from ushash.serving.workers import Workers
 
@@ -268,7 +269,7 @@ class LookupBatchBody(BaseModel):
 
 class StoreBody(LookupBody):
     value: Any
-    ttl_s: Optional[float] = Field(None, gt=0, le=10 * 365 * 86400)
+    ttl_s: Optional[float] = Field(None, ge=MIN_TTL_S, le=10 * 365 * 86400)
 
 
 _MISS = b'{"hit":false}'

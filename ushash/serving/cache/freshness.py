@@ -38,12 +38,20 @@ from ushash.serving.cache import heap
 log = logging.getLogger("ushash.cache")
 
 
+#: The shortest time to live an entry is stored with: a shorter one (1e-300 s) expired as it was stored, and the
+#: store still said it stored it, after replacing the live entry of the same request with it.
+MIN_TTL_S = 0.001
+
+
 def _check_ttl(ttl_s) -> None:
-    """A time to live is a finite number of seconds >= 0 (NaN would make an entry that never expires)."""
+    """A time to live is a finite number of seconds, 0 (no expiry) or at least MIN_TTL_S (NaN would make an
+    entry that never expires)."""
     if ttl_s is None:
         return
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s < 0:
-        raise ValueError(f"ttl_s must be a finite number of seconds >= 0 (0 or None: no expiry); got {ttl_s!r}")
+    if (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s < 0
+            or 0 < ttl_s < MIN_TTL_S):
+        raise ValueError(f"ttl_s must be a finite number of seconds, 0 or None (no expiry) or at least {MIN_TTL_S} "
+                         f"(an entry that expires as it is stored is not stored); got {ttl_s!r}")
 
 
 class Freshness:
@@ -70,10 +78,10 @@ class Freshness:
     def within(self, life: float | None, ttl_s: float | None = None) -> float | None:
         """The TTL for an answer its origin says stays fresh `life` more seconds (None: it says nothing, and
         `ttl_s` applies): `ttl_s` (None: this Freshness's; 0: no expiry) but no longer than `life`. An answer
-        already stale (`life` <= 0) has no TTL to be stored with: a ValueError (0 would mean no expiry)."""
+        already stale (`life` < MIN_TTL_S) has no TTL to be stored with: a ValueError (0 would mean no expiry)."""
         if life is None:
             return ttl_s
-        if not life > 0:
+        if not life >= MIN_TTL_S:
             raise ValueError(f"an answer fresh for {life!r} more seconds is stale: it is not stored")
         most = self.ttl_s if ttl_s is None else ttl_s
         return float(life) if not most else min(float(most), float(life))
