@@ -398,6 +398,23 @@ def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_desc
         assert "bench: its last run" in str(e) and "failed with exit" in str(e)
 
 
+def test_a_search_over_splits_whose_report_changed_is_not_published_under_its_old_stamp(tmp_path, monkeypatch):
+    """The searches over splits were missing from the steps `unstamped` checks: their report edited by hand was
+    published under the stamp (date, machine) of the run that made the old one. Every step with results is checked."""
+    write = tmp_path / "write.py"
+    write.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True)\n"
+                     "p.write_text(sys.argv[2])\n")
+    r = _isolated(tmp_path, monkeypatch,
+                  STEPS={"search_splits": f"python {write} experiments/search/splits-a/search.md trials-A"})
+    monkeypatch.setattr(r, "SPLITS_SPACES", ("search",))
+    monkeypatch.setattr(r, "splits_report", lambda space: {"folder": "experiments/search/splits-a"})
+    r.run_step("search_splits")
+    assert r.unstamped() == ([], [])
+    (tmp_path / "experiments" / "search" / "splits-a" / "search.md").write_text("trials-B")
+    problems, steps = r.unstamped()
+    assert steps == ["search_splits"] and "search.md changed since its run" in problems[0]
+
+
 def test_a_step_that_repeats_its_results_keeps_the_stamp_of_the_run_that_made_them(tmp_path, monkeypatch):
     """A step asked for by another (its NEEDS) resumes in seconds: its stamp once took that resume's wall time,
     and the published table said a 28-minute benchmark ran in 3 s. Results byte for byte the same keep the stamp
