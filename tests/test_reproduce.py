@@ -80,7 +80,8 @@ def test_the_64_bit_bars_on_another_machine_beside_the_published_ones(tmp_path, 
     for folder, summ in ((exp / "a-64b", {"ushash": {64: (0.30, 0.50)}, "itq": {64: (0.25, 0.52)}, "float": {64: (0.32, 0.6)}}),
                          (again, {"ushash": {64: (0.27, 0.53)}, "itq": {64: (0.25, 0.52)}, "float": {64: (0.32, 0.6)}})):
         folder.mkdir(parents=True)
-        (folder / "results.json").write_text(json.dumps({"summary": _summary(summ)}))
+        (folder / "results.json").write_text(json.dumps({"summary": _summary(summ), "runs": [
+            {"key": "ushash-64b-s0", "digest": "amd" if folder == again else "intel"}]}))
     stamps = exp / "reproduce"
     stamps.mkdir()
     for step, cpu in (("sweep_a64", "Intel(R) Xeon(R) Processor"), ("rerun64_a", "AMD EPYC")):
@@ -92,6 +93,10 @@ def test_the_64_bit_bars_on_another_machine_beside_the_published_ones(tmp_path, 
         "| 0.500 vs 0.520 (missed) |",
         "| a | rerun: AMD EPYC, 2026-12-06 | 0.270 | 0.250 | +0.020 (missed) | 0.320 | 0.84x (missed) "
         "| 0.530 vs 0.520 (met) |"]
+    # the rerun's runs are the published ones (the same CPU model: the sweep read them back): not shown as a rerun
+    (again / "results.json").write_text((exp / "a-64b" / "results.json").read_text())
+    body = r.rerun64_body()
+    assert "| a |" not in body and "No rerun on another machine is recorded" in body and "a (2026-12-06)" in body
     (stamps / "rerun64_a.json").unlink()   # no rerun: no block
     assert r.rerun64_body() is None
 
