@@ -728,7 +728,7 @@ def start_val_body() -> str | None:
     sys.path.insert(0, str(ROOT))
     from ushash.evaluation.sweep import run_path, variant_dir
     lines, stamps = [], []
-    for dataset, (_, exp) in ABLATION_SETS.items():
+    for dataset, (published, exp) in ABLATION_SETS.items():
         folder = variant_dir(ROOT / "experiments" / exp, START_VAL)
         base = ROOT / "experiments" / exp / "results.json"
         if not (folder / "results.json").exists() or not base.exists():
@@ -742,8 +742,11 @@ def start_val_body() -> str | None:
         step = ROOT / "experiments" / "reproduce" / f"start_val_{dataset}.json"
         made = json.loads(step.read_text())["date"] if step.exists() else \
             datetime.date.fromtimestamp((folder / "results.json").stat().st_mtime)
-        on = made_on([f"start_val_{dataset}"])
-        stamps.append(f"{dataset}: {made}, {agg['runs_wall_s'] / 60:.0f} min of training summed over its runs{', ' + on if on else ''}")
+        # the rows quote the 64-bit experiment's ITQ, float space and defaults too: its run's date and machine as well
+        on, ref_rec = made_on([f"start_val_{dataset}", published]), stamp_record(published)
+        ref_made = f" (the 64-bit experiment beside it: {ref_rec['date']})" if ref_rec else ""
+        stamps.append(f"{dataset}: {made}{ref_made}, {agg['runs_wall_s'] / 60:.0f} min of training summed over its runs"
+                      f"{', ' + on if on else ''}")
         kept = []
         for seed in sorted(runs):
             run = next(r for r in agg["runs"] if r["seed"] == seed)

@@ -101,6 +101,38 @@ def test_the_64_bit_bars_on_another_machine_beside_the_published_ones(tmp_path, 
     assert r.rerun64_body() is None
 
 
+def test_the_start_val_block_names_the_run_of_the_64_bit_rows_it_quotes(tmp_path, monkeypatch):
+    """start-val's rows quote the 64-bit experiment's ITQ, float space and defaults; its first line named only the
+    start_val step's date and machine, so a 64-bit experiment run elsewhere went out under another machine."""
+    from ushash.evaluation.sweep import run_path, variant_dir
+
+    r = _reproduce()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    monkeypatch.setattr(r, "ABLATION_SETS", {"a": ("sweep_a64", "a-64b")})
+    exp = tmp_path / "experiments"
+    folder = variant_dir(exp / "a-64b", r.START_VAL)
+    folder.mkdir(parents=True)
+    runs = [{"key": f"ushash-64b-s{s}", "digest": f"d{s}" * 8, "seed": s} for s in range(3)]
+    (folder / "results.json").write_text(json.dumps({"runs": runs, "runs_wall_s": 120,
+                                                     "summary": _summary({"ushash": {64: (0.3, 0.5)}})}))
+    (exp / "a-64b" / "results.json").write_text(json.dumps({"summary": _summary(
+        {"ushash": {64: (0.28, 0.49)}, "itq": {64: (0.25, 0.47)}, "float": {64: (0.31, 0.5)}})}))
+    for run in runs:
+        f = run_path(exp / "a-64b", run["key"], run["digest"]) / "result.json"
+        f.parent.mkdir(parents=True)
+        f.write_text(json.dumps({"starts": {"itq": 0.4, "lsh": 0.35}, "start": "itq", "rows": [
+            {"method": "ushash", "protocol": p, "tie_map@10": v} for p, v in (("paired", 0.3), ("label", 0.5))]}))
+    stamps = exp / "reproduce"
+    stamps.mkdir()
+    for step, cpu, date in (("start_val_a", "AMD EPYC", "2026-12-07"), ("sweep_a64", "Intel(R) Xeon(R) Processor",
+                                                                       "2026-12-01")):
+        (stamps / f"{step}.json").write_text(json.dumps({"command": f"python -m {step}", "date": date,
+                                                         "machine": f"2 x86_64 cores ({cpu}), no GPU"}))
+    first = r.start_val_body().split("\n", 1)[0]
+    assert "2026-12-07" in first and "AMD EPYC" in first
+    assert "the 64-bit experiment beside it: 2026-12-01" in first and "Intel(R) Xeon(R) Processor" in first
+
+
 def test_cache_bars_table_is_computed_from_the_runs(tmp_path, monkeypatch):
     r = _reproduce()
     monkeypatch.setattr(r, "ROOT", tmp_path)
