@@ -4,6 +4,7 @@ import importlib.util
 import hashlib
 import json
 
+import numpy as np
 import pytest
 
 from ushash.config import ROOT
@@ -65,6 +66,18 @@ def test_bars_table_says_met_or_missed_by_how_much(tmp_path, monkeypatch):
     monkeypatch.setattr(r, "ABLATION_SETS", {"b": ("sweep_b64", "b-64b")})
     monkeypatch.setattr(r, "BITS_SETS", {"b": ("sweep_b", "b-bits")})
     assert r.bars_body() is None
+
+
+def test_a_printed_number_is_never_rounded_to_the_other_side_of_its_verdict():
+    """0.89996 printed "0.900x" beside "missed by 0.000x"; 0.487 vs 0.487 beside "missed"; "missed by 0.0000"."""
+    r = _reproduce()
+    assert r.times(0.89996) == "0.89996x" and r.short_of(0.89996) == "**missed by 0.00004x**"
+    assert r.times(0.897) == "0.897x" and r.times(0.95) == "0.95x" and r.short_of(0.77) == "**missed by 0.13x**"
+    assert r.versus(0.48701, 0.48705) == "0.48701 vs 0.48705" and r.versus(0.4871, 0.4869) == "0.487 vs 0.487"
+    assert r.amount(0.00003, 4) == "0.00003" and r.amount(0.0152, 4) == "0.0152" and r.amount(0.0, 3) == "0.000"
+    for x in np.random.default_rng(0).uniform(0.85, 0.95, 2000):   # the printed ratio is on the verdict's side
+        printed = float(r.times(x)[:-1])
+        assert (printed >= 0.9) == (x >= 0.9) and (x >= 0.9 or float(r.short_of(x)[12:-3]) > 0)
 
 
 def test_the_64_bit_bars_on_another_machine_beside_the_published_ones(tmp_path, monkeypatch):
