@@ -237,3 +237,12 @@ def test_variants_of_a_run_never_share_a_folder_and_their_plots_say_which_run(st
         assert res["out"].rsplit("/", 1)[-1] in title
         assert ("no revision change" in title) == bool(extra) and "feature perturbations" in title
     assert len(set(outs)) == 2 and all("experiments/cachesim/synthetic-" in o for o in outs)
+    # the same settings over other features (another store of the data set: features_dir only points to it)
+    # replay another pool: another folder, never the first run's overwritten
+    from ushash.sim.pool import build_pool
+
+    cfg = compose("cachesim", base)
+    pool, _ = build_pool(cfg, head)
+    assert run_cachesim(cfg, head=head, pool=pool)["out"] == outs[0]
+    pool.features[0] = pool.features[0] * 0.5
+    assert run_cachesim(cfg, head=head, pool=pool)["out"] not in outs

@@ -51,6 +51,16 @@ class Pool:
     def __len__(self):
         return len(self.cls)
 
+    def digest(self) -> str:
+        """16 hex digits over every member (modality, features, class, kind, exact key, source): what a replay of
+        this pool is computed from, whichever feature store or media it was built from."""
+        h = hashlib.blake2b(digest_size=8)
+        for m, x, c, k, key, src in zip(self.modality, self.features, self.cls, self.kind, self.key, self.source):
+            for part in (m.encode(), np.ascontiguousarray(x, np.float32).tobytes(), str(c).encode(), k.encode(), key, src):
+                h.update(len(part).to_bytes(8, "little"))
+                h.update(part)
+        return h.hexdigest()
+
     def counts(self, attr: str) -> dict[str, int]:
         """How many members have each value of `attr` ("kind" or "modality"), in sorted order."""
         values = getattr(self, attr)

@@ -195,7 +195,8 @@ def _run(cfg: DictConfig, head, pool: Pool | None) -> dict:
                 [(f"payload cos >= {th:g}", dict(payload_check=True, payload_threshold=th), {"threshold": th})
                  for th in ths], stream, pool, clock, **kw)
     info = run_info(cfg, head, pool, dataset, cache_cfg, time.perf_counter() - t0)
-    out = output_dir(cfg, dataset, head.revision)
+    replayed = pool.digest()
+    out = output_dir(cfg, dataset, head.revision, replayed)
     table = write_report(out, info, rows, sweeps, title=run_title(info, out.name),
-                         settings=run_settings(cfg, dataset, head.revision))
+                         settings=run_settings(cfg, dataset, head.revision, replayed))
     return {"out": str(out), "info": info, "rows": rows, "sweep": sweeps, "table": table, "score": score}

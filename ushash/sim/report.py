@@ -27,17 +27,19 @@ def run_info(cfg, head, pool, dataset: str, cache_cfg: dict, seconds: float) -> 
 NOT_DEFINING = ("paths", "out", "progress", "export", "ckpt", "features_dir")
 
 
-def run_settings(cfg, dataset: str, revision: str) -> dict:
-    """Everything that defines a run's results: the config without NOT_DEFINING, plus the dataset and the
-    head's revision (which the export path or checkpoint only point to)."""
+def run_settings(cfg, dataset: str, revision: str, pool: str | None = None) -> dict:
+    """Everything that defines a run's results: the config without NOT_DEFINING, plus the dataset, the head's
+    revision (which the export path or checkpoint only point to) and the digest of the pool replayed
+    (`Pool.digest`: the feature store's rows, which `features_dir` only points to; two stores of one data set
+    once shared a folder, the later run overwriting the earlier one's results)."""
     d = {k: v for k, v in to_dict(cfg).items() if k not in NOT_DEFINING}
-    return {**d, "dataset": dataset, "revision": str(revision)}
+    return {**d, "dataset": dataset, "revision": str(revision), **({"pool": pool} if pool else {})}
 
 
-def run_name(cfg, dataset: str, revision: str) -> str:
+def run_name(cfg, dataset: str, revision: str, pool: str | None = None) -> str:
     """A readable name and a digest of every defining setting: <dataset>-<revision>[-raw][-norev]
     [-<scenario>]-<digest of run_settings>. Two runs share a folder only if every defining setting is equal."""
-    settings = run_settings(cfg, dataset, revision)
+    settings = run_settings(cfg, dataset, revision, pool)
     digest = settings_digest(settings, 10)
     parts = [dataset, str(revision)]
     if settings.get("raw_media"):
@@ -49,9 +51,10 @@ def run_name(cfg, dataset: str, revision: str) -> str:
     return "-".join(parts + [digest])
 
 
-def output_dir(cfg, dataset: str, revision: str) -> Path:
+def output_dir(cfg, dataset: str, revision: str, pool: str | None = None) -> Path:
     """`out`, or experiments/cachesim/<run_name>; a relative path is taken from paths.root."""
-    out = Path(cfg.out) if cfg.get("out") else Path(cfg.paths.experiments_dir) / "cachesim" / run_name(cfg, dataset, revision)
+    out = Path(cfg.out) if cfg.get("out") else Path(cfg.paths.experiments_dir) / "cachesim" / run_name(
+        cfg, dataset, revision, pool)
     return out if out.is_absolute() else Path(cfg.paths.root) / out
 
 
