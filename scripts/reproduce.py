@@ -134,6 +134,9 @@ SEARCH_STEPS = {f"search_{_set}_{_m}": (_set, _m) for _set in SEARCH_SETS for _m
 CROSS_STEPS = {f"search_cross_{_set}": (_set, None, 0) for _set in SEARCH_SETS}
 # steps run first (once per reproduce) when a step is asked for: they resume, so a finished one costs seconds
 NEEDS = {
+    "export_demo": ["demo"],              # the demo's checkpoint (PRODUCES)
+    "payload_tuxpaint": ["demo"],
+    "cachesim_tuxpaint": ["export_demo"],  # its export
     "search_cross_tuxpaint": ["search_emoji_ushash"],
     "search_cross_emoji": ["search_tuxpaint_ushash"],
     "sweep_openclipart64": ["openclipart"],   # its manifest, fetched and written
@@ -144,6 +147,11 @@ NEEDS = {
     "calibration_rules": ["budget_heads"],
     **{cachekey_step(_h, _d): [trained_by] for _h, (trained_by, _) in CACHEKEY_HEADS.items() for _d in CACHEKEY_SETS},
 }
+# what a step makes that is not committed but that a later step reads (a checkpoint, an export): their digests go
+# into the step's stamp ("produced") and into the stamp of a step that needs it ("made_from"), so that running the
+# step again marks every step made from its earlier files (the demo's were read by three steps that said nothing)
+PRODUCES = {"demo": ["checkpoints/demo-tuxpaint-offline-64b-s0/best.ckpt"],
+            "export_demo": ["exports/demo-tux64/manifest.json", "exports/demo-tux64/weights.safetensors"]}
 # the recipe's ablation (docs/baselines.md "Ablation"): each option of the US-HASH recipe changed alone, on both
 # real sets at 64 bits; label -> the overrides (the shipped defaults first). A step per (set, row), each a
 # variant multirun of the set's 64-bit experiment (aggregated under its variants/ folder).
@@ -371,12 +379,14 @@ def run_step(name: str) -> None:
     stamp = {"command": line, "date": datetime.date.today().isoformat(), "machine": machine(),
              "versions": versions(), "wall_s": round(time.perf_counter() - t0, 1), "returncode": rc}
     if not rc:
-        outputs, made_from = digests(name), {n: digests(n) for n in NEEDS.get(name, [])}
+        outputs, made_from, made = digests(name), {n: {**digests(n), **produced(n)} for n in NEEDS.get(name, [])}, \
+            produced(name)
         old = stamp_record(name)
         # a step with no result files made its log: the same log is the same result
         same_log = not outputs and old and old.get("log_sha256") == hashlib.sha256(new.read_bytes()).hexdigest()
-        if (outputs or same_log) and old and not old.get("returncode") \
-                and (old["command"], old.get("outputs"), old.get("made_from", {})) == (line, outputs, made_from):
+        if (outputs or same_log) and old and not old.get("returncode") and (
+                old["command"], old.get("outputs"), old.get("made_from", {}), old.get("produced", {})) == (
+                line, outputs, made_from, made):
             # a run that resumed (a step asked for by another) or repeated its results byte for byte: the stamp and
             # the log of the run that made them stay (a resume's seconds are not the step's wall time)
             if same_log:
@@ -388,6 +398,8 @@ def run_step(name: str) -> None:
             return
         os.replace(new, log)
         stamp["outputs"], stamp["made_from"] = outputs, made_from
+        if made:
+            stamp["produced"] = made
         stamp["log_sha256"] = hashlib.sha256(log.read_bytes()).hexdigest()
     log.with_suffix(".json").write_text(json.dumps(stamp, indent=1) + "\n")
     if rc:
@@ -461,6 +473,19 @@ def digests(step: str) -> dict[str, str]:
     return {p: hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in outputs_of(step) if (ROOT / p).is_file()}
 
 
+def produced(step: str) -> dict[str, str]:
+    """{file: sha256} of the files of PRODUCES[step] that exist (not committed: as this checkout holds them)."""
+    return {p: file_sha256(ROOT / p) for p in PRODUCES.get(step, []) if (ROOT / p).is_file()}
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def unstamped() -> tuple[list[str], list[str]]:
     """(why, step) for every step whose results on disk its stamp does not describe: no stamp, a failed last
     run, a stamp without digests, results changed since the stamp, or results made from other results of a
@@ -473,13 +498,21 @@ def unstamped() -> tuple[list[str], list[str]]:
             read[step] = digests(step)
         return read[step]
 
+    def made(step: str) -> dict[str, str]:   # what a step needed is now: its results, and what its last run produced
+        return {**current(step), **((stamp_record(step) or {}).get("produced") or {})}
+
     # every step with results publish reads (`outputs_of`): a step left out of this list (the searches over splits
     # were) had its report published under the stamp of another run
     for step in sorted(STEPS):
-        now = current(step)
-        if not now:
+        now, rec = current(step), stamp_record(step)
+        disk = produced(step)
+        if rec is not None and disk and disk != (rec.get("produced") or {}):   # (a clone holds none of them)
+            problems.append(f"{step}: {', '.join(sorted(disk))} are not the files its run of {rec.get('date')} produced "
+                            f"(made outside ./run reproduce?)")
+            steps.append(step)
             continue
-        rec = stamp_record(step)
+        if not now and not (rec and NEEDS.get(step)):   # nothing of it here, and nothing it was made from to check
+            continue
         if rec is None:
             why = "no stamp: these results were not made by ./run reproduce"
         elif rec.get("returncode"):
@@ -490,7 +523,7 @@ def unstamped() -> tuple[list[str], list[str]]:
             changed = sorted(p for p in set(rec["outputs"]) | set(now) if rec["outputs"].get(p) != now.get(p))
             why = f"{', '.join(changed)} changed since its run of {rec.get('date')} (made outside ./run reproduce?)"
         else:
-            other = [n for n, was in sorted(rec.get("made_from", {}).items()) if was != current(n)]
+            other = [n for n in NEEDS.get(step, []) if rec.get("made_from", {}).get(n) != made(n)]
             if not other:
                 continue
             why = f"it was made from other {' and '.join(other)} results than the ones here"

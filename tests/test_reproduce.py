@@ -368,7 +368,7 @@ def _isolated(tmp_path, monkeypatch, **tables):
     monkeypatch.setattr(r, "ROOT", tmp_path)
     monkeypatch.setattr(r, "machine", lambda: "2 x86_64 cores (test CPU), no GPU")
     for table in ("STEPS", "NEEDS", "SWEEP_BLOCKS", "PRINTED_BLOCKS", "RESULT_BLOCKS", "VARIANT_STEPS", "SEARCH_STEPS",
-                  "CROSS_STEPS", "MADE_BLOCKS"):
+                  "CROSS_STEPS", "MADE_BLOCKS", "PRODUCES"):
         monkeypatch.setattr(r, table, tables.get(table, {}))
     return r
 
@@ -463,6 +463,42 @@ def test_a_search_over_splits_whose_report_changed_is_not_published_under_its_ol
     (tmp_path / "experiments" / "search" / "splits-a" / "search.md").write_text("trials-B")
     problems, steps = r.unstamped()
     assert steps == ["search_splits"] and "search.md changed since its run" in problems[0]
+
+
+def test_a_checkpoint_trained_again_marks_the_steps_made_from_the_old_one(tmp_path, monkeypatch):
+    """The demo's checkpoint and export are not committed, and the steps that read them (the export, the cache
+    simulation, the payload benchmark) recorded nothing of them: the demo trained again on another machine left
+    their blocks standing, made from the old checkpoint. Their digests now go into the stamps (PRODUCES)."""
+    write = tmp_path / "write.py"
+    write.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True)\n"
+                     "p.write_text(sys.argv[2])\n")
+    r = _isolated(tmp_path, monkeypatch,
+                  STEPS={"train": f"python {write} checkpoints/best.ckpt weights-A",
+                         "bench": f"python {write} experiments/bench/results.md bench-1"},
+                  NEEDS={"bench": ["train"]}, PRODUCES={"train": ["checkpoints/best.ckpt"]},
+                  RESULT_BLOCKS={"bench": ("doc.md", "bench", "experiments/bench/results.md")})
+    r.run_step("train")
+    r.run_step("bench")
+    stamps = tmp_path / "experiments" / "reproduce"
+    assert list(json.loads((stamps / "train.json").read_text())["produced"]) == ["checkpoints/best.ckpt"]
+    assert r.unstamped() == ([], [])
+    # resumed with the same checkpoint: its stamp is kept, nothing is stale
+    r.run_step("train")
+    assert r.unstamped() == ([], [])
+    # trained again, another checkpoint: the benchmark was made from the old one
+    monkeypatch.setitem(r.STEPS, "train", f"python {write} checkpoints/best.ckpt weights-B")
+    r.run_step("train")
+    problems, steps = r.unstamped()
+    assert steps == ["bench"] and "made from other train results" in problems[0]
+    r.run_step("bench")
+    assert r.unstamped() == ([], [])
+    # the checkpoint replaced by hand: not the one the stamp describes
+    (tmp_path / "checkpoints" / "best.ckpt").write_text("weights-C")
+    problems, steps = r.unstamped()
+    assert "train" in steps and "not the files its run of" in problems[0]
+    # a clone holds no checkpoint: the stamps alone are compared
+    (tmp_path / "checkpoints" / "best.ckpt").unlink()
+    assert r.unstamped() == ([], [])
 
 
 def test_a_step_that_repeats_its_results_keeps_the_stamp_of_the_run_that_made_them(tmp_path, monkeypatch):
