@@ -222,11 +222,75 @@ def test_drop_removes_the_entry_from_the_l2_and_every_copy_this_replica_holds(re
     assert h.tier == "l2" and b.get("text", features=y).tier == "l1"
     assert b.drop(h) == 1 and entries() == [] and b.get("text", features=y) is None
     assert _cache(redis_server).get("text", features=y) is None
-    # stored again under its id since the lookup: the L2 keeps the newer answer (b's own L1 copy of it goes)
+    # stored again under its id since the lookup: the L2 keeps the newer answer (b's own L1 copy of it goes: as
+    # a's put replaced the entry, b heard of it and dropped the copy, or b's drop takes it)
     a.put("text", features=y, value="old")
     h = b.get("text", features=y)
     a.put("text", features=y, value="new")
-    assert b.drop(h) == 1 and len(entries()) == 1 and _cache(redis_server).get("text", features=y).value == "new"
+    assert b.drop(h) in (0, 1) and len(entries()) == 1 and _cache(redis_server).get("text", features=y).value == "new"
+    assert _until(lambda: b.get("text", features=y).value == "new")
+
+
+def _until(ok, seconds: float = 5.0) -> bool:
+    """Whether `ok()` became true within `seconds` (another replica's change arrives by pub/sub, asynchronously)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if ok():
+            return True
+        time.sleep(0.01)
+    return ok()
+
+
+def test_a_replica_drops_its_l1_copy_of_an_entry_another_replica_refreshed(redis_server):
+    """A replica served its L1 copy of a shared entry until the copy expired (an hour by default), after another
+    replica stored a fresh answer for the same request (the proxy's Cache-Control: no-cache) or dropped it. Each
+    replica now hears the other's change on the L2's channel and drops its copy: its next lookup reads the L2."""
+    a, b = _cache(redis_server), _cache(redis_server)
+    x, y = np.linspace(-1, 1, 16).astype(np.float32), np.ones(16, np.float32)
+    a.put("text", features=x, value="old")
+    a.put("text", features=y, value="kept")
+    assert b.get("text", features=x).tier == "l2" and b.get("text", features=x).tier == "l1"   # b's copy
+    assert b.get("text", features=y).value == "kept"
+    a.put("text", features=x, value="new")   # a refresh: the same request stored again
+    assert _until(lambda: b.get("text", features=x).value == "new")
+    assert b.get("text", features=y).tier == "l1"   # another entry's copy stays
+    assert b.metrics.value("cache_evictions_total", reason="changed_elsewhere") == 1
+    # a drop of the entry on one replica: the other's copy goes
+    b.get("text", features=x)
+    assert a.drop(a.check(features=x)[0]) == 1
+    assert _until(lambda: b.get("text", features=x) is None)
+    # a replica's own writes are not news to it: its entry stays in L1
+    b.put("text", features=x, value="b's")
+    b.put("text", features=x, value="b's again")
+    time.sleep(0.2)
+    assert b.get("text", features=x).tier == "l1"
+    # a tenant deleted on one replica: the other's copies of its entries go, another tenant's stay
+    c, d = _cache(redis_server, tenants=["t1", "t2"]), _cache(redis_server, tenants=["t1", "t2"])
+    c.put("text", features=x, value="t1's", tenant="t1")
+    c.put("text", features=x, value="t2's", tenant="t2")
+    assert d.get("text", features=x, tenant="t1").tier == "l2" and d.get("text", features=x, tenant="t2").tier == "l2"
+    c.delete_tenant("t1")
+    assert _until(lambda: d.get("text", features=x, tenant="t1") is None)
+    assert d.get("text", features=x, tenant="t2").tier == "l1"
+
+
+def test_a_replica_that_missed_changes_drops_every_l1_copy_once_it_hears_again(redis_server):
+    """Pub/sub delivers at most once: a replica whose subscription dropped may have missed a change, so when it is
+    subscribed again it drops every L1 copy of an L2 entry (its next lookups read the L2). Without the channel
+    (`l2.invalidate: false`) a replica keeps its copies until they expire, as before."""
+    a, b = _cache(redis_server), _cache(redis_server, l2={"breaker_backoff_s": 0.05})
+    quiet = _cache(redis_server, l2={"invalidate": False})
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    a.put("text", features=x, value="old")
+    assert b.get("text", features=x).tier == "l2" and quiet.get("text", features=x).tier == "l2"
+    redis_server.client.client_kill_filter(_type="pubsub")   # every subscriber's connection cut
+    assert _until(lambda: b.metrics.value("cache_evictions_total", reason="changed_elsewhere") == 1)
+    assert b.get("text", features=x).tier == "l2"   # read from the L2 again, copied again
+    a.put("text", features=x, value="new")
+    assert _until(lambda: b.get("text", features=x).value == "new")   # subscribed again: it hears the change
+    time.sleep(0.2)
+    assert quiet.get("text", features=x).value == "old" and quiet.get("text", features=x).tier == "l1"
+    b.close()
 
 def test_tenants_are_isolated_in_l2_and_keys_share_a_cluster_slot(redis_server):
     from redis.cluster import key_slot
@@ -351,6 +415,11 @@ def test_redis_cluster_layout(tmp_path):
             assert caches[1].get("text", features=x + 1e-3, tenant=tenants[(i + 1) % 10]) is None
         assert caches[0].metrics.value("cache_l2_errors_total", op="put") == 0
         assert sum(caches[1].metrics.value("cache_l2_errors_total", op=op) for op in ("lookup", "fetch")) == 0
+        # a put that replaces an entry is heard by the other replica across the cluster (PUBLISH from the script
+        # on the entry's node reaches a subscriber on any node): its L1 copy goes
+        assert caches[1].get("text", features=xs[3], tenant="t3").tier == "l1"
+        assert caches[0].put("text", features=xs[3], value="again", tenant="t3")
+        assert _until(lambda: caches[1].get("text", features=xs[3], tenant="t3").value == "again")
         # a batch: the lookup script of every query in one cluster pipeline, on nodes that hold no script (a
         # restarted or new node: redis-py loads no script for a cluster pipeline, its EVALSHA was NOSCRIPT)
         for port, _ in nodes:

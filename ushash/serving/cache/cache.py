@@ -175,6 +175,8 @@ class SemanticCache(CheckStore):
         self._tier_config = c if r is None else dataclasses.replace(
             c, radius=r, observe_radius=r if c.observe_radius is None else max(r, int(c.observe_radius)))
         if c.l2 is not None and (self.l2 is None or self.l2.bits != int(head.bits)):
+            if self.l2 is not None:
+                self.l2.close()
             self.l2 = self._make_l2(int(head.bits))
         elif self.l2 is not None:   # the same store: it searches as far as the new head's points, as L1 does
             t = self._tier_config
@@ -205,9 +207,27 @@ class SemanticCache(CheckStore):
             self.watermark.newest, self.watermark.newest_rank = old.newest, old.newest_rank  # still known newer
         if self.l2 is not None:
             self.watermark.attach(self.l2.announce, self.l2.newest_revision)
+            if c.l2.invalidate:
+                self.l2.listen(self._changed_elsewhere, self._changes_missed)
         # what a lookup or a store reads at once: the L1 tier, the tiers and their revision (a reload swaps it)
         self._serving = (self.l1, self.tiers, str(head.revision))
         self.l1.update_gauges()
+
+    def _changed_elsewhere(self, tenant: str, l2id: str) -> None:
+        """Another replica replaced or dropped L2 entry `l2id` of `tenant` ("*": deleted the tenant): this one's
+        L1 copy goes, so that its next lookup reads the L2 (the subscriber thread of `RedisStore.listen`)."""
+        self._serving[0].forget_copies(tenant, l2id)
+
+    def _changes_missed(self) -> None:
+        """The change channel was down: every L1 copy of an L2 entry goes, as any may have changed meanwhile."""
+        n = self._serving[0].forget_copies()
+        if n:
+            log.info("the L2's change channel is back: %d L1 copies of L2 entries dropped", n)
+
+    def close(self) -> None:
+        """Stop the L2's subscriber thread (a cache without an L2 holds nothing to close)."""
+        if self.l2 is not None:
+            self.l2.close()
 
     def warm_up(self) -> None:
         """Load the compiled (numba) kernels of lookups and stores now, on a throwaway L1-only cache of the

@@ -32,6 +32,8 @@ class L2Config:
     breaker_max_backoff_s: float = 30.0
     watermark_check_s: float = 1.0           # how often the newest announced revision is re-read; 0: every lookup
     write: bool = True                       # store puts in the L2 too
+    invalidate: bool = True                  # drop this replica's L1 copy of an L2 entry another replica replaced
+                                             # or dropped (Redis pub/sub, channel <prefix>:changed)
     max_bucket_read: int = 20000             # bucket members one lookup reads at most: the largest probe buckets
                                              # beyond it are left out (counted, cache_l2_errors_total{op="oversized"})
 

@@ -329,6 +329,7 @@ class EntryTable:
         self._max = {name: int(np.iinfo(self.NUMERIC[name]).max) for name in self.WIDEN}
         self._words = self._words_of = None       # code_words' view, and the column it is of
         self.l2id: dict[int, str] = {}
+        self.slots_of_l2id: dict[str, set[int]] = {}   # the reverse of l2id: an L2 entry's copies (one per tenant)
         self.scope: dict[int, bytes] = {}
         self.arena = np.zeros(256, np.uint8)
         self._top = 0            # arena bytes used (live + garbage)
@@ -433,8 +434,10 @@ class EntryTable:
         self.kind[slot] = VALUE_KINDS.index(e.kind)
         self.created[slot], self.expires[slot] = e.created, e.expires
         self.compute_s[slot] = min(e.compute_s, COMPUTE_S_MAX)
+        self._unlink_l2id(slot)
         if e.id is not None:
             self.l2id[slot] = e.id
+            self.slots_of_l2id.setdefault(e.id, set()).add(slot)
         if e.scope:
             self.scope[slot] = e.scope
         self._arena_put(slot, e.value)
@@ -499,12 +502,20 @@ class EntryTable:
         if not self.alive[slot]:
             return
         self.alive[slot] = False
-        self.l2id.pop(slot, None)
+        self._unlink_l2id(slot)
         self.scope.pop(slot, None)
         self._live_bytes -= int(self.vlen[slot])
         self.vlen[slot] = 0
         self._free.append(slot)
         self.live -= 1
+
+    def _unlink_l2id(self, slot: int) -> None:
+        eid = self.l2id.pop(slot, None)
+        if eid is not None:
+            held = self.slots_of_l2id[eid]
+            held.discard(slot)
+            if not held:
+                del self.slots_of_l2id[eid]
 
     def live_slots(self) -> np.ndarray:
         return np.flatnonzero(self.alive[: self._hwm])
@@ -513,4 +524,4 @@ class EntryTable:
     def nbytes_held(self) -> int:
         """Bytes of every column and the arena (what the table costs, beside the index and the policy)."""
         return int(sum(getattr(self, n).nbytes for n in ("code", "payload", *self.NUMERIC)) + self.arena.nbytes
-                   + sys.getsizeof(self.l2id) + sys.getsizeof(self.scope))
+                   + sys.getsizeof(self.l2id) + sys.getsizeof(self.slots_of_l2id) + sys.getsizeof(self.scope))

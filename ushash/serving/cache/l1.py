@@ -645,6 +645,27 @@ class L1Tier:
                 self.update_gauges()
             return len(slots)
 
+    def forget_copies(self, tenant: str | None = None, l2id: str | None = None) -> int:
+        """Remove the copies of L2 entries this tier holds: of entry `l2id` of `tenant` (another replica replaced
+        or dropped it), of every entry of `tenant` (`l2id` "*": it deleted the tenant), or every copy of every
+        tenant (no tenant: changes may have been missed). Returns how many (counted as
+        cache_evictions_total{reason="changed_elsewhere"})."""
+        with self.lock:
+            t = self.table
+            ti = self._tenant_ids.get(tenant) if tenant is not None else None
+            if tenant is not None and ti is None:
+                return 0
+            if tenant is not None and l2id not in (None, "*"):
+                slots = list(t.slots_of_l2id.get(l2id, ()))
+            else:
+                slots = list(t.l2id)
+            slots = [s for s in slots if t.alive[s] and (ti is None or t.tenant[s] == ti)]
+            for s in slots:
+                self._remove(s, "changed_elsewhere")
+            if slots:
+                self.update_gauges()
+            return len(slots)
+
     def delete_tenant(self, tenant: str) -> int:
         with self.lock:
             ti = self._tenant_ids.get(tenant)

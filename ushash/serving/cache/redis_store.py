@@ -15,6 +15,10 @@ one hash slot and multi-key commands and scripts work on a cluster too; a tenant
     ushash:{t}:b:<rev>:<j>:<chunk hex>      SET   "<code hex>:<id>" of the entries of revision <rev>
                                                   (12 hex of its sha1) whose j-th code chunk has this
                                                   value; expires with its longest-lived member
+    ushash:changed                          pub/sub channel: "<replica> <tenant> <id>" when a put replaced
+                                                  an entry or a drop removed one ("*" for every
+                                                  entry of a tenant deleted): the other replicas drop
+                                                  their L1 copies of it (`listen`)
 
 Lookup within Hamming radius r, codes split into m chunks: an entry within r has a chunk within
 floor(r / m) bits of the request's (pigeonhole), so the union of the probe buckets (m keys while r < m;
@@ -24,7 +28,13 @@ and fetches them (one pipelined HMGET round trip, only when there are any): ever
 is read with the nearest candidate only, and for another only once the hit check chooses it (one more round
 trip), so a lookup among many candidates does not move every one's answer. Members whose entry has
 expired are removed lazily, and the candidates next in line fetched in their place. Puts are one Lua script (the entry hash and its bucket memberships,
-atomically, all keys declared, one slot). Revisions are part of the bucket key, so codes of different
+atomically, all keys declared, one slot), which announces a replaced entry on the channel in the same call.
+
+L1 copies: a replica copies an entry it served from the L2 into its L1, where it is served until it expires.
+A replica that stores the same request again (a refresh: `Cache-Control: no-cache` at the proxy) or drops it
+replaces the shared entry; the others hear it on `ushash:changed` (one subscriber thread per store) and drop
+their copies. Pub/sub delivers at most once: while a replica's subscription is down (the L2 unreachable) it
+hears nothing, so when it is back the replica drops every L1 copy of an L2 entry it holds. Revisions are part of the bucket key, so codes of different
 heads never meet; entries also carry their revision and the cache checks it.
 
 The entry hash holds the fields of `ushash.serving.cache.entries.Entry` under the one-letter names of
@@ -41,12 +51,16 @@ as if the circuit were open.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import logging
 import math
 import re
+import secrets
 import threading
 import time
+import weakref
 from datetime import datetime, timedelta, timezone
 from typing import Callable
 
@@ -56,11 +70,16 @@ from ushash.serving.cache.entries import (ENTRY_FIELDS, MISS, VALUE_KINDS, Candi
                                           decode_value)
 from ushash.serving.cache.protection import chunk_bounds, chunk_values, probe_masks
 
+# One entry stored (`RedisStore.put`): KEYS[1] its hash, KEYS[2:] its buckets; ARGV: expiry (ms, 0: none), bucket
+# member, the change channel and this replica's message (published when the entry replaced one), the hash's fields
+log = logging.getLogger("ushash.cache")
+
 _PUT_LUA = """
 local exp = tonumber(ARGV[1])
 local member = ARGV[2]
 local fields = {}
-for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+local replaced = redis.call('EXISTS', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(fields))
 if exp > 0 then redis.call('PEXPIREAT', KEYS[1], exp) else redis.call('PERSIST', KEYS[1]) end
 for i = 2, #KEYS do
@@ -73,6 +92,7 @@ for i = 2, #KEYS do
     redis.call('PERSIST', KEYS[i])
   end
 end
+if replaced == 1 then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
 return 1
 """
 
@@ -117,12 +137,14 @@ return 1
 
 # The entry KEYS[1] removed (`RedisStore.drop`), only while it is still the one a lookup served: the same value
 # kind (ARGV[1]), value (ARGV[2]: its sha1) and, unless ARGV[3] is "", creation time (its stored text); not one
-# stored again under its id since. Its bucket members are left to `_FORGET_LUA`, as an expired entry's.
+# stored again under its id since. Its bucket members are left to `_FORGET_LUA`, as an expired entry's. A removal
+# is published on the change channel (ARGV[4]) as ARGV[5].
 _DROP_LUA = """
 local f = redis.pcall('HMGET', KEYS[1], 'k', 'v', 't')
 if type(f) ~= 'table' or f[1] ~= ARGV[1] or not f[2] or redis.sha1hex(f[2]) ~= ARGV[2] then return 0 end
 if ARGV[3] ~= '' and f[3] ~= ARGV[3] then return 0 end
 redis.call('UNLINK', KEYS[1])
+redis.call('PUBLISH', ARGV[4], ARGV[5])
 return 1
 """
 
@@ -181,6 +203,88 @@ def _read(eid: str, row: list, hexcode: str) -> Entry | None:
 #: Round trips a lookup may spend fetching entries, the first included: later ones fetch the candidates next in
 #: line for the places of those found gone, expired or unreadable.
 FETCH_ROUNDS = 3
+
+
+class _Listener:
+    """The subscriber of one store: a daemon thread reading the change channel (redis-py's pub/sub), on its own
+    connection, with a read timeout of a second so that it notices `stop`. A failed read (Redis unreachable)
+    is retried after `breaker_backoff_s`; the first message after one (redis-py subscribes again on the new
+    connection) is preceded by `lost()`. The callbacks are held weakly (a cache's bound methods): the thread
+    ends once the cache that listens is gone."""
+
+    def __init__(self, store: "RedisStore", changed, lost):
+        self.store = store
+        self.hear(changed, lost)
+        self._stop = threading.Event()
+        # subscribed before the cache serves: a change published from here on is heard (one before the thread
+        # reads it waits on the connection); unreachable now, the thread subscribes once it is back
+        try:
+            pubsub, down = self._subscribe(), False
+        except Exception:   # noqa: BLE001 (Redis unreachable: the cache starts on its L1)
+            pubsub, down = None, True
+        self._thread = threading.Thread(target=self._run, args=(pubsub, down), daemon=True,
+                                        name=f"ushash-l2-changes-{store.replica}")
+        self._thread.start()
+
+    def _subscribe(self):
+        pubsub = self.store.r.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(self.store.changes_channel())
+        except Exception:
+            with contextlib.suppress(Exception):
+                pubsub.close()
+            raise
+        return pubsub
+
+    def hear(self, changed, lost) -> None:
+        weak = lambda f: weakref.WeakMethod(f) if hasattr(f, "__self__") else (lambda: f)   # noqa: E731
+        self._changed, self._lost = weak(changed), weak(lost)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self, pubsub, down: bool) -> None:
+        me = self.store.replica
+        while not self._stop.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = self._subscribe()
+                    if down:
+                        if (lost := self._lost()) is None:
+                            break
+                        lost()
+                        down = False
+                msg = pubsub.get_message(timeout=1.0)
+            except Exception as e:   # noqa: BLE001 (a connection error, a timeout: the thread must go on)
+                if self._changed() is None:
+                    break
+                if not down:
+                    log.warning("the L2's change channel is unreachable (%s: %s): L1 copies are dropped once it is "
+                                "back", type(e).__name__, e)
+                down = True
+                with contextlib.suppress(Exception):
+                    if pubsub is not None:
+                        pubsub.close()
+                pubsub = None
+                self._stop.wait(self.store.breaker_backoff_s)
+                continue
+            if (changed := self._changed()) is None:
+                break   # the cache is gone
+            if not msg or msg.get("type") != "message":
+                continue
+            try:
+                replica, tenant, eid = msg["data"].decode().split(" ")
+            except (AttributeError, UnicodeDecodeError, ValueError):
+                continue   # not a message of ours
+            if replica != me:
+                try:
+                    changed(tenant, eid)
+                except Exception:   # noqa: BLE001 (one bad callback must not end the subscription)
+                    log.exception("dropping the L1 copy of a changed L2 entry failed")
+        with contextlib.suppress(Exception):
+            if pubsub is not None:
+                pubsub.close()
 
 
 def _served_entries(f: Found) -> list[Entry]:
@@ -252,6 +356,9 @@ class RedisStore:
         if self.max_bucket_read < 1:
             raise ValueError(f"max_bucket_read must be >= 1; got {max_bucket_read}")
         self.metrics, self.clock = metrics, clock
+        self.breaker_backoff_s = float(breaker_backoff_s)
+        self.replica = secrets.token_hex(8)   # names this store's own messages on the change channel
+        self._listener = None
         # pybreaker counts consecutive failures and opens / half-opens / closes; `_call` makes the Redis call
         # itself outside pybreaker's lock (its `call` holds the lock for the whole call, which would make
         # every thread wait on every other's round trip) and reports the outcome to it
@@ -292,6 +399,12 @@ class RedisStore:
 
     def layout_key(self) -> str:
         return f"{self.prefix}:layout"
+
+    def changes_channel(self) -> str:
+        return f"{self.prefix}:changed"
+
+    def _changed(self, tenant: str, eid: str) -> str:
+        return f"{self.replica} {tenant} {eid}"
 
     def check_layout(self) -> None:
         """Record how this store splits codes into bucket chunks, or refuse to start where the replicas already
@@ -413,16 +526,34 @@ class RedisStore:
                     keys = []
             if keys:
                 n += self.r.unlink(*keys)
+            self.r.publish(self.changes_channel(), self._changed(tenant, "*"))
             return n
 
         return self._call("delete", run)
+
+    # ------------------------------------------------------------------ other replicas' changes
+    def listen(self, changed: Callable[[str, str], None], lost: Callable[[], None]) -> None:
+        """Hear the other replicas' changes in a daemon thread (one per store; a second call changes the
+        callbacks): `changed(tenant, entry id or "*")` for an entry they replaced or dropped, `lost()` when the
+        subscription was down (messages may have been missed) and is back. Idempotent; `close` stops it."""
+        if self._listener is not None:
+            self._listener.hear(changed, lost)
+            return
+        self._listener = _Listener(self, changed, lost)
+
+    def close(self) -> None:
+        """Stop hearing changes (the subscriber thread ends within about a second)."""
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
 
     def drop(self, tenant: str, eid: str, ident: tuple) -> bool:
         """Remove entry `eid` of `tenant` where it is still the one a lookup served (`ident`: as `L1Tier.held`'s),
         in one script (`_DROP_LUA`); its bucket members go lazily, as an expired entry's (`_forget`). Whether it
         was removed; raises L2Unavailable on failure (the caller should try again)."""
         kind, value, created = ident
-        args = [kind, hashlib.sha1(value).hexdigest(), "" if created is None else repr(float(created))]
+        args = [kind, hashlib.sha1(value).hexdigest(), "" if created is None else repr(float(created)),
+                self.changes_channel(), self._changed(tenant, eid)]
         return bool(self._call("drop", lambda: self._drop_script(keys=[self.entry_key(tenant, eid)], args=args)))
 
     # ------------------------------------------------------------------ the tier
@@ -430,7 +561,7 @@ class RedisStore:
         """Store one entry (e.id is its key); False if the L2 is unavailable (counted, never raised)."""
         keys = [self.entry_key(tenant, e.id)] + self._bucket_keys(tenant, revision_tag(e.revision), e.code)
         exp_ms = int(e.expires * 1000) if math.isfinite(e.expires) else 0
-        args = [exp_ms, f"{e.code.hex()}:{e.id}", *to_hash(e)]
+        args = [exp_ms, f"{e.code.hex()}:{e.id}", self.changes_channel(), self._changed(tenant, e.id), *to_hash(e)]
         try:
             self._call("put", lambda: self._put_script(keys=keys, args=args))
         except L2Unavailable:
