@@ -361,6 +361,14 @@ def test_search_split_block_sets_each_choice_against_the_defaults_split_by_split
     assert len(rows) == 3   # b has no report: a's choice has no published row there and no split run: no rows
 
 
+def _writer(tmp_path):
+    """A script a test step runs: `python write.py FILE TEXT` writes TEXT to FILE (its folders made)."""
+    write = tmp_path / "write.py"
+    write.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True)\n"
+                     "p.write_text(sys.argv[2])\n")
+    return write
+
+
 def _isolated(tmp_path, monkeypatch, **tables):
     """scripts/reproduce.py run in `tmp_path`, on a test CPU, with only the steps and blocks given (every other
     table of steps and blocks empty)."""
@@ -376,9 +384,7 @@ def _isolated(tmp_path, monkeypatch, **tables):
 def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_describe(tmp_path, monkeypatch):
     """A results file rewritten outside reproduce, or downstream results made from an upstream step's earlier
     results (budget_heads run again under the cache benchmarks), stop publish before it writes any block."""
-    write = tmp_path / "write.py"
-    write.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True)\n"
-                     "p.write_text(sys.argv[2])\n")
+    write = _writer(tmp_path)
     r = _isolated(tmp_path, monkeypatch,
                   STEPS={"heads": f"python {write} experiments/heads/results.md heads-A",
                          "bench": f"python {write} experiments/bench/results.md bench-1"},
@@ -451,9 +457,7 @@ def test_publish_writes_nothing_while_results_are_not_the_ones_their_stamps_desc
 def test_a_search_over_splits_whose_report_changed_is_not_published_under_its_old_stamp(tmp_path, monkeypatch):
     """The searches over splits were missing from the steps `unstamped` checks: their report edited by hand was
     published under the stamp (date, machine) of the run that made the old one. Every step with results is checked."""
-    write = tmp_path / "write.py"
-    write.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True)\n"
-                     "p.write_text(sys.argv[2])\n")
+    write = _writer(tmp_path)
     r = _isolated(tmp_path, monkeypatch,
                   STEPS={"search_splits": f"python {write} experiments/search/splits-a/search.md trials-A"})
     monkeypatch.setattr(r, "SPLITS_SPACES", ("search",))
@@ -469,9 +473,7 @@ def test_a_checkpoint_trained_again_marks_the_steps_made_from_the_old_one(tmp_pa
     """The demo's checkpoint and export are not committed, and the steps that read them (the export, the cache
     simulation, the payload benchmark) recorded nothing of them: the demo trained again on another machine left
     their blocks standing, made from the old checkpoint. Their digests now go into the stamps (PRODUCES)."""
-    write = tmp_path / "write.py"
-    write.write_text("import sys, pathlib\np = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True)\n"
-                     "p.write_text(sys.argv[2])\n")
+    write = _writer(tmp_path)
     r = _isolated(tmp_path, monkeypatch,
                   STEPS={"train": f"python {write} checkpoints/best.ckpt weights-A",
                          "bench": f"python {write} experiments/bench/results.md bench-1"},
