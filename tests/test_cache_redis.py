@@ -274,6 +274,28 @@ def test_a_replica_drops_its_l1_copy_of_an_entry_another_replica_refreshed(redis
     assert d.get("text", features=x, tenant="t2").tier == "l1"
 
 
+def test_a_copy_read_before_another_replicas_change_is_not_kept(redis_server):
+    """The change can be heard between the L2's answer and the copy into L1 (nothing to drop yet): the copy of the
+    old answer was then kept until it expired. A copy read before a change heard since is not kept."""
+    a, b = _cache(redis_server), _cache(redis_server)
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    a.put("text", features=x, value="old")
+    store = b._serving[1][1]
+    read = store.find_many
+
+    def racing(*args, **kw):
+        out = read(*args, **kw)                    # b has read the old entry ...
+        a.put("text", features=x, value="new")     # ... a refreshes it, and b hears of it before copying
+        assert _until(lambda: any(t == "default" for t, _ in b.l1._changes))
+        return out
+
+    store.find_many = racing
+    assert b.get("text", features=x).value == "old"   # served as it was read
+    store.find_many = read
+    hit = b.get("text", features=x)
+    assert (hit.value, hit.tier) == ("new", "l2")
+
+
 def test_a_replica_that_missed_changes_drops_every_l1_copy_once_it_hears_again(redis_server):
     """Pub/sub delivers at most once: a replica whose subscription dropped may have missed a change, so when it is
     subscribed again it drops every L1 copy of an L2 entry (its next lookups read the L2). Without the channel

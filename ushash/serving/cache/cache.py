@@ -400,7 +400,7 @@ class SemanticCache(CheckStore):
                         tiers[i] = l2.name
                         ask.append(i)
                 if ask:
-                    now = self.clock()
+                    now, read_at = self.clock(), time.monotonic()
                     q2 = [queries[i] for i in ask]
                     found2 = l2.find_many(q2, tenant, rev, self.hit_check, now) if self.tracer is None else \
                         self._traced_l2_find_many(l2, q2, tenant, rev, now)
@@ -408,7 +408,8 @@ class SemanticCache(CheckStore):
                         if f2.nearest is not None and (nearest[i] < 0 or f2.nearest < nearest[i]):
                             nearest[i] = f2.nearest
                         if f2.entry is not None and self._serving[0] is l1:
-                            l1.put(tenant, f2.entry)  # promote into L1 (same expiry and revision; not written back)
+                            # promote into L1 (same expiry and revision; not written back), unless it changed since
+                            l1.promote(tenant, f2.entry, read_at)
                             hits[i] = self._hit(f2, l2.name, now, queries[i])
             if l1_pairs:
                 self.budget.count_hits(l1_pairs)
@@ -478,7 +479,7 @@ class SemanticCache(CheckStore):
         else:
             for t in tier_list:
                 tier = t.name
-                now = self.clock()
+                now, read_at = self.clock(), time.monotonic()
                 found = t.find(q, tenant, rev, self.hit_check, now, k)
                 if found.nearest is not None and (nearest is None or found.nearest < nearest):
                     nearest = found.nearest
@@ -488,8 +489,8 @@ class SemanticCache(CheckStore):
                             for e2, d2, c2, r2 in ranked]
                     hits = [(e2, h) for e2, h in hits if accept is None or accept(h.value)][:max(1, k)]
                     if hits:
-                        if t is not l1:  # promote the served entry into L1 (same expiry and revision; not written back)
-                            l1.put(tenant, hits[0][0])
+                        if t is not l1:  # promote the served entry into L1 (same expiry and revision; not written
+                            l1.promote(tenant, hits[0][0], read_at)   # back), unless it changed since it was read
                         self.budget.count_hit(q.modality, hits[0][0].modality)
                         hit, more = hits[0][1], [h for _, h in hits[1:]]
                         break

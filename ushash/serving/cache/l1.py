@@ -18,8 +18,11 @@ the one read.
 
 from __future__ import annotations
 
+import collections
+import math
 import sys
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -228,6 +231,10 @@ class L1Tier:
             self.bloom = BloomGuard(self.bits, self.observe_radius, expected_items=expected,
                                     fp_rate=c.bloom_fp_rate, chunks=c.bloom_chunks)
         self.lock = threading.RLock()
+        # the L2 entries other replicas changed lately: (tenant, id or "*") -> when it was heard (monotonic), and when
+        # every copy went (changes missed); `promote` refuses a copy read before such a change
+        self._changes: collections.OrderedDict = collections.OrderedDict()
+        self._all_changed = -math.inf
         self._fused_cache = None
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
@@ -651,6 +658,7 @@ class L1Tier:
         tenant (no tenant: changes may have been missed). Returns how many (counted as
         cache_evictions_total{reason="changed_elsewhere"})."""
         with self.lock:
+            self._heard(tenant, l2id)
             t = self.table
             ti = self._tenant_ids.get(tenant) if tenant is not None else None
             if tenant is not None and ti is None:
@@ -665,6 +673,31 @@ class L1Tier:
             if slots:
                 self.update_gauges()
             return len(slots)
+
+    #: how long a change is remembered for `promote`: far longer than an L2 lookup takes
+    CHANGES_KEPT_S = 60.0
+
+    def _heard(self, tenant: str | None, l2id: str | None) -> None:
+        now = time.monotonic()
+        if tenant is None:
+            self._all_changed = now
+            return
+        key = (tenant, "*" if l2id in (None, "*") else l2id)
+        self._changes.pop(key, None)
+        self._changes[key] = now
+        while self._changes and next(iter(self._changes.values())) < now - self.CHANGES_KEPT_S:
+            self._changes.popitem(last=False)
+
+    def promote(self, tenant: str, e: Entry, read_at: float) -> bool:
+        """Copy an entry a lookup served from the L2 into this tier, unless another replica's change to it (or to
+        every copy) was heard since `read_at` (time.monotonic() before the L2 was asked): the change message can
+        arrive between the L2's answer and this copy, which would then keep the old answer until it expires."""
+        with self.lock:
+            since = max(self._all_changed, self._changes.get((tenant, e.id), -math.inf),
+                        self._changes.get((tenant, "*"), -math.inf))
+            if since >= read_at:
+                return False
+            return self.put(tenant, e)
 
     def delete_tenant(self, tenant: str) -> int:
         with self.lock:
