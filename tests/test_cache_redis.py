@@ -296,6 +296,89 @@ def test_a_copy_read_before_another_replicas_change_is_not_kept(redis_server):
     assert (hit.value, hit.tier) == ("new", "l2")
 
 
+def test_a_replicas_own_store_is_not_undone_by_its_own_lookup_in_flight(redis_server):
+    """A lookup of b read the old answer from the L2, b stored a new one meanwhile, and the lookup's copy of the old
+    one then replaced it in b's L1 (its own writes are not messages it hears)."""
+    a, b = _cache(redis_server), _cache(redis_server)
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    a.put("text", features=x, value="old")
+    store = b._serving[1][1]
+    read = store.find_many
+
+    def racing(*args, **kw):
+        out = read(*args, **kw)
+        b.put("text", features=x, value="new")
+        return out
+
+    store.find_many = racing
+    assert b.get("text", features=x).value == "old"
+    store.find_many = read
+    hit = b.get("text", features=x)
+    assert (hit.value, hit.tier) == ("new", "l1")
+
+
+def test_an_entry_stored_again_after_redis_lost_it_is_announced(redis_server):
+    """A put announced only an entry it replaced: one Redis had evicted early (maxmemory) was stored again in
+    silence, and other replicas kept their copies of the old answer. Every put is announced."""
+    a, b = _cache(redis_server), _cache(redis_server)
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    a.put("text", features=x, value="old")
+    assert b.get("text", features=x).tier == "l2" and b.get("text", features=x).tier == "l1"
+    for key in redis_server.client.scan_iter(match="ushash:{default}:e:*"):
+        redis_server.client.delete(key)   # as maxmemory's eviction would
+    a.put("text", features=x, value="new")
+    assert _until(lambda: b.get("text", features=x).value == "new")
+
+
+def test_a_dropped_cache_ends_its_subscriber_and_is_freed(redis_server):
+    """The thread held the cache's callback in a local while it waited for messages: a cache dropped without
+    close() was never freed, nor its thread ended."""
+    import gc
+    import threading
+    import weakref
+
+    c = _cache(redis_server)
+    name, ref = f"ushash-l2-changes-{c.l2.replica}", weakref.ref(c)
+    assert name in {t.name for t in threading.enumerate()}
+    del c
+    assert _until(lambda: (gc.collect(), ref() is None)[1] and name not in {t.name for t in threading.enumerate()})
+
+
+def test_a_subscription_gone_silent_is_taken_as_down(redis_server, monkeypatch):
+    """A connection a NAT dropped silently gives no message and no error: the subscriber pings, and one that
+    hears nothing (no PONG either) for SILENT_S is down: once subscribed again it drops every L1 copy."""
+    import redis as redis_py
+
+    from ushash.serving.cache.redis_store import _Listener
+
+    monkeypatch.setattr(_Listener, "PING_S", 0.05)
+    monkeypatch.setattr(_Listener, "SILENT_S", 0.3)
+    a, b = _cache(redis_server), _cache(redis_server, l2={"breaker_backoff_s": 0.05})
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    a.put("text", features=x, value="old")
+    assert b.get("text", features=x).tier == "l2" and b.get("text", features=x).tier == "l1"
+    with monkeypatch.context() as silent:
+        silent.setattr(redis_py.client.PubSub, "get_message", lambda self, *a, **kw: time.sleep(0.05))
+        silent.setattr(redis_py.client.PubSub, "ping", lambda self, *a, **kw: None)
+        assert _until(lambda: b.metrics.value("cache_evictions_total", reason="changed_elsewhere") >= 1)
+    assert b.get("text", features=x).tier == "l2"
+
+
+def test_a_refused_reload_keeps_the_subscription_and_does_not_stall(redis_server):
+    """A reload onto a head the L2 refuses (another code length on this layout) closed the old store first: the
+    cache went on without hearing changes, after waiting 5 s on its own subscriber thread."""
+    a, b = _cache(redis_server), _cache(redis_server)
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+    a.put("text", features=x, value="old")
+    assert b.get("text", features=x).tier == "l2"
+    t0 = time.monotonic()
+    with pytest.raises(Exception):
+        b.reload(LSHHead({"image": 16, "text": 16}, bits=128, dim=32, aligned=True, seed=0))
+    assert time.monotonic() - t0 < 2.0 and b.l2._listener is not None
+    a.put("text", features=x, value="new")
+    assert _until(lambda: b.get("text", features=x).value == "new")
+
+
 def test_a_replica_that_missed_changes_drops_every_l1_copy_once_it_hears_again(redis_server):
     """Pub/sub delivers at most once: a replica whose subscription dropped may have missed a change, so when it is
     subscribed again it drops every L1 copy of an L2 entry (its next lookups read the L2). Without the channel

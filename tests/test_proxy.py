@@ -482,6 +482,30 @@ def test_an_age_beyond_the_dates_counts_with_the_time_the_request_took():
     assert initial_age(httpx.Headers({"date": "not a date"}), now) == 0
 
 
+def test_a_date_without_a_zone_is_gmt_whatever_the_machines_zone(monkeypatch):
+    """asctime's form has no zone (RFC 9110 5.6.7: recipients accept it); it was read as local time, so on a
+    machine in Tokyo an answer dated now was 9 hours old, and none was stored."""
+    from ushash.serving.proxy import answer_storable, initial_age
+
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        now = 1796551260.0
+        asctime = time.strftime("%a %b %d %H:%M:%S %Y", time.gmtime(now - 30))
+        headers = httpx.Headers({"date": asctime, "cache-control": "max-age=60"})
+        assert abs(initial_age(headers, now) - 30) < 1e-6 and answer_storable(headers, now)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+
+
+def test_a_ttl_under_the_caches_shortest_is_refused_at_start():
+    """ttl_s=0.0005 started, then failed every store with a warning: refused at start now."""
+    head = LSHHead({"image": DIM, "text": DIM}, bits=64, dim=24, aligned=True, seed=0)
+    with pytest.raises(ValueError, match="ttl_s"):
+        create_proxy_app(SemanticCache(head, {"radius": 4}), "http://upstream", ttl_s=0.0005)
+
+
 def test_delta_seconds_past_2_to_the_31_are_2_to_the_31():
     """RFC 9111 1.2.2: a max-age and an Age of 400 digits each were infinity less infinity, a lifetime that was not
     a number: `answer_storable` took it for fresh and the TTL check raised while storing. Now each is 2^31, the

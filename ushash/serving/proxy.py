@@ -69,7 +69,7 @@ from starlette.datastructures import Headers
 from ushash.serving import connection
 from ushash.serving.cache import CacheConfig, RequestError, UnknownTenant
 from ushash.serving.cache.entries import loads_json
-from ushash.serving.cache.freshness import MIN_TTL_S
+from ushash.serving.cache.freshness import MIN_TTL_S, check_ttl
 from ushash.serving.messages import (content_form, decode_base64, decode_data_url, images_digest, json_digest,
                                      read_content)
 from ushash.serving.service import MAX_JSON_VALUES, check_limits, is_json_type
@@ -264,11 +264,14 @@ def stored_age(response) -> float:
 
 
 def _http_date(value) -> Optional[float]:
-    """An HTTP date as a POSIX time; None for a missing or invalid one."""
+    """An HTTP date as a POSIX time; None for a missing or invalid one. A date without a zone (asctime's form,
+    which RFC 9110 5.6.7 has recipients accept) is GMT, not the machine's local time."""
+    from datetime import timezone
     from email.utils import parsedate_to_datetime
 
     try:
-        return parsedate_to_datetime(value).timestamp()
+        when = parsedate_to_datetime(value)
+        return (when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)).timestamp()
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
 
@@ -512,6 +515,7 @@ def create_proxy_app(cache, upstream: str, *, token: str | None = None, tokens: 
 
     check_limits({"max_body_bytes": max_body_bytes, "max_json_values": max_json_values,
                   "max_answer_bytes": max_answer_bytes})
+    check_ttl(ttl_s)   # at start: one under MIN_TTL_S failed every store, each with a warning
     keyed = tuple(sorted({str(h).strip().lower().encode("latin-1") for h in key_headers or ()}))
     cache.warm_up()   # what the cache loads once (compiled kernels, ~1 s) before the first request, as ushash.serve does
     tokens = dict(tokens or {})

@@ -174,10 +174,10 @@ class SemanticCache(CheckStore):
         r = self.budget.search_radius   # a calibration: the tiers search as far as its widest pair
         self._tier_config = c if r is None else dataclasses.replace(
             c, radius=r, observe_radius=r if c.observe_radius is None else max(r, int(c.observe_radius)))
+        replaced = None
         if c.l2 is not None and (self.l2 is None or self.l2.bits != int(head.bits)):
-            if self.l2 is not None:
-                self.l2.close()
-            self.l2 = self._make_l2(int(head.bits))
+            # the new store first: one refused (another layout) leaves the old one serving, still listening
+            replaced, self.l2 = self.l2, self._make_l2(int(head.bits))
         elif self.l2 is not None:   # the same store: it searches as far as the new head's points, as L1 does
             t = self._tier_config
             self.l2.radius, self.l2.max_candidates = int(t.radius), int(t.max_candidates)
@@ -209,6 +209,8 @@ class SemanticCache(CheckStore):
             self.watermark.attach(self.l2.announce, self.l2.newest_revision)
             if c.l2.invalidate:
                 self.l2.listen(self._changed_elsewhere, self._changes_missed)
+        if replaced is not None:
+            replaced.close()
         # what a lookup or a store reads at once: the L1 tier, the tiers and their revision (a reload swaps it)
         self._serving = (self.l1, self.tiers, str(head.revision))
         self.l1.update_gauges()
@@ -587,6 +589,9 @@ class SemanticCache(CheckStore):
         if shared:
             for e in entries:
                 e.id = shared_id(e)
+                # a lookup of this replica that read the entry's older answer from the L2 before now does not copy
+                # it over this one (`L1Tier.promote`)
+                l1.note_change(tenant, e.id)
         put = l1.put_many(tenant, entries) if entries else []
         stored = [False] * len(queries)
         for i, ok in zip(keep, put):
@@ -664,6 +669,8 @@ class SemanticCache(CheckStore):
                 where, ids = {"l2id": ref}, [ref]
             removed = False
             if l2 is not None:
+                for i in ids:
+                    l1.note_change(tenant, i)
                 try:
                     removed = any([l2.drop(tenant, i, ident) for i in ids])
                 except L2Unavailable:

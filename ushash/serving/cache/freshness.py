@@ -43,7 +43,7 @@ log = logging.getLogger("ushash.cache")
 MIN_TTL_S = 0.001
 
 
-def _check_ttl(ttl_s) -> None:
+def check_ttl(ttl_s) -> None:
     """A time to live is a finite number of seconds, 0 (no expiry) or at least MIN_TTL_S (NaN would make an
     entry that never expires)."""
     if ttl_s is None:
@@ -57,7 +57,7 @@ def _check_ttl(ttl_s) -> None:
 class Freshness:
     def __init__(self, ttl_s: float | None = 3600.0, jitter: float = 0.1, xfetch_beta: float = 1.0,
                  rng: random.Random | None = None):
-        _check_ttl(ttl_s)
+        check_ttl(ttl_s)
         if not 0.0 <= float(jitter) < 1.0:
             raise ValueError(f"jitter must be in [0, 1); got {jitter!r}")
         if float(xfetch_beta) < 0:
@@ -69,7 +69,7 @@ class Freshness:
     def expiry(self, now: float, ttl_s: float | None = None) -> float:
         """Absolute expiry (seconds, same clock as `now`) for an entry stored now; inf without a TTL."""
         if ttl_s is not None:
-            _check_ttl(ttl_s)
+            check_ttl(ttl_s)
         ttl = self.ttl_s if ttl_s is None else (float(ttl_s) if ttl_s else None)
         if ttl is None:
             return math.inf

@@ -674,8 +674,14 @@ class L1Tier:
                 self.update_gauges()
             return len(slots)
 
-    #: how long a change is remembered for `promote`: far longer than an L2 lookup takes
-    CHANGES_KEPT_S = 60.0
+    #: how long a change is remembered for `promote`: far longer than an L2 lookup takes (its calls time out in
+    #: `l2.timeout_s`, 50 ms), short enough that a replica storing thousands of answers a second holds little
+    CHANGES_KEPT_S = 5.0
+
+    def note_change(self, tenant: str, l2id: str) -> None:
+        """This replica stores or drops L2 entry `l2id` now: a lookup that read it before does not copy it over."""
+        with self.lock:
+            self._heard(tenant, l2id)
 
     def _heard(self, tenant: str | None, l2id: str | None) -> None:
         now = time.monotonic()
@@ -689,9 +695,10 @@ class L1Tier:
             self._changes.popitem(last=False)
 
     def promote(self, tenant: str, e: Entry, read_at: float) -> bool:
-        """Copy an entry a lookup served from the L2 into this tier, unless another replica's change to it (or to
-        every copy) was heard since `read_at` (time.monotonic() before the L2 was asked): the change message can
-        arrive between the L2's answer and this copy, which would then keep the old answer until it expires."""
+        """Copy an entry a lookup served from the L2 into this tier, unless a change to it (or to every copy) was
+        heard or made since `read_at` (time.monotonic() before the L2 was asked): another replica's message can
+        arrive, or this replica store the entry again, between the L2's answer and this copy, which would then
+        keep the old answer until it expires."""
         with self.lock:
             since = max(self._all_changed, self._changes.get((tenant, e.id), -math.inf),
                         self._changes.get((tenant, "*"), -math.inf))

@@ -15,10 +15,10 @@ one hash slot and multi-key commands and scripts work on a cluster too; a tenant
     ushash:{t}:b:<rev>:<j>:<chunk hex>      SET   "<code hex>:<id>" of the entries of revision <rev>
                                                   (12 hex of its sha1) whose j-th code chunk has this
                                                   value; expires with its longest-lived member
-    ushash:changed                          pub/sub channel: "<replica> <tenant> <id>" when a put replaced
-                                                  an entry or a drop removed one ("*" for every
-                                                  entry of a tenant deleted): the other replicas drop
-                                                  their L1 copies of it (`listen`)
+    ushash:changed                          pub/sub channel: "<replica> <tenant> <id>" on every put and on a
+                                                  drop that removed an entry ("*" for every entry of a
+                                                  tenant deleted): the other replicas drop their L1
+                                                  copies of it (`listen`)
 
 Lookup within Hamming radius r, codes split into m chunks: an entry within r has a chunk within
 floor(r / m) bits of the request's (pigeonhole), so the union of the probe buckets (m keys while r < m;
@@ -28,13 +28,14 @@ and fetches them (one pipelined HMGET round trip, only when there are any): ever
 is read with the nearest candidate only, and for another only once the hit check chooses it (one more round
 trip), so a lookup among many candidates does not move every one's answer. Members whose entry has
 expired are removed lazily, and the candidates next in line fetched in their place. Puts are one Lua script (the entry hash and its bucket memberships,
-atomically, all keys declared, one slot), which announces a replaced entry on the channel in the same call.
+atomically, all keys declared, one slot), which announces the entry on the channel in the same call.
 
 L1 copies: a replica copies an entry it served from the L2 into its L1, where it is served until it expires.
 A replica that stores the same request again (a refresh: `Cache-Control: no-cache` at the proxy) or drops it
 replaces the shared entry; the others hear it on `ushash:changed` (one subscriber thread per store) and drop
-their copies. Pub/sub delivers at most once: while a replica's subscription is down (the L2 unreachable) it
-hears nothing, so when it is back the replica drops every L1 copy of an L2 entry it holds. Revisions are part of the bucket key, so codes of different
+their copies. Pub/sub delivers at most once: while a replica's subscription is down (the L2 unreachable, or a
+connection that went silent: it pings, and a subscription that hears nothing for `SILENT_S` is taken as down)
+it hears nothing, so when it is back the replica drops every L1 copy of an L2 entry it holds. Revisions are part of the bucket key, so codes of different
 heads never meet; entries also carry their revision and the cache checks it.
 
 The entry hash holds the fields of `ushash.serving.cache.entries.Entry` under the one-letter names of
@@ -71,7 +72,8 @@ from ushash.serving.cache.entries import (ENTRY_FIELDS, MISS, VALUE_KINDS, Candi
 from ushash.serving.cache.protection import chunk_bounds, chunk_values, probe_masks
 
 # One entry stored (`RedisStore.put`): KEYS[1] its hash, KEYS[2:] its buckets; ARGV: expiry (ms, 0: none), bucket
-# member, the change channel and this replica's message (published when the entry replaced one), the hash's fields
+# member, the change channel and this replica's message (published on every put: an entry Redis evicted early or
+# lost is stored again without replacing one, and other replicas may still hold copies of it), the hash's fields
 log = logging.getLogger("ushash.cache")
 
 _PUT_LUA = """
@@ -79,7 +81,6 @@ local exp = tonumber(ARGV[1])
 local member = ARGV[2]
 local fields = {}
 for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
-local replaced = redis.call('EXISTS', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(fields))
 if exp > 0 then redis.call('PEXPIREAT', KEYS[1], exp) else redis.call('PERSIST', KEYS[1]) end
 for i = 2, #KEYS do
@@ -92,7 +93,7 @@ for i = 2, #KEYS do
     redis.call('PERSIST', KEYS[i])
   end
 end
-if replaced == 1 then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
+redis.call('PUBLISH', ARGV[3], ARGV[4])
 return 1
 """
 
@@ -241,21 +242,37 @@ class _Listener:
         self._changed, self._lost = weak(changed), weak(lost)
 
     def stop(self) -> None:
+        """Ask the thread to end (within a second): no callback is made from here on. Not joined: `close` may
+        be called under the L1's lock (a reload), which a callback in flight waits for."""
         self._stop.set()
-        self._thread.join(timeout=5)
+
+    #: a subscription pings every PING_S and is taken as down when it heard nothing (a PONG included) for SILENT_S:
+    #: a connection a NAT or a load balancer dropped silently returns no message and no error
+    PING_S, SILENT_S = 5.0, 15.0
 
     def _run(self, pubsub, down: bool) -> None:
         me = self.store.replica
+        heard = pinged = time.monotonic()
         while not self._stop.is_set():
             try:
                 if pubsub is None:
                     pubsub = self._subscribe()
+                    heard = pinged = time.monotonic()
                     if down:
-                        if (lost := self._lost()) is None:
+                        # called, never held across the wait below (a held callback keeps the cache alive)
+                        if self._lost() is None or self._stop.is_set():
                             break
-                        lost()
+                        self._lost()()
                         down = False
                 msg = pubsub.get_message(timeout=1.0)
+                now = time.monotonic()
+                if msg is not None:
+                    heard = now
+                elif now - heard > self.SILENT_S:
+                    raise ConnectionError(f"no message and no answer to a ping for {now - heard:.0f} s")
+                if now - pinged > self.PING_S:
+                    pubsub.ping()
+                    pinged = now
             except Exception as e:   # noqa: BLE001 (a connection error, a timeout: the thread must go on)
                 if self._changed() is None:
                     break
@@ -269,7 +286,7 @@ class _Listener:
                 pubsub = None
                 self._stop.wait(self.store.breaker_backoff_s)
                 continue
-            if (changed := self._changed()) is None:
+            if self._changed() is None:
                 break   # the cache is gone
             if not msg or msg.get("type") != "message":
                 continue
@@ -277,9 +294,10 @@ class _Listener:
                 replica, tenant, eid = msg["data"].decode().split(" ")
             except (AttributeError, UnicodeDecodeError, ValueError):
                 continue   # not a message of ours
-            if replica != me:
+            if replica != me and not self._stop.is_set():
                 try:
-                    changed(tenant, eid)
+                    # through the weak reference each time: a local would keep the cache alive while the thread waits
+                    (self._changed() or (lambda *_: None))(tenant, eid)
                 except Exception:   # noqa: BLE001 (one bad callback must not end the subscription)
                     log.exception("dropping the L1 copy of a changed L2 entry failed")
         with contextlib.suppress(Exception):
