@@ -468,22 +468,19 @@ def outputs_of(step: str) -> list[str]:
     return sorted({p for md in mds for p in (md, str(Path(md).with_suffix(".json")))})
 
 
+def sha256s(paths) -> dict[str, str]:
+    """{file: sha256} of those of the (repository-relative) files that exist."""
+    return {p: hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths if (ROOT / p).is_file()}
+
+
 def digests(step: str) -> dict[str, str]:
     """{file: sha256} of the files of `outputs_of(step)` that exist."""
-    return {p: hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in outputs_of(step) if (ROOT / p).is_file()}
+    return sha256s(outputs_of(step))
 
 
 def produced(step: str) -> dict[str, str]:
     """{file: sha256} of the files of PRODUCES[step] that exist (not committed: as this checkout holds them)."""
-    return {p: file_sha256(ROOT / p) for p in PRODUCES.get(step, []) if (ROOT / p).is_file()}
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sha256s(PRODUCES.get(step, []))
 
 
 def unstamped() -> tuple[list[str], list[str]]:

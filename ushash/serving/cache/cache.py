@@ -589,9 +589,9 @@ class SemanticCache(CheckStore):
         if shared:
             for e in entries:
                 e.id = shared_id(e)
-                # a lookup of this replica that read the entry's older answer from the L2 before now does not copy
-                # it over this one (`L1Tier.promote`)
-                l1.note_change(tenant, e.id)
+            # a lookup of this replica that read an entry's older answer from the L2 before now does not copy it
+            # over this one (`L1Tier.promote`)
+            l1.note_changes(tenant, [e.id for e in entries])
         put = l1.put_many(tenant, entries) if entries else []
         stored = [False] * len(queries)
         for i, ok in zip(keep, put):
@@ -669,8 +669,7 @@ class SemanticCache(CheckStore):
                 where, ids = {"l2id": ref}, [ref]
             removed = False
             if l2 is not None:
-                for i in ids:
-                    l1.note_change(tenant, i)
+                l1.note_changes(tenant, ids)
                 try:
                     removed = any([l2.drop(tenant, i, ident) for i in ids])
                 except L2Unavailable:

@@ -678,10 +678,12 @@ class L1Tier:
     #: `l2.timeout_s`, 50 ms), short enough that a replica storing thousands of answers a second holds little
     CHANGES_KEPT_S = 5.0
 
-    def note_change(self, tenant: str, l2id: str) -> None:
-        """This replica stores or drops L2 entry `l2id` now: a lookup that read it before does not copy it over."""
+    def note_changes(self, tenant: str, l2ids) -> None:
+        """This replica stores or drops these L2 entries now: a lookup that read one before does not copy it over
+        (one lock for a batch of stores)."""
         with self.lock:
-            self._heard(tenant, l2id)
+            for l2id in l2ids:
+                self._heard(tenant, l2id)
 
     def _heard(self, tenant: str | None, l2id: str | None) -> None:
         now = time.monotonic()

@@ -421,7 +421,7 @@ class RedisStore:
     def changes_channel(self) -> str:
         return f"{self.prefix}:changed"
 
-    def _changed(self, tenant: str, eid: str) -> str:
+    def _change_message(self, tenant: str, eid: str) -> str:
         return f"{self.replica} {tenant} {eid}"
 
     def check_layout(self) -> None:
@@ -544,7 +544,7 @@ class RedisStore:
                     keys = []
             if keys:
                 n += self.r.unlink(*keys)
-            self.r.publish(self.changes_channel(), self._changed(tenant, "*"))
+            self.r.publish(self.changes_channel(), self._change_message(tenant, "*"))
             return n
 
         return self._call("delete", run)
@@ -571,7 +571,7 @@ class RedisStore:
         was removed; raises L2Unavailable on failure (the caller should try again)."""
         kind, value, created = ident
         args = [kind, hashlib.sha1(value).hexdigest(), "" if created is None else repr(float(created)),
-                self.changes_channel(), self._changed(tenant, eid)]
+                self.changes_channel(), self._change_message(tenant, eid)]
         return bool(self._call("drop", lambda: self._drop_script(keys=[self.entry_key(tenant, eid)], args=args)))
 
     # ------------------------------------------------------------------ the tier
@@ -579,7 +579,7 @@ class RedisStore:
         """Store one entry (e.id is its key); False if the L2 is unavailable (counted, never raised)."""
         keys = [self.entry_key(tenant, e.id)] + self._bucket_keys(tenant, revision_tag(e.revision), e.code)
         exp_ms = int(e.expires * 1000) if math.isfinite(e.expires) else 0
-        args = [exp_ms, f"{e.code.hex()}:{e.id}", self.changes_channel(), self._changed(tenant, e.id), *to_hash(e)]
+        args = [exp_ms, f"{e.code.hex()}:{e.id}", self.changes_channel(), self._change_message(tenant, e.id), *to_hash(e)]
         try:
             self._call("put", lambda: self._put_script(keys=keys, args=args))
         except L2Unavailable:
